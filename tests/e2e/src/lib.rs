@@ -1,1 +1,23 @@
-//! e2e
+//! The end-to-end harness: real processes on loopback, torn down with the test.
+//!
+//! - [`process`]: [`Spawned`] children in their own process group, logging to
+//!   files, killed on drop (and when the test process dies), with their logs
+//!   printed when the test that owns them fails.
+//! - [`envoy`]: [`Envoy`] 1.40 from the project venv, started on port 0 with a
+//!   dynamic `--base-id`, ready when its admin endpoint says `LIVE`; the
+//!   listener ports are read back from the admin API, so nothing races for a
+//!   port.
+//! - [`artifacts`]: where the built filter and binaries are.
+//! - [`http`]: a small blocking HTTP client for tests.
+//!
+//! The harness builds nothing itself: `make test` builds the `.wasm` first.
+
+pub mod artifacts;
+pub mod envoy;
+pub mod error;
+pub mod http;
+pub mod process;
+
+pub use envoy::{Envoy, EnvoyConfig};
+pub use error::HarnessError;
+pub use process::Spawned;

@@ -1,0 +1,242 @@
+//! Real Envoy, started per test.
+//!
+//! Envoy binds its admin and listener sockets on port 0 and the harness reads
+//! the bound ports back (admin: `--admin-address-path`; listeners: the admin
+//! `/listeners` endpoint), so parallel tests never race for a port.
+//! `--use-dynamic-base-id` keeps their shared-memory regions apart. Configs
+//! are built as JSON values from the pieces below.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tempfile::TempDir;
+
+use crate::{HarnessError, Spawned, artifacts, http};
+
+/// How long Envoy may take to become ready.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+const POLL: Duration = Duration::from_millis(25);
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A bootstrap configuration (Envoy's JSON form of its YAML).
+#[derive(Debug, Clone)]
+pub struct EnvoyConfig {
+    bootstrap: Value,
+}
+
+impl EnvoyConfig {
+    /// A bootstrap with the given static listeners and clusters and an admin
+    /// endpoint on `127.0.0.1:0`.
+    pub fn new(listeners: Vec<Value>, clusters: Vec<Value>) -> Self {
+        Self {
+            bootstrap: json!({
+                "admin": { "address": socket_address(0) },
+                "static_resources": { "listeners": listeners, "clusters": clusters },
+            }),
+        }
+    }
+
+    /// The bootstrap as JSON.
+    pub fn as_json(&self) -> &Value {
+        &self.bootstrap
+    }
+}
+
+/// `{"socket_address": {"address": "127.0.0.1", "port_value": port}}`.
+pub fn socket_address(port: u16) -> Value {
+    json!({ "socket_address": { "address": "127.0.0.1", "port_value": port } })
+}
+
+/// An HTTP listener named `name` on `127.0.0.1:0` with `http_filters` (the
+/// router is appended) and `routes` for every domain.
+pub fn http_listener(name: &str, http_filters: Vec<Value>, routes: Vec<Value>) -> Value {
+    let mut filters = http_filters;
+    filters.push(json!({
+        "name": "envoy.filters.http.router",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+        }
+    }));
+    json!({
+        "name": name,
+        "address": socket_address(0),
+        "filter_chains": [{
+            "filters": [{
+                "name": "envoy.filters.network.http_connection_manager",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                    "stat_prefix": name,
+                    "route_config": {
+                        "virtual_hosts": [{ "name": "all", "domains": ["*"], "routes": routes }]
+                    },
+                    "http_filters": filters,
+                }
+            }]
+        }]
+    })
+}
+
+/// A route answering every path with `status` and `body` from Envoy itself.
+pub fn direct_response_route(status: u16, body: &str) -> Value {
+    json!({
+        "match": { "prefix": "/" },
+        "direct_response": { "status": status, "body": { "inline_string": body } }
+    })
+}
+
+/// The kvroute wasm HTTP filter, loaded from `wasm` into the V8 runtime with
+/// `plugin_config` as its configuration. `allow_on_headers_stop_iteration` is
+/// set: without it the filter never sees the request body (Envoy ≥ 1.35).
+pub fn kvroute_filter(wasm: &Path, plugin_config: &Value) -> Value {
+    json!({
+        "name": "kvroute",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+            "config": {
+                "name": "kvroute",
+                "root_id": "kvroute",
+                "allow_on_headers_stop_iteration": true,
+                "configuration": {
+                    "@type": "type.googleapis.com/google.protobuf.StringValue",
+                    "value": plugin_config.to_string(),
+                },
+                "vm_config": {
+                    "vm_id": "kvroute",
+                    "runtime": "envoy.wasm.runtime.v8",
+                    "code": { "local": { "filename": wasm.display().to_string() } },
+                },
+            }
+        }
+    })
+}
+
+/// A running Envoy, killed on drop.
+#[derive(Debug)]
+pub struct Envoy {
+    process: Spawned,
+    admin: String,
+    // Held for the config, admin address and log files; removed on drop.
+    dir: TempDir,
+}
+
+impl Envoy {
+    /// Starts the Envoy from [`artifacts::envoy_binary`] with `config` and
+    /// waits until its admin endpoint reports `LIVE`. A config Envoy rejects
+    /// is an [`HarnessError::Exited`] carrying Envoy's log.
+    pub fn start(config: &EnvoyConfig) -> Result<Self, HarnessError> {
+        let binary = artifacts::envoy_binary()?;
+        let dir = tempfile::Builder::new()
+            .prefix("kvroute-envoy-")
+            .tempdir()
+            .map_err(|e| HarnessError::io("create temp dir", e))?;
+        let config_path = dir.path().join("envoy.json");
+        std::fs::write(&config_path, config.as_json().to_string())
+            .map_err(|e| HarnessError::io("write envoy config", e))?;
+        let admin_path = dir.path().join("admin-address");
+
+        let mut command = Command::new(&binary);
+        command
+            .arg("--config-path")
+            .arg(&config_path)
+            .arg("--admin-address-path")
+            .arg(&admin_path)
+            .arg("--use-dynamic-base-id")
+            .args(["--concurrency", "2", "--log-level", "info"]);
+        let mut process = Spawned::start("envoy", command, &dir.path().join("envoy.log"))?;
+
+        let admin = wait_ready(&mut process, &admin_path)?;
+        Ok(Self {
+            process,
+            admin,
+            dir,
+        })
+    }
+
+    /// `http://127.0.0.1:port` of the admin endpoint.
+    pub fn admin_url(&self) -> &str {
+        &self.admin
+    }
+
+    /// The port Envoy bound for listener `name`.
+    pub fn listener_port(&self, name: &str) -> Result<u16, HarnessError> {
+        let url = format!("{}/listeners?format=json", self.admin);
+        let response = http::get(&url, &[], ADMIN_TIMEOUT)?;
+        let doc: Value =
+            serde_json::from_str(&response.body).map_err(|e| HarnessError::Unexpected {
+                context: url.clone(),
+                message: e.to_string(),
+            })?;
+        doc["listener_statuses"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|l| l["name"] == name)
+            .and_then(|l| l["local_address"]["socket_address"]["port_value"].as_u64())
+            .and_then(|p| u16::try_from(p).ok())
+            .ok_or_else(|| HarnessError::Unexpected {
+                context: url,
+                message: format!("no bound listener named {name:?} in {doc}"),
+            })
+    }
+
+    /// `http://127.0.0.1:port` of listener `name`.
+    pub fn listener_url(&self, name: &str) -> Result<String, HarnessError> {
+        Ok(format!("http://127.0.0.1:{}", self.listener_port(name)?))
+    }
+
+    /// The admin `/stats/prometheus` text.
+    pub fn prometheus_stats(&self) -> Result<String, HarnessError> {
+        let url = format!("{}/stats/prometheus", self.admin);
+        Ok(http::get(&url, &[], ADMIN_TIMEOUT)?.body)
+    }
+
+    /// Envoy's log so far.
+    pub fn log(&self) -> String {
+        self.process.log_tail()
+    }
+
+    /// The directory holding the config and log.
+    pub fn dir(&self) -> PathBuf {
+        self.dir.path().to_path_buf()
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        self.process.exited().is_none()
+    }
+}
+
+fn wait_ready(process: &mut Spawned, admin_path: &Path) -> Result<String, HarnessError> {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = process.exited() {
+            return Err(HarnessError::Exited {
+                what: "envoy".into(),
+                status,
+                log: process.log_tail(),
+            });
+        }
+        if let Some(admin) = std::fs::read_to_string(admin_path)
+            .ok()
+            .map(|a| a.trim().to_owned())
+            .filter(|a| !a.is_empty())
+        {
+            let url = format!("http://{admin}");
+            let ready = http::get(&format!("{url}/ready"), &[], ADMIN_TIMEOUT)
+                .is_ok_and(|r| r.status == 200 && r.body.trim() == "LIVE");
+            if ready {
+                return Ok(url);
+            }
+        }
+        if started.elapsed() > READY_TIMEOUT {
+            return Err(HarnessError::NotReady {
+                what: "envoy".into(),
+                after: READY_TIMEOUT,
+                log: process.log_tail(),
+            });
+        }
+        std::thread::sleep(POLL);
+    }
+}
