@@ -31,7 +31,7 @@ test-native: ## Unit and integration tests, native (needs `make wasm` and the ve
 	$(CARGO) test --workspace
 
 test-wasm: ## The block-key golden vectors compiled to wasm32 and run under node
-	$(WASM_TEST_RUNNER) $(CARGO) test -p kvroute-proto --target wasm32-unknown-unknown
+	$(WASM_TEST_RUNNER) $(CARGO) test -p kvroute-proto --target wasm32-unknown-unknown --lib --tests
 
 run: ## The end-to-end demo (arrives with the end-to-end work)
 	@echo "make run: the end-to-end demo (Envoy + filter + indexd + mock vLLM) is not built yet." >&2
