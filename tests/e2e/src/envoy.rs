@@ -6,6 +6,7 @@
 //! `--use-dynamic-base-id` keeps their shared-memory regions apart. Configs
 //! are built as JSON values from the pieces below.
 
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -239,4 +240,87 @@ fn wait_ready(process: &mut Spawned, admin_path: &Path) -> Result<String, Harnes
         }
         std::thread::sleep(POLL);
     }
+}
+
+/// A route sending every path to `cluster`, retrying once on another host
+/// (the next entry of the override list) when the first cannot be reached.
+pub fn cluster_route(cluster: &str, timeout: Duration) -> Value {
+    json!({
+        "match": { "prefix": "/" },
+        "route": {
+            "cluster": cluster,
+            "timeout": format!("{}s", timeout.as_secs_f64()),
+            "retry_policy": {
+                "retry_on": "connect-failure,reset",
+                "num_retries": 1,
+                "retry_host_predicate": [{
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
+                    }
+                }],
+                "host_selection_retry_max_attempts": 3,
+            }
+        }
+    })
+}
+
+fn endpoints(addrs: &[SocketAddr]) -> Value {
+    let lb_endpoints: Vec<Value> = addrs
+        .iter()
+        .map(|a| {
+            json!({ "endpoint": { "address": {
+                "socket_address": { "address": a.ip().to_string(), "port_value": a.port() }
+            } } })
+        })
+        .collect();
+    json!([{ "lb_endpoints": lb_endpoints }])
+}
+
+/// The vLLM replicas' cluster: the `override_host` load-balancing policy
+/// reads the ordered `ip:port,…` list from `override_header`, falling back to
+/// least-request when the header is absent or names no host of the cluster.
+pub fn inference_cluster(name: &str, replicas: &[SocketAddr], override_header: &str) -> Value {
+    json!({
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": { "cluster_name": name, "endpoints": endpoints(replicas) },
+        "load_balancing_policy": { "policies": [{ "typed_extension_config": {
+            "name": "envoy.load_balancing_policies.override_host",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                "override_host_sources": [{ "header": override_header }],
+                "fallback_policy": { "policies": [{ "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.least_request",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest"
+                    }
+                } }] }
+            }
+        } }] }
+    })
+}
+
+/// A plain HTTP/1.1 cluster (e.g. the tokenizer: any replica of the model).
+pub fn http_cluster(name: &str, hosts: &[SocketAddr]) -> Value {
+    json!({
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "lb_policy": "LEAST_REQUEST",
+        "load_assignment": { "cluster_name": name, "endpoints": endpoints(hosts) },
+    })
+}
+
+/// An HTTP/2 cluster for gRPC (indexd).
+pub fn grpc_cluster(name: &str, host: SocketAddr) -> Value {
+    let mut cluster = http_cluster(name, &[host]);
+    cluster["typed_extension_protocol_options"] = json!({
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": { "http2_protocol_options": {} }
+        }
+    });
+    cluster
 }
