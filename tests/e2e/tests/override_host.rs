@@ -2,6 +2,8 @@
 //! thing: the `override_host` policy honours an ordered host list, skips hosts
 //! the cluster does not have, and falls back to least-request without one.
 
+#![allow(clippy::unwrap_used)]
+
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener};
