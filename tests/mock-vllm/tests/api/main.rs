@@ -1,0 +1,8 @@
+//! Integration tests: replicas on port 0, driven over HTTP, ZMQ PUB and ROUTER replay.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod faults;
+mod http;
+mod support;
+mod wire;
