@@ -1,46 +1,37 @@
-//! kvroute's Proxy-Wasm filter for Envoy and Istio.
+//! kvroute's Proxy-Wasm filter for Envoy and Istio: routes each vLLM request
+//! to the replica that holds its KV-cache prefix, and never hurts a request
+//! (every failure continues with Envoy's own choice).
 //!
-//! This build is the loadable shell: a root context that accepts its
-//! configuration and HTTP contexts that let every request through unchanged.
-//! Request parsing, tokenization, block keys and the `indexd` callout arrive
-//! with the filter's own work; until then Envoy's own load balancing decides.
+//! A host-independent core, tested natively, under thin proxy-wasm glue:
+//! - [`config`]: the plugin configuration, validated field by field.
+//! - [`request`]: parsing completions, chat and responses bodies.
+//! - [`tokenize`]: the tokenizer callout's body and answer.
+//! - [`approximate`]: text-chunk keys for approximate mode.
+//! - [`decision`]: the per-request state machine (DESIGN §5).
+//! - [`observe`]: finding a Responses id in the first response chunks.
+//! - [`breaker`]: the index circuit breaker in shared data.
+//! - [`metrics`]: reason labels and metric names.
+//! - [`host`]: the trait hiding proxy-wasm; `glue` implements it (wasm only).
+#![deny(clippy::indexing_slicing)]
+#![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
-use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{ContextType, LogLevel};
+pub mod approximate;
+pub mod breaker;
+pub mod config;
+pub mod decision;
+pub mod host;
+pub mod metrics;
+pub mod observe;
+pub mod request;
+pub mod tokenize;
 
-proxy_wasm::main! {{
-    proxy_wasm::set_log_level(LogLevel::Info);
-    proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root) });
-}}
+#[cfg(test)]
+mod fake;
+#[cfg(target_arch = "wasm32")]
+mod glue;
+#[cfg(test)]
+mod proptests;
 
-/// The per-VM root context.
-#[derive(Debug)]
-struct Root;
-
-impl Context for Root {}
-
-impl RootContext for Root {
-    fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
-        log::info!(
-            "kvroute filter loaded (block-key scheme {})",
-            String::from_utf8_lossy(kvroute_proto::SCHEME_VERSION)
-        );
-        true
-    }
-
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
-        Some(Box::new(Passthrough))
-    }
-
-    fn get_type(&self) -> Option<ContextType> {
-        Some(ContextType::HttpContext)
-    }
-}
-
-/// An HTTP context that leaves the request to Envoy's own load balancing.
-#[derive(Debug)]
-struct Passthrough;
-
-impl Context for Passthrough {}
-
-impl HttpContext for Passthrough {}
+pub use config::{Config, ConfigError};
+pub use decision::{Action, Flow};
+pub use metrics::Reason;

@@ -1,0 +1,194 @@
+//! The index circuit breaker, kept in proxy-wasm shared data so that every
+//! worker of the VM sees the same state.
+//!
+//! - Closed: index failures count up; a success resets the count, and a
+//!   failure more than `window_ms` after the previous one starts over.
+//!   `failures` consecutive failures open the breaker.
+//! - Open for `cooldown_ms`: requests skip indexd (`breaker_open`).
+//! - Half-open after the cool-down: requests go to indexd again; the first
+//!   failure re-opens at once, the first success closes.
+//!
+//! Writes use compare-and-swap with a few retries; a lost race only delays
+//! the count by one request, it never blocks one.
+
+use crate::config::BreakerConfig;
+use crate::host::{SharedData, SharedError};
+
+/// The shared-data key.
+pub const KEY: &str = "kvroute.breaker.v1";
+const ATTEMPTS: usize = 4;
+const LEN: usize = 21;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct State {
+    failures: u32,
+    last_failure_ms: u64,
+    open_until_ms: u64,
+    half_open: bool,
+}
+
+impl State {
+    fn encode(self) -> [u8; LEN] {
+        let mut out = [0u8; LEN];
+        let parts = self
+            .failures
+            .to_le_bytes()
+            .into_iter()
+            .chain(self.last_failure_ms.to_le_bytes())
+            .chain(self.open_until_ms.to_le_bytes())
+            .chain([u8::from(self.half_open)]);
+        for (dst, src) in out.iter_mut().zip(parts) {
+            *dst = src;
+        }
+        out
+    }
+
+    fn decode(bytes: &[u8]) -> Option<Self> {
+        let failures = u32::from_le_bytes(bytes.get(0..4)?.try_into().ok()?);
+        let last_failure_ms = u64::from_le_bytes(bytes.get(4..12)?.try_into().ok()?);
+        let open_until_ms = u64::from_le_bytes(bytes.get(12..20)?.try_into().ok()?);
+        let half_open = *bytes.get(20)? != 0;
+        (bytes.len() == LEN).then_some(Self {
+            failures,
+            last_failure_ms,
+            open_until_ms,
+            half_open,
+        })
+    }
+}
+
+fn read(store: &dyn SharedData) -> (State, Option<u32>) {
+    let (value, cas) = store.get_shared(KEY);
+    let state = value.as_deref().and_then(State::decode).unwrap_or_default();
+    (state, cas)
+}
+
+/// Whether requests must skip indexd now.
+pub fn is_open(store: &dyn SharedData, now_ms: u64) -> bool {
+    now_ms < read(store).0.open_until_ms
+}
+
+/// Counts an index failure; returns true if this failure opened the breaker.
+pub fn record_failure(store: &mut dyn SharedData, cfg: &BreakerConfig, now_ms: u64) -> bool {
+    for _ in 0..ATTEMPTS {
+        let (mut state, cas) = read(store);
+        if now_ms < state.open_until_ms {
+            return false; // already open: a straggler from before it opened
+        }
+        let opened = if state.half_open {
+            true
+        } else {
+            if now_ms.saturating_sub(state.last_failure_ms) > cfg.window_ms {
+                state.failures = 0;
+            }
+            state.failures = state.failures.saturating_add(1);
+            state.failures >= cfg.failures
+        };
+        state.last_failure_ms = now_ms;
+        if opened {
+            state.failures = 0;
+            state.open_until_ms = now_ms.saturating_add(cfg.cooldown_ms);
+            state.half_open = true;
+        }
+        match store.set_shared(KEY, &state.encode(), cas) {
+            Ok(()) => return opened,
+            Err(SharedError::CasMismatch) => {}
+            Err(SharedError::Failed) => return false,
+        }
+    }
+    false
+}
+
+/// Counts an index success: closes a half-open breaker, resets the count.
+pub fn record_success(store: &mut dyn SharedData, now_ms: u64) {
+    for _ in 0..ATTEMPTS {
+        let (state, cas) = read(store);
+        if (state.failures == 0 && !state.half_open) || now_ms < state.open_until_ms {
+            return;
+        }
+        let closed = State {
+            failures: 0,
+            half_open: false,
+            ..state
+        };
+        match store.set_shared(KEY, &closed.encode(), cas) {
+            Ok(()) | Err(SharedError::Failed) => return,
+            Err(SharedError::CasMismatch) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fake::FakeHost;
+
+    const CFG: BreakerConfig = BreakerConfig {
+        failures: 3,
+        window_ms: 1_000,
+        cooldown_ms: 5_000,
+    };
+
+    #[test]
+    fn opens_after_consecutive_failures_and_half_opens() {
+        let mut h = FakeHost::default();
+        assert!(!is_open(&h, 0));
+        assert!(!record_failure(&mut h, &CFG, 100));
+        assert!(!record_failure(&mut h, &CFG, 200));
+        assert!(record_failure(&mut h, &CFG, 300));
+        assert!(is_open(&h, 301));
+        assert!(is_open(&h, 5_299));
+        assert!(
+            !record_failure(&mut h, &CFG, 400),
+            "stragglers do not re-open"
+        );
+        assert!(!is_open(&h, 5_300));
+        // Half-open: one failure re-opens.
+        assert!(record_failure(&mut h, &CFG, 5_400));
+        assert!(is_open(&h, 5_401));
+        // After the next cool-down, a success closes for good.
+        record_success(&mut h, 10_500);
+        assert!(!record_failure(&mut h, &CFG, 10_600));
+        assert!(!is_open(&h, 10_601));
+    }
+
+    #[test]
+    fn success_and_window_reset_the_count() {
+        let mut h = FakeHost::default();
+        record_failure(&mut h, &CFG, 0);
+        record_failure(&mut h, &CFG, 10);
+        record_success(&mut h, 20);
+        assert!(!record_failure(&mut h, &CFG, 30));
+        assert!(!record_failure(&mut h, &CFG, 40));
+        // Third failure, but far outside the window of the second.
+        assert!(!record_failure(&mut h, &CFG, 5_000));
+        assert!(!is_open(&h, 5_001));
+    }
+
+    #[test]
+    fn cas_races_retry_and_garbage_state_is_ignored() {
+        let mut h = FakeHost {
+            shared_conflicts: 2,
+            ..FakeHost::default()
+        };
+        record_failure(&mut h, &CFG, 0);
+        record_failure(&mut h, &CFG, 1);
+        assert!(record_failure(&mut h, &CFG, 2));
+        let mut g = FakeHost::default();
+        g.set_shared(KEY, b"garbage", None).unwrap();
+        assert!(!is_open(&g, 0));
+        assert!(!record_failure(&mut g, &CFG, 0));
+    }
+
+    #[test]
+    fn state_round_trips() {
+        let s = State {
+            failures: 7,
+            last_failure_ms: u64::MAX,
+            open_until_ms: 42,
+            half_open: true,
+        };
+        assert_eq!(State::decode(&s.encode()), Some(s));
+        assert_eq!(State::decode(&s.encode()[..20]), None);
+    }
+}

@@ -1,0 +1,624 @@
+//! The plugin configuration: JSON in, a validated [`Config`] out.
+//!
+//! Envoy hands the root context the `configuration` of the Wasm filter once;
+//! [`Config::parse`] checks every field and names the offending one in its
+//! error, and the root context returns `false` so that Envoy refuses the
+//! listener instead of running a filter that silently does nothing.
+
+use std::fmt;
+use std::time::Duration;
+
+use kvroute_proto::BlockSize;
+use serde::Deserialize;
+
+/// Which OpenAI-compatible API a routed path speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Api {
+    /// `POST /v1/completions`: `prompt`.
+    Completions,
+    /// `POST /v1/chat/completions`: `messages`, `tools`, template options.
+    Chat,
+    /// `POST /v1/responses`: `input`, `instructions`, `tools`,
+    /// `previous_response_id`.
+    Responses,
+}
+
+/// Which tokenizer endpoint turns a request into the prompt's token ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenizerCall {
+    /// vLLM's `POST /tokenize` (completions and chat bodies).
+    Tokenize,
+    /// vLLM's `POST /v1/…/render` (the request body as is; returns `token_ids`).
+    Render,
+}
+
+/// How block keys are derived.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Token ids from the tokenizer, keyed with `kvroute_proto::keys`.
+    Precise,
+    /// Raw request text chunks, no tokenizer call.
+    Approximate,
+}
+
+/// One routed path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    /// The request path without query string, matched exactly.
+    pub path: String,
+    /// The API its bodies speak.
+    pub api: Api,
+    /// The tokenizer endpoint kind.
+    pub call: TokenizerCall,
+    /// The `:path` of the tokenizer call.
+    pub tokenizer_path: String,
+}
+
+/// Circuit-breaker thresholds (shared by all workers of one VM).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BreakerConfig {
+    /// Consecutive index failures that open the breaker.
+    pub failures: u32,
+    /// Failures further apart than this do not add up.
+    pub window_ms: u64,
+    /// How long the breaker stays open.
+    pub cooldown_ms: u64,
+}
+
+/// The validated configuration.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Config {
+    /// Envoy cluster of the tokenizer (a vLLM replica or render sidecar).
+    pub tokenizer_cluster: String,
+    /// `:authority` of tokenizer calls.
+    pub tokenizer_authority: String,
+    /// Envoy cluster (HTTP/2) of indexd.
+    pub index_cluster: String,
+    /// Timeout of the tokenizer call.
+    pub tokenizer_timeout: Duration,
+    /// Timeout of the Pick and Observe calls.
+    pub index_timeout: Duration,
+    /// Routed paths.
+    pub routes: Vec<Route>,
+    /// vLLM's `--block-size`.
+    pub block_size: BlockSize,
+    /// Bodies larger than this are not buffered (reason `body_too_large`).
+    pub max_body_bytes: usize,
+    /// Largest tokenizer answer read.
+    pub max_tokenizer_response_bytes: usize,
+    /// Request header carrying the ordered override host list.
+    pub override_header: String,
+    /// Request header carrying the data-parallel rank.
+    pub rank_header: String,
+    /// Response header carrying the reason label, if enabled.
+    pub decision_header: Option<String>,
+    /// Breaker thresholds.
+    pub breaker: BreakerConfig,
+    /// Key derivation mode.
+    pub mode: Mode,
+    /// Bytes per text chunk in approximate mode.
+    pub approximate_chunk_bytes: BlockSize,
+    /// Model name used when a body has no `model`.
+    pub model_fallback: Option<String>,
+    /// Upper bound on candidates asked of indexd (0: indexd's default).
+    pub max_candidates: u32,
+    /// Whether to send Observe calls.
+    pub observe: bool,
+    /// How much of a Responses answer is scanned for its id.
+    pub response_scan_bytes: usize,
+}
+
+/// A configuration error naming its field.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The field (JSON path), or `configuration` for the document itself.
+    pub field: String,
+    /// What is wrong with it.
+    pub message: String,
+}
+
+impl ConfigError {
+    fn new(field: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    tokenizer_cluster: Option<String>,
+    tokenizer_authority: Option<String>,
+    index_cluster: Option<String>,
+    tokenizer_timeout_ms: Option<u64>,
+    index_timeout_ms: Option<u64>,
+    routes: Option<Vec<RawRoute>>,
+    block_size: Option<u32>,
+    max_body_bytes: Option<u64>,
+    max_tokenizer_response_bytes: Option<u64>,
+    override_header: Option<String>,
+    rank_header: Option<String>,
+    decision_header: Option<String>,
+    breaker: Option<RawBreaker>,
+    mode: Option<Mode>,
+    approximate_chunk_bytes: Option<u32>,
+    model_fallback: Option<String>,
+    max_candidates: Option<u32>,
+    observe: Option<bool>,
+    response_scan_bytes: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRoute {
+    path: String,
+    api: Api,
+    tokenizer: Option<TokenizerCall>,
+    tokenizer_path: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawBreaker {
+    failures: Option<u32>,
+    window_ms: Option<u64>,
+    cooldown_ms: Option<u64>,
+}
+
+/// Defaults, also quoted in the README.
+pub mod defaults {
+    /// `tokenizer_timeout_ms`.
+    pub const TOKENIZER_TIMEOUT_MS: u64 = 500;
+    /// `index_timeout_ms`.
+    pub const INDEX_TIMEOUT_MS: u64 = 50;
+    /// `block_size`.
+    pub const BLOCK_SIZE: u32 = 64;
+    /// `max_body_bytes`: below Envoy's default 1 MiB buffer limit by more
+    /// than one read chunk.
+    pub const MAX_BODY_BYTES: u64 = 960 * 1024;
+    /// `max_tokenizer_response_bytes`.
+    pub const MAX_TOKENIZER_RESPONSE_BYTES: u64 = 8 * 1024 * 1024;
+    /// `override_header`.
+    pub const OVERRIDE_HEADER: &str = "x-gateway-destination-endpoint";
+    /// `rank_header`.
+    pub const RANK_HEADER: &str = "x-data-parallel-rank";
+    /// `breaker.failures`.
+    pub const BREAKER_FAILURES: u32 = 5;
+    /// `breaker.window_ms`.
+    pub const BREAKER_WINDOW_MS: u64 = 10_000;
+    /// `breaker.cooldown_ms`.
+    pub const BREAKER_COOLDOWN_MS: u64 = 5_000;
+    /// `approximate_chunk_bytes`.
+    pub const APPROXIMATE_CHUNK_BYTES: u32 = 256;
+    /// `response_scan_bytes`.
+    pub const RESPONSE_SCAN_BYTES: u64 = 64 * 1024;
+}
+
+/// Upper bound on any timeout, so a typo cannot pause requests for hours.
+const MAX_TIMEOUT_MS: u64 = 60_000;
+/// Upper bound on buffered sizes (Envoy would refuse larger buffers anyway).
+const MAX_BYTES: u64 = 256 * 1024 * 1024;
+
+impl Config {
+    /// Parses and validates the plugin configuration.
+    pub fn parse(bytes: &[u8]) -> Result<Self, ConfigError> {
+        let raw: RawConfig = if bytes.iter().all(u8::is_ascii_whitespace) {
+            RawConfig::default()
+        } else {
+            serde_json::from_slice(bytes)
+                .map_err(|e| ConfigError::new("configuration", e.to_string()))?
+        };
+        Self::validate(raw)
+    }
+
+    fn validate(raw: RawConfig) -> Result<Self, ConfigError> {
+        let mode = raw.mode.unwrap_or(Mode::Precise);
+        let index_cluster = required_name("index_cluster", raw.index_cluster)?;
+        let tokenizer_cluster = match (mode, raw.tokenizer_cluster) {
+            (_, Some(name)) => non_empty("tokenizer_cluster", name)?,
+            (Mode::Approximate, None) => String::new(),
+            (Mode::Precise, None) => {
+                return Err(ConfigError::new(
+                    "tokenizer_cluster",
+                    "required in precise mode",
+                ));
+            }
+        };
+        let tokenizer_authority = match raw.tokenizer_authority {
+            Some(a) => non_empty("tokenizer_authority", a)?,
+            None => tokenizer_cluster.clone(),
+        };
+        let tokenizer_timeout = timeout(
+            "tokenizer_timeout_ms",
+            raw.tokenizer_timeout_ms,
+            defaults::TOKENIZER_TIMEOUT_MS,
+        )?;
+        let index_timeout = timeout(
+            "index_timeout_ms",
+            raw.index_timeout_ms,
+            defaults::INDEX_TIMEOUT_MS,
+        )?;
+        let routes = match raw.routes {
+            None => default_routes(),
+            Some(list) => routes(list)?,
+        };
+        let block_size = parse_block_size("block_size", raw.block_size, defaults::BLOCK_SIZE)?;
+        let approximate_chunk_bytes = parse_block_size(
+            "approximate_chunk_bytes",
+            raw.approximate_chunk_bytes,
+            defaults::APPROXIMATE_CHUNK_BYTES,
+        )?;
+        let max_body_bytes = bytes(
+            "max_body_bytes",
+            raw.max_body_bytes,
+            defaults::MAX_BODY_BYTES,
+        )?;
+        let max_tokenizer_response_bytes = bytes(
+            "max_tokenizer_response_bytes",
+            raw.max_tokenizer_response_bytes,
+            defaults::MAX_TOKENIZER_RESPONSE_BYTES,
+        )?;
+        let response_scan_bytes = bytes(
+            "response_scan_bytes",
+            raw.response_scan_bytes,
+            defaults::RESPONSE_SCAN_BYTES,
+        )?;
+        let override_header = header_name(
+            "override_header",
+            raw.override_header,
+            defaults::OVERRIDE_HEADER,
+        )?;
+        let rank_header = header_name("rank_header", raw.rank_header, defaults::RANK_HEADER)?;
+        if rank_header == override_header {
+            return Err(ConfigError::new(
+                "rank_header",
+                "must differ from override_header",
+            ));
+        }
+        let decision_header = match raw.decision_header {
+            None => None,
+            Some(name) => Some(header_name("decision_header", Some(name), "")?),
+        };
+        let breaker = breaker(raw.breaker.unwrap_or_default())?;
+        let model_fallback = match raw.model_fallback {
+            None => None,
+            Some(m) => Some(non_empty("model_fallback", m)?),
+        };
+        Ok(Self {
+            tokenizer_cluster,
+            tokenizer_authority,
+            index_cluster,
+            tokenizer_timeout,
+            index_timeout,
+            routes,
+            block_size,
+            max_body_bytes,
+            max_tokenizer_response_bytes,
+            override_header,
+            rank_header,
+            decision_header,
+            breaker,
+            mode,
+            approximate_chunk_bytes,
+            model_fallback,
+            max_candidates: raw.max_candidates.unwrap_or(0),
+            observe: raw.observe.unwrap_or(true),
+            response_scan_bytes,
+        })
+    }
+
+    /// The route for a request path (query string ignored), if routed.
+    pub fn route(&self, path: &str) -> Option<&Route> {
+        let path = path.split(['?', '#']).next().unwrap_or(path);
+        self.routes.iter().find(|r| r.path == path)
+    }
+}
+
+fn required_name(field: &str, value: Option<String>) -> Result<String, ConfigError> {
+    match value {
+        Some(v) => non_empty(field, v),
+        None => Err(ConfigError::new(field, "required")),
+    }
+}
+
+fn non_empty(field: &str, value: String) -> Result<String, ConfigError> {
+    if value.trim().is_empty() {
+        Err(ConfigError::new(field, "must not be empty"))
+    } else if value.chars().any(char::is_control) {
+        Err(ConfigError::new(
+            field,
+            "must not contain control characters",
+        ))
+    } else {
+        Ok(value)
+    }
+}
+
+fn timeout(field: &str, value: Option<u64>, default: u64) -> Result<Duration, ConfigError> {
+    let ms = value.unwrap_or(default);
+    if ms == 0 || ms > MAX_TIMEOUT_MS {
+        return Err(ConfigError::new(
+            field,
+            format!("must be between 1 and {MAX_TIMEOUT_MS} ms, got {ms}"),
+        ));
+    }
+    Ok(Duration::from_millis(ms))
+}
+
+fn parse_block_size(
+    field: &str,
+    value: Option<u32>,
+    default: u32,
+) -> Result<BlockSize, ConfigError> {
+    let n = value.unwrap_or(default);
+    match BlockSize::new(n) {
+        Some(bs) if n <= 1 << 16 => Ok(bs),
+        _ => Err(ConfigError::new(
+            field,
+            format!("must be between 1 and 65536, got {n}"),
+        )),
+    }
+}
+
+fn bytes(field: &str, value: Option<u64>, default: u64) -> Result<usize, ConfigError> {
+    let n = value.unwrap_or(default);
+    if n == 0 || n > MAX_BYTES {
+        return Err(ConfigError::new(
+            field,
+            format!("must be between 1 and {MAX_BYTES}, got {n}"),
+        ));
+    }
+    usize::try_from(n).map_err(|_| ConfigError::new(field, "too large for this platform"))
+}
+
+fn header_name(field: &str, value: Option<String>, default: &str) -> Result<String, ConfigError> {
+    let name = value.unwrap_or_else(|| default.to_owned());
+    let valid = !name.is_empty()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+    if valid {
+        Ok(name)
+    } else {
+        Err(ConfigError::new(
+            field,
+            format!("must be a lower-case header name (a-z, 0-9, '-', '_'), got {name:?}"),
+        ))
+    }
+}
+
+fn breaker(raw: RawBreaker) -> Result<BreakerConfig, ConfigError> {
+    let failures = raw.failures.unwrap_or(defaults::BREAKER_FAILURES);
+    if failures == 0 {
+        return Err(ConfigError::new("breaker.failures", "must be at least 1"));
+    }
+    let window_ms = raw.window_ms.unwrap_or(defaults::BREAKER_WINDOW_MS);
+    if window_ms == 0 {
+        return Err(ConfigError::new("breaker.window_ms", "must be at least 1"));
+    }
+    let cooldown_ms = raw.cooldown_ms.unwrap_or(defaults::BREAKER_COOLDOWN_MS);
+    if cooldown_ms == 0 {
+        return Err(ConfigError::new(
+            "breaker.cooldown_ms",
+            "must be at least 1",
+        ));
+    }
+    Ok(BreakerConfig {
+        failures,
+        window_ms,
+        cooldown_ms,
+    })
+}
+
+/// The tokenizer path vLLM serves for an API and call kind.
+fn default_tokenizer_path(api: Api, call: TokenizerCall) -> &'static str {
+    match (call, api) {
+        (TokenizerCall::Tokenize, _) => "/tokenize",
+        (TokenizerCall::Render, Api::Completions) => "/v1/completions/render",
+        (TokenizerCall::Render, Api::Chat) => "/v1/chat/completions/render",
+        (TokenizerCall::Render, Api::Responses) => "/v1/responses/render",
+    }
+}
+
+fn default_call(api: Api) -> TokenizerCall {
+    match api {
+        Api::Completions | Api::Chat => TokenizerCall::Tokenize,
+        Api::Responses => TokenizerCall::Render,
+    }
+}
+
+fn default_routes() -> Vec<Route> {
+    [
+        ("/v1/completions", Api::Completions),
+        ("/v1/chat/completions", Api::Chat),
+        ("/v1/responses", Api::Responses),
+    ]
+    .into_iter()
+    .map(|(path, api)| {
+        let call = default_call(api);
+        Route {
+            path: path.to_owned(),
+            api,
+            call,
+            tokenizer_path: default_tokenizer_path(api, call).to_owned(),
+        }
+    })
+    .collect()
+}
+
+fn routes(list: Vec<RawRoute>) -> Result<Vec<Route>, ConfigError> {
+    if list.is_empty() {
+        return Err(ConfigError::new("routes", "must name at least one path"));
+    }
+    let mut out: Vec<Route> = Vec::with_capacity(list.len());
+    for (i, raw) in list.into_iter().enumerate() {
+        let field = |name: &str| format!("routes[{i}].{name}");
+        if !raw.path.starts_with('/') || raw.path.contains(['?', '#']) {
+            return Err(ConfigError::new(
+                field("path"),
+                "must start with '/' and carry no query",
+            ));
+        }
+        if out.iter().any(|r| r.path == raw.path) {
+            return Err(ConfigError::new(field("path"), "duplicate path"));
+        }
+        let call = raw.tokenizer.unwrap_or_else(|| default_call(raw.api));
+        if raw.api == Api::Responses && call == TokenizerCall::Tokenize {
+            return Err(ConfigError::new(
+                field("tokenizer"),
+                "responses bodies need `render` (/tokenize rejects them)",
+            ));
+        }
+        let tokenizer_path = match raw.tokenizer_path {
+            Some(p) if p.starts_with('/') && !p.chars().any(char::is_control) => p,
+            Some(_) => {
+                return Err(ConfigError::new(
+                    field("tokenizer_path"),
+                    "must start with '/'",
+                ));
+            }
+            None => default_tokenizer_path(raw.api, call).to_owned(),
+        };
+        out.push(Route {
+            path: raw.path,
+            api: raw.api,
+            call,
+            tokenizer_path,
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(json: &str) -> Result<Config, ConfigError> {
+        Config::parse(json.as_bytes())
+    }
+
+    fn err_field(json: &str) -> String {
+        parse(json).unwrap_err().field
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = parse(r#"{"index_cluster":"indexd","tokenizer_cluster":"vllm"}"#).unwrap();
+        assert_eq!(c.tokenizer_authority, "vllm");
+        assert_eq!(c.block_size.get(), 64);
+        assert_eq!(c.override_header, "x-gateway-destination-endpoint");
+        assert_eq!(c.rank_header, "x-data-parallel-rank");
+        assert_eq!(c.decision_header, None);
+        assert_eq!(c.mode, Mode::Precise);
+        assert_eq!(c.routes.len(), 3);
+        assert_eq!(c.index_timeout, Duration::from_millis(50));
+        let r = c.route("/v1/responses?x=1").unwrap();
+        assert_eq!(r.call, TokenizerCall::Render);
+        assert_eq!(r.tokenizer_path, "/v1/responses/render");
+        assert_eq!(
+            c.route("/v1/chat/completions").unwrap().tokenizer_path,
+            "/tokenize"
+        );
+        assert!(c.route("/v1/models").is_none());
+        assert!(c.observe);
+    }
+
+    #[test]
+    fn full_config_round_trips() {
+        let c = parse(
+            r#"{"tokenizer_cluster":"t","tokenizer_authority":"tok.local","index_cluster":"i",
+                "tokenizer_timeout_ms":100,"index_timeout_ms":20,
+                "routes":[{"path":"/v1/chat/completions","api":"chat","tokenizer":"render"},
+                          {"path":"/x","api":"completions","tokenizer_path":"/tok"}],
+                "block_size":16,"max_body_bytes":1000,"override_header":"x-o","rank_header":"x-r",
+                "decision_header":"x-kvroute-decision","breaker":{"failures":2,"window_ms":100,"cooldown_ms":300},
+                "mode":"approximate","approximate_chunk_bytes":128,"model_fallback":"m","max_candidates":3,
+                "observe":false,"response_scan_bytes":4096,"max_tokenizer_response_bytes":10000}"#,
+        )
+        .unwrap();
+        assert_eq!(c.routes[0].tokenizer_path, "/v1/chat/completions/render");
+        assert_eq!(c.routes[1].tokenizer_path, "/tok");
+        assert_eq!(c.breaker.failures, 2);
+        assert_eq!(c.mode, Mode::Approximate);
+        assert_eq!(c.decision_header.as_deref(), Some("x-kvroute-decision"));
+        assert_eq!(c.max_body_bytes, 1000);
+        assert!(!c.observe);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        assert_eq!(err_field(r#"{"tokenizer_cluster":"t"}"#), "index_cluster");
+        assert_eq!(err_field(r#"{"index_cluster":"i"}"#), "tokenizer_cluster");
+        assert_eq!(err_field(""), "index_cluster");
+        let base = r#""index_cluster":"i","tokenizer_cluster":"t""#;
+        let cases = [
+            (r#""block_size":0"#, "block_size"),
+            (r#""tokenizer_timeout_ms":0"#, "tokenizer_timeout_ms"),
+            (r#""index_timeout_ms":999999"#, "index_timeout_ms"),
+            (r#""max_body_bytes":0"#, "max_body_bytes"),
+            (r#""override_header":"X-Upper""#, "override_header"),
+            (
+                r#""rank_header":"x-gateway-destination-endpoint""#,
+                "rank_header",
+            ),
+            (r#""decision_header":"""#, "decision_header"),
+            (r#""breaker":{"failures":0}"#, "breaker.failures"),
+            (r#""breaker":{"cooldown_ms":0}"#, "breaker.cooldown_ms"),
+            (r#""routes":[]"#, "routes"),
+            (r#""routes":[{"path":"v1","api":"chat"}]"#, "routes[0].path"),
+            (
+                r#""routes":[{"path":"/a","api":"chat"},{"path":"/a","api":"chat"}]"#,
+                "routes[1].path",
+            ),
+            (
+                r#""routes":[{"path":"/r","api":"responses","tokenizer":"tokenize"}]"#,
+                "routes[0].tokenizer",
+            ),
+            (r#""index_cluster":"""#, "index_cluster"),
+            (r#""model_fallback":" ""#, "model_fallback"),
+        ];
+        for (extra, field) in cases {
+            let json = if extra.starts_with(r#""index_cluster""#) {
+                format!(r#"{{{extra},"tokenizer_cluster":"t"}}"#)
+            } else {
+                format!("{{{base},{extra}}}")
+            };
+            assert_eq!(err_field(&json), field, "{json}");
+        }
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_types_are_refused_by_name() {
+        let e =
+            parse(r#"{"index_cluster":"i","tokenizer_cluster":"t","blok_size":3}"#).unwrap_err();
+        assert!(e.message.contains("blok_size"), "{e}");
+        let e =
+            parse(r#"{"index_cluster":"i","tokenizer_cluster":"t","mode":"fast"}"#).unwrap_err();
+        assert!(e.message.contains("fast"), "{e}");
+        let e = parse(r#"{"index_cluster":"i","tokenizer_cluster":"t","breaker":{"x":1}}"#)
+            .unwrap_err();
+        assert!(e.message.contains('x'), "{e}");
+        assert!(parse("[1,2]").is_err());
+        assert!(Config::parse(&[0xff, 0xfe]).is_err());
+    }
+
+    #[test]
+    fn approximate_mode_needs_no_tokenizer() {
+        let c = parse(r#"{"index_cluster":"i","mode":"approximate"}"#).unwrap();
+        assert_eq!(c.mode, Mode::Approximate);
+        assert_eq!(c.approximate_chunk_bytes.get(), 256);
+    }
+}

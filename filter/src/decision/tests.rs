@@ -1,0 +1,630 @@
+//! The state machine driven end to end through the fake host: one test (or
+//! more) per row of DESIGN §5.
+
+use std::rc::Rc;
+
+use kvroute_proto::v1::{Candidate, DecisionKind, Mode as WireMode, PickRequest, PickResponse};
+use kvroute_proto::{BlockSize, block_keys};
+use prost::Message;
+
+use super::*;
+use crate::fake::FakeHost;
+
+const BASE: &str =
+    r#""index_cluster":"indexd","tokenizer_cluster":"tok","tokenizer_authority":"tok.local""#;
+
+pub(crate) struct Harness {
+    pub host: FakeHost,
+    pub flow: Flow,
+    cfg: Rc<Config>,
+}
+
+pub(crate) fn config(extra: &str) -> Rc<Config> {
+    let json = if extra.is_empty() {
+        format!("{{{BASE}}}")
+    } else {
+        format!("{{{BASE},{extra}}}")
+    };
+    Rc::new(Config::parse(json.as_bytes()).unwrap())
+}
+
+impl Harness {
+    pub fn new(extra: &str) -> Self {
+        let cfg = config(extra);
+        Self {
+            host: FakeHost::default(),
+            flow: Flow::new(cfg.clone()),
+            cfg,
+        }
+    }
+
+    /// A new stream sharing this one's host (shared data, metrics, clock).
+    pub fn next_stream(&mut self) {
+        self.flow = Flow::new(self.cfg.clone());
+        let host = std::mem::take(&mut self.host);
+        self.host = FakeHost {
+            shared: host.shared,
+            counters: host.counters,
+            now_us: host.now_us,
+            ..FakeHost::default()
+        };
+    }
+
+    pub fn headers(
+        &mut self,
+        method: &str,
+        path: &str,
+        extra: &[(&str, &str)],
+        eos: bool,
+    ) -> Action {
+        self.host.request_headers = vec![
+            (":method".into(), method.as_bytes().to_vec()),
+            (":path".into(), path.as_bytes().to_vec()),
+            (":authority".into(), b"gw".to_vec()),
+            ("x-request-id".into(), b"req-1".to_vec()),
+        ];
+        for (k, v) in extra {
+            self.host
+                .request_headers
+                .push(((*k).to_owned(), v.as_bytes().to_vec()));
+        }
+        self.host.in_request_callback = true;
+        let a = self.flow.on_request_headers(&mut self.host, eos);
+        self.host.in_request_callback = false;
+        self.host.request_paused = a == Action::Pause;
+        a
+    }
+
+    pub fn body(&mut self, body: &[u8], eos: bool) -> Action {
+        self.host.request_body.extend_from_slice(body);
+        self.host.in_request_callback = true;
+        let size = self.host.request_body.len();
+        let a = self.flow.on_request_body(&mut self.host, size, eos);
+        self.host.in_request_callback = false;
+        self.host.request_paused = a == Action::Pause;
+        a
+    }
+
+    /// POST `body` to `path` in one chunk; returns the body callback's action.
+    pub fn post(&mut self, path: &str, body: &str) -> Action {
+        assert_eq!(self.headers("POST", path, &[], false), Action::Pause);
+        self.body(body.as_bytes(), true)
+    }
+
+    pub fn tokenizer_answers(&mut self, status: Option<&str>, body: &[u8]) {
+        let token = self.host.http_calls.last().unwrap().token;
+        self.host.http_answer_headers = status
+            .map(|s| vec![(":status".to_owned(), s.as_bytes().to_vec())])
+            .unwrap_or_default();
+        self.host.http_answer_body = body.to_vec();
+        self.host.now_us += 3_000;
+        self.flow
+            .on_http_call_response(&mut self.host, token, body.len());
+    }
+
+    pub fn index_answers(&mut self, status: u32, body: &[u8]) {
+        let token = self.host.grpc_calls.last().unwrap().token;
+        self.host.grpc_answer_body = body.to_vec();
+        self.host.now_us += 500;
+        self.flow
+            .on_grpc_call_response(&mut self.host, token, status, body.len());
+    }
+
+    pub fn pick_request(&self) -> PickRequest {
+        let call = self.host.grpc_calls.last().unwrap();
+        assert_eq!(call.cluster, "indexd");
+        assert_eq!(call.service, "kvroute.v1.Index");
+        assert_eq!(call.method, "Pick");
+        PickRequest::decode(call.message.as_slice()).unwrap()
+    }
+
+    pub fn override_header(&self) -> Option<String> {
+        self.host.header("x-gateway-destination-endpoint")
+    }
+
+    pub fn respond(&mut self, status: &str, content_type: &str, eos: bool) -> Action {
+        self.host.response_headers = vec![
+            (":status".into(), status.as_bytes().to_vec()),
+            ("content-type".into(), content_type.as_bytes().to_vec()),
+        ];
+        self.host
+            .properties
+            .insert("upstream.address".into(), b"10.0.0.2:8000".to_vec());
+        self.flow.on_response_headers(&mut self.host, eos)
+    }
+
+    pub fn response_chunk(&mut self, chunk: &[u8], eos: bool) -> Action {
+        self.host.response_chunk = chunk.to_vec();
+        self.flow.on_response_body(&mut self.host, chunk.len(), eos)
+    }
+}
+
+pub(crate) fn tokens_json(n: u32) -> String {
+    let ids: Vec<String> = (0..n).map(|i| (i + 1).to_string()).collect();
+    format!(
+        r#"{{"count":{n},"max_model_len":4096,"tokens":[{}]}}"#,
+        ids.join(",")
+    )
+}
+
+pub(crate) fn answer(kind: DecisionKind, addrs: &[&str], rank: Option<u32>) -> Vec<u8> {
+    PickResponse {
+        candidates: addrs
+            .iter()
+            .enumerate()
+            .map(|(i, a)| Candidate {
+                address: (*a).to_owned(),
+                data_parallel_rank: if i == 0 { rank } else { None },
+                ..Candidate::default()
+            })
+            .collect(),
+        decision: kind.into(),
+        ..PickResponse::default()
+    }
+    .encode_to_vec()
+}
+
+pub(crate) const CHAT: &str =
+    r#"{"model":"m","messages":[{"role":"user","content":"hello"}],"cache_salt":"tenant-a"}"#;
+
+fn assert_unrouted(h: &Harness, reason: Reason) {
+    assert_eq!(h.flow.reason(), Some(reason));
+    assert_eq!(h.override_header(), None);
+    assert_eq!(h.host.header("x-data-parallel-rank"), None);
+    assert_eq!(h.host.count_of(Counter::Decision(reason)), 1);
+    assert!(!h.host.request_paused, "request left paused");
+}
+
+#[test]
+fn precise_decision_sets_the_ordered_override_list_and_rank() {
+    let mut h = Harness::new("");
+    assert_eq!(h.post("/v1/chat/completions", CHAT), Action::Pause);
+    let call = h.host.http_calls.last().unwrap().clone();
+    assert_eq!(call.cluster, "tok");
+    assert_eq!(call.timeout, std::time::Duration::from_millis(500));
+    let hdr = |n: &str| {
+        call.headers
+            .iter()
+            .find(|(k, _)| k == n)
+            .map(|(_, v)| v.clone())
+    };
+    assert_eq!(hdr(":method").as_deref(), Some("POST"));
+    assert_eq!(hdr(":path").as_deref(), Some("/tokenize"));
+    assert_eq!(hdr(":authority").as_deref(), Some("tok.local"));
+    assert_eq!(hdr("content-type").as_deref(), Some("application/json"));
+    let sent: serde_json::Value = serde_json::from_slice(&call.body).unwrap();
+    assert_eq!(sent["messages"][0]["content"], "hello");
+    assert!(sent.get("cache_salt").is_none());
+
+    h.tokenizer_answers(Some("200"), tokens_json(200).as_bytes());
+    let pick = h.pick_request();
+    let ids: Vec<u32> = (1..=200).collect();
+    let want: Vec<u64> = block_keys(&ids, BlockSize::new(64).unwrap(), Some("tenant-a"))
+        .iter()
+        .map(|k| k.as_u64())
+        .collect();
+    assert_eq!(pick.block_keys, want);
+    assert_eq!(pick.block_keys.len(), 3);
+    assert_eq!(pick.model, "m");
+    assert_eq!(pick.block_size, 64);
+    assert_eq!(pick.prompt_tokens, 200);
+    assert_eq!(pick.mode, i32::from(WireMode::Precise));
+    assert_eq!(pick.request_id, "req-1");
+    assert_eq!(
+        h.host.grpc_calls[0].timeout,
+        std::time::Duration::from_millis(50)
+    );
+    assert_eq!(h.host.request_resumes, 0, "still paused during Pick");
+
+    h.index_answers(
+        0,
+        &answer(
+            DecisionKind::Precise,
+            &["10.0.0.2:8000", "10.0.0.3:8000"],
+            Some(1),
+        ),
+    );
+    assert_eq!(h.flow.reason(), Some(Reason::Precise));
+    assert_eq!(
+        h.override_header().as_deref(),
+        Some("10.0.0.2:8000,10.0.0.3:8000")
+    );
+    assert_eq!(h.host.header("x-data-parallel-rank").as_deref(), Some("1"));
+    assert_eq!(h.host.request_resumes, 1);
+    assert_eq!(h.host.count_of(Counter::Decision(Reason::Precise)), 1);
+    let kinds: Vec<Histogram> = h.host.histograms.iter().map(|(k, _)| *k).collect();
+    assert!(kinds.contains(&Histogram::TokenizerCall));
+    assert!(kinds.contains(&Histogram::IndexCall));
+    assert!(h.host.histograms.contains(&(Histogram::FilterTime, 3_500)));
+}
+
+#[test]
+fn load_and_salt_free_requests() {
+    let mut h = Harness::new("");
+    h.post("/v1/completions", r#"{"model":"m","prompt":"hi"}"#);
+    let sent: serde_json::Value = serde_json::from_slice(&h.host.http_calls[0].body).unwrap();
+    assert_eq!(sent, serde_json::json!({"model":"m","prompt":"hi"}));
+    h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+    let ids: Vec<u32> = (1..=64).collect();
+    let want = block_keys(&ids, BlockSize::new(64).unwrap(), None)[0].as_u64();
+    assert_eq!(h.pick_request().block_keys, vec![want]);
+    h.index_answers(0, &answer(DecisionKind::Load, &["[fd00::1]:8000"], None));
+    assert_eq!(h.flow.reason(), Some(Reason::Load));
+    assert_eq!(h.override_header().as_deref(), Some("[fd00::1]:8000"));
+    assert_eq!(h.host.header("x-data-parallel-rank"), None);
+}
+
+#[test]
+fn previous_response_id_picks_by_id_without_tokenizing() {
+    let mut h = Harness::new("");
+    let a = h.post(
+        "/v1/responses",
+        r#"{"model":"m","input":"more","previous_response_id":"resp_7"}"#,
+    );
+    assert_eq!(a, Action::Pause);
+    assert!(h.host.http_calls.is_empty());
+    let pick = h.pick_request();
+    assert_eq!(pick.previous_response_id, "resp_7");
+    assert!(pick.block_keys.is_empty());
+    h.index_answers(0, &answer(DecisionKind::Affinity, &["10.0.0.9:8000"], None));
+    assert_eq!(h.flow.reason(), Some(Reason::Affinity));
+    assert_eq!(h.override_header().as_deref(), Some("10.0.0.9:8000"));
+}
+
+#[test]
+fn responses_go_to_render_with_the_body_unchanged() {
+    let mut h = Harness::new("");
+    let body = r#"{"model":"m","input":"hi","instructions":"sys","stream":true}"#;
+    h.post("/v1/responses", body);
+    let call = &h.host.http_calls[0];
+    assert!(
+        call.headers
+            .contains(&(":path".into(), "/v1/responses/render".into()))
+    );
+    assert_eq!(call.body, body.as_bytes());
+    h.tokenizer_answers(Some("200"), br#"{"token_ids":[1,2,3]}"#);
+    assert_unrouted(&h, Reason::ShortPrompt);
+    assert_eq!(h.host.request_resumes, 1);
+}
+
+#[test]
+fn approximate_mode_keys_text_without_a_tokenizer() {
+    let mut h = Harness::new(r#""mode":"approximate","approximate_chunk_bytes":16"#);
+    let prompt = "a".repeat(100);
+    h.post(
+        "/v1/completions",
+        &format!(r#"{{"model":"m","prompt":"{prompt}"}}"#),
+    );
+    assert!(h.host.http_calls.is_empty());
+    let pick = h.pick_request();
+    assert_eq!(pick.mode, i32::from(WireMode::Approximate));
+    assert_eq!(pick.block_size, 16);
+    assert_eq!(pick.block_keys.len(), 101 / 16);
+    h.index_answers(0, &answer(DecisionKind::Approximate, &["10.0.0.1:1"], None));
+    assert_eq!(h.flow.reason(), Some(Reason::Approximate));
+    let mut short = Harness::new(r#""mode":"approximate""#);
+    assert_eq!(
+        short.post("/v1/completions", r#"{"model":"m","prompt":"hi"}"#),
+        Action::Continue
+    );
+    assert_unrouted(&short, Reason::ShortPrompt);
+}
+
+#[test]
+fn token_id_prompts_skip_the_tokenizer() {
+    let mut h = Harness::new(r#""block_size":2"#);
+    h.post("/v1/completions", r#"{"model":"m","prompt":[5,6,7,8,9]}"#);
+    assert!(h.host.http_calls.is_empty());
+    let pick = h.pick_request();
+    assert_eq!(pick.block_keys.len(), 2);
+    assert_eq!(pick.prompt_tokens, 5);
+}
+
+#[test]
+fn unrouted_methods_and_paths_pass_untouched() {
+    for (method, path) in [
+        ("GET", "/v1/chat/completions"),
+        ("POST", "/v1/models"),
+        ("POST", "/other"),
+    ] {
+        let mut h = Harness::new("");
+        assert_eq!(h.headers(method, path, &[], false), Action::Continue);
+        assert_eq!(h.flow.reason(), None);
+        assert!(h.host.counters.is_empty());
+        assert_eq!(
+            h.flow.on_request_body(&mut h.host, 10, true),
+            Action::Continue
+        );
+        assert!(h.host.http_calls.is_empty() && h.host.grpc_calls.is_empty());
+    }
+}
+
+#[test]
+fn client_pins_are_always_stripped() {
+    let pins = [
+        ("x-gateway-destination-endpoint", "6.6.6.6:80"),
+        ("x-data-parallel-rank", "3"),
+        ("x-kvroute-decision", "precise"),
+        ("X-KVRoute-Anything", "1"),
+        ("x-custom-pin", "7.7.7.7:80"),
+        ("x-keep", "yes"),
+    ];
+    for path in ["/v1/chat/completions", "/v1/models"] {
+        let mut h = Harness::new(r#""override_header":"x-custom-pin""#);
+        h.headers("POST", path, &pins, false);
+        let names = h.host.request_header_names();
+        assert!(names.contains(&"x-keep".to_owned()));
+        for (pin, _) in &pins[..5] {
+            assert!(h.host.header(pin).is_none(), "{pin} kept on {path}");
+        }
+    }
+}
+
+#[test]
+fn body_too_large_continues_without_buffering_more() {
+    let mut h = Harness::new(r#""max_body_bytes":100"#);
+    assert_eq!(
+        h.headers("POST", "/v1/completions", &[], false),
+        Action::Pause
+    );
+    assert_eq!(h.body(&[b' '; 60], false), Action::Pause);
+    assert_eq!(h.body(&[b' '; 60], false), Action::Continue);
+    assert_unrouted(&h, Reason::BodyTooLarge);
+    assert_eq!(h.body(&[b' '; 60], true), Action::Continue);
+    assert!(h.host.http_calls.is_empty());
+    assert_eq!(h.host.request_resumes, 0);
+}
+
+#[test]
+fn body_announced_too_large_is_never_paused() {
+    let mut h = Harness::new(r#""max_body_bytes":100"#);
+    let a = h.headers(
+        "POST",
+        "/v1/completions",
+        &[("content-length", "101")],
+        false,
+    );
+    assert_eq!(a, Action::Continue);
+    assert_unrouted(&h, Reason::BodyTooLarge);
+    let mut h = Harness::new(r#""max_body_bytes":100"#);
+    let a = h.headers(
+        "POST",
+        "/v1/completions",
+        &[("content-length", "100")],
+        false,
+    );
+    assert_eq!(a, Action::Pause);
+}
+
+#[test]
+fn chunked_body_is_buffered_to_the_end() {
+    let mut h = Harness::new("");
+    h.headers("POST", "/v1/chat/completions", &[], false);
+    let (a, b) = CHAT.split_at(20);
+    assert_eq!(h.body(a.as_bytes(), false), Action::Pause);
+    assert!(h.host.http_calls.is_empty());
+    assert_eq!(h.body(b.as_bytes(), true), Action::Pause);
+    assert_eq!(h.host.http_calls.len(), 1);
+}
+
+#[test]
+fn unparseable_bodies_and_missing_models() {
+    for body in [
+        "{",
+        "[]",
+        r#"{"messages":[{"role":"user","content":"x"}]}"#,
+        "\u{0}",
+    ] {
+        let mut h = Harness::new("");
+        assert_eq!(h.post("/v1/chat/completions", body), Action::Continue);
+        assert_unrouted(&h, Reason::Unparseable);
+        assert_eq!(h.host.request_resumes, 0, "continued, not resumed");
+    }
+    let mut h = Harness::new("");
+    h.headers("POST", "/v1/chat/completions", &[], false);
+    h.host.request_body = vec![0xff, 0xfe, 0x00];
+    h.host.in_request_callback = true;
+    assert_eq!(
+        h.flow.on_request_body(&mut h.host, 3, true),
+        Action::Continue
+    );
+    assert_eq!(h.flow.reason(), Some(Reason::Unparseable));
+    // A fallback model makes a model-less body routable.
+    let mut h = Harness::new(r#""model_fallback":"base""#);
+    assert_eq!(
+        h.post(
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":"x"}]}"#
+        ),
+        Action::Pause
+    );
+    let sent: serde_json::Value = serde_json::from_slice(&h.host.http_calls[0].body).unwrap();
+    assert_eq!(sent["model"], "base");
+}
+
+#[test]
+fn headers_only_posts_and_trailers_are_unparseable() {
+    let mut h = Harness::new("");
+    assert_eq!(
+        h.headers("POST", "/v1/completions", &[], true),
+        Action::Continue
+    );
+    assert_unrouted(&h, Reason::Unparseable);
+    let mut h = Harness::new("");
+    h.headers("POST", "/v1/completions", &[], false);
+    h.body(b"{\"prompt\":", false);
+    h.host.in_request_callback = true;
+    assert_eq!(h.flow.on_request_trailers(&mut h.host), Action::Continue);
+    h.host.in_request_callback = false;
+    h.host.request_paused = false;
+    assert_unrouted(&h, Reason::Unparseable);
+}
+
+#[test]
+fn media_is_incomplete_identity() {
+    let mut h = Harness::new("");
+    let body = r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#;
+    assert_eq!(h.post("/v1/chat/completions", body), Action::Continue);
+    assert_unrouted(&h, Reason::IncompleteIdentity);
+    assert!(h.host.http_calls.is_empty());
+}
+
+#[test]
+fn tokenizer_failures_resume_unrouted() {
+    let cases: [(Option<&str>, &[u8]); 6] = [
+        (Some("504"), b"upstream request timeout"),
+        (Some("503"), b"no healthy upstream"),
+        (Some("400"), br#"{"error":"bad"}"#),
+        (Some("200"), b"not json"),
+        (Some("200"), br#"{"tokens":["a"]}"#),
+        (None, b""),
+    ];
+    for (status, body) in cases {
+        let mut h = Harness::new("");
+        h.post("/v1/chat/completions", CHAT);
+        h.tokenizer_answers(status, body);
+        assert_unrouted(&h, Reason::TokenizeFailed);
+        assert_eq!(h.host.request_resumes, 1);
+        assert!(h.host.grpc_calls.is_empty());
+    }
+    let mut h = Harness::new(r#""max_tokenizer_response_bytes":10"#);
+    h.post("/v1/chat/completions", CHAT);
+    h.tokenizer_answers(Some("200"), tokens_json(100).as_bytes());
+    assert_unrouted(&h, Reason::TokenizeFailed);
+}
+
+#[test]
+fn tokenizer_dispatch_failure_continues_at_once() {
+    let mut h = Harness::new("");
+    h.host.fail_http_dispatch = true;
+    assert_eq!(h.post("/v1/chat/completions", CHAT), Action::Continue);
+    assert_unrouted(&h, Reason::TokenizeFailed);
+    assert_eq!(h.host.request_resumes, 0);
+}
+
+#[test]
+fn short_prompt_skips_the_index() {
+    let mut h = Harness::new("");
+    h.post("/v1/chat/completions", CHAT);
+    h.tokenizer_answers(Some("200"), tokens_json(63).as_bytes());
+    assert_unrouted(&h, Reason::ShortPrompt);
+    assert!(h.host.grpc_calls.is_empty());
+}
+
+fn index_failure(status: u32, body: &[u8]) -> Harness {
+    let mut h = Harness::new("");
+    h.post("/v1/chat/completions", CHAT);
+    h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+    h.index_answers(status, body);
+    h
+}
+
+#[test]
+fn index_failures_resume_unrouted() {
+    let ok = answer(DecisionKind::Precise, &["10.0.0.1:80"], None);
+    let cases: Vec<(u32, Vec<u8>)> = vec![
+        (14, vec![]),
+        (4, vec![]),
+        (2, ok.clone()),
+        (0, vec![0xff, 0xff, 0xff]),
+        (0, answer(DecisionKind::Unspecified, &["10.0.0.1:80"], None)),
+        (0, answer(DecisionKind::Precise, &[], None)),
+        (
+            0,
+            answer(DecisionKind::Precise, &["10.0.0.1:80\r\nx-evil: 1"], None),
+        ),
+        (
+            0,
+            answer(DecisionKind::Load, &["10.0.0.1:80,10.0.0.2:80"], None),
+        ),
+        (0, answer(DecisionKind::Load, &["nonsense"], None)),
+        (0, vec![]),
+        (
+            0,
+            PickResponse {
+                decision: 99,
+                ..PickResponse::default()
+            }
+            .encode_to_vec(),
+        ),
+    ];
+    for (status, body) in cases {
+        let h = index_failure(status, &body);
+        assert_unrouted(&h, Reason::IndexUnavailable);
+        assert_eq!(h.host.request_resumes, 1);
+    }
+    let mut h = Harness::new("");
+    h.host.fail_grpc_dispatch = true;
+    h.post("/v1/chat/completions", CHAT);
+    h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+    assert_unrouted(&h, Reason::IndexUnavailable);
+    assert_eq!(h.host.request_resumes, 1);
+}
+
+#[test]
+fn stale_index_does_not_override() {
+    let h = index_failure(0, &answer(DecisionKind::Stale, &[], None));
+    assert_unrouted(&h, Reason::IndexStale);
+    assert_eq!(h.host.request_resumes, 1);
+}
+
+#[test]
+fn answers_to_other_tokens_are_ignored() {
+    let mut h = Harness::new("");
+    h.post("/v1/chat/completions", CHAT);
+    h.flow.on_http_call_response(&mut h.host, 999, 0);
+    h.flow.on_grpc_call_response(&mut h.host, 999, 0, 0);
+    assert_eq!(h.host.request_resumes, 0);
+    assert_eq!(h.flow.reason(), None);
+}
+
+#[test]
+fn breaker_opens_skips_the_index_and_closes_again() {
+    let mut h = Harness::new(r#""breaker":{"failures":2,"window_ms":1000,"cooldown_ms":2000}"#);
+    for _ in 0..2 {
+        h.post("/v1/chat/completions", CHAT);
+        h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+        h.index_answers(14, b"");
+        assert_eq!(h.flow.reason(), Some(Reason::IndexUnavailable));
+        h.next_stream();
+    }
+    assert_eq!(h.host.count_of(Counter::BreakerOpened), 1);
+    // Open: no pause, no calls.
+    assert_eq!(
+        h.headers("POST", "/v1/chat/completions", &[], false),
+        Action::Continue
+    );
+    assert_unrouted(&h, Reason::BreakerOpen);
+    assert!(h.host.http_calls.is_empty());
+    // After the cool-down the index is tried again; success closes.
+    h.next_stream();
+    h.host.now_us += 2_100_000;
+    assert_eq!(h.post("/v1/chat/completions", CHAT), Action::Pause);
+    h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+    h.index_answers(0, &answer(DecisionKind::Load, &["10.0.0.1:80"], None));
+    assert_eq!(h.flow.reason(), Some(Reason::Load));
+    h.next_stream();
+    h.post("/v1/chat/completions", CHAT);
+    h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+    h.index_answers(14, b"");
+    h.next_stream();
+    assert_eq!(
+        h.post("/v1/chat/completions", CHAT),
+        Action::Pause,
+        "one failure after closing does not re-open"
+    );
+}
+
+#[test]
+fn block_size_mismatch_is_counted_and_the_pick_still_used() {
+    let mut h = Harness::new("");
+    h.post("/v1/chat/completions", CHAT);
+    h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+    let mut a = PickResponse::decode(answer(DecisionKind::Load, &["10.0.0.1:80"], None).as_slice())
+        .unwrap();
+    a.block_size_mismatch = true;
+    a.index_block_size = 16;
+    h.index_answers(0, &a.encode_to_vec());
+    assert_eq!(h.host.count_of(Counter::BlockSizeMismatch), 1);
+    assert_eq!(h.flow.reason(), Some(Reason::Load));
+}

@@ -1,0 +1,143 @@
+//! Reason labels and the metrics the filter emits.
+//!
+//! Counters are named `kvroute.decisions.<reason>` (Envoy's Prometheus
+//! output shows them as `kvroute_decisions_<reason>`); histograms record
+//! microseconds.
+
+/// Why a request was or was not given an override (DESIGN §5).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// indexd matched the request's exact blocks.
+    Precise,
+    /// `previous_response_id` named the replica holding the response.
+    Affinity,
+    /// Ranked by learned text-chunk keys.
+    Approximate,
+    /// No replica holds a block: ranked by load.
+    Load,
+    /// Body over `max_body_bytes`.
+    BodyTooLarge,
+    /// Bad JSON, missing fields, no model.
+    Unparseable,
+    /// Media or embeddings.
+    IncompleteIdentity,
+    /// Tokenizer error, non-200, timeout or garbage.
+    TokenizeFailed,
+    /// Fewer tokens than one block.
+    ShortPrompt,
+    /// indexd timed out, was unreachable or answered garbage.
+    IndexUnavailable,
+    /// The shared circuit breaker is open.
+    BreakerOpen,
+    /// indexd has no fresh, healthy replica.
+    IndexStale,
+}
+
+impl Reason {
+    /// Every reason, in metric-definition order.
+    pub const ALL: [Self; 12] = [
+        Self::Precise,
+        Self::Affinity,
+        Self::Approximate,
+        Self::Load,
+        Self::BodyTooLarge,
+        Self::Unparseable,
+        Self::IncompleteIdentity,
+        Self::TokenizeFailed,
+        Self::ShortPrompt,
+        Self::IndexUnavailable,
+        Self::BreakerOpen,
+        Self::IndexStale,
+    ];
+
+    /// The label used in metrics, logs and the decision header.
+    pub const fn label(self) -> &'static str {
+        match self {
+            Self::Precise => "precise",
+            Self::Affinity => "affinity",
+            Self::Approximate => "approximate",
+            Self::Load => "load",
+            Self::BodyTooLarge => "body_too_large",
+            Self::Unparseable => "unparseable",
+            Self::IncompleteIdentity => "incomplete_identity",
+            Self::TokenizeFailed => "tokenize_failed",
+            Self::ShortPrompt => "short_prompt",
+            Self::IndexUnavailable => "index_unavailable",
+            Self::BreakerOpen => "breaker_open",
+            Self::IndexStale => "index_stale",
+        }
+    }
+
+    /// Whether the request was given an override.
+    pub const fn routed(self) -> bool {
+        matches!(
+            self,
+            Self::Precise | Self::Affinity | Self::Approximate | Self::Load
+        )
+    }
+}
+
+/// Counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Counter {
+    /// `kvroute.decisions.<reason>`.
+    Decision(Reason),
+    /// `kvroute.breaker.opened`: the breaker went from closed to open.
+    BreakerOpened,
+    /// `kvroute.observe.sent`.
+    ObserveSent,
+    /// `kvroute.observe.failed`: Observe could not be dispatched or failed.
+    ObserveFailed,
+    /// `kvroute.index.block_size_mismatch`: indexd sees another block size.
+    BlockSizeMismatch,
+}
+
+impl Counter {
+    /// Every counter, in definition order.
+    pub fn all() -> Vec<Self> {
+        let mut all: Vec<Self> = Reason::ALL.iter().map(|r| Self::Decision(*r)).collect();
+        all.extend([
+            Self::BreakerOpened,
+            Self::ObserveSent,
+            Self::ObserveFailed,
+            Self::BlockSizeMismatch,
+        ]);
+        all
+    }
+
+    /// The metric name.
+    pub fn name(self) -> String {
+        match self {
+            Self::Decision(r) => format!("kvroute.decisions.{}", r.label()),
+            Self::BreakerOpened => "kvroute.breaker.opened".to_owned(),
+            Self::ObserveSent => "kvroute.observe.sent".to_owned(),
+            Self::ObserveFailed => "kvroute.observe.failed".to_owned(),
+            Self::BlockSizeMismatch => "kvroute.index.block_size_mismatch".to_owned(),
+        }
+    }
+}
+
+/// Histograms, in microseconds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Histogram {
+    /// `kvroute.filter_duration_us`: request headers to resume (callouts included).
+    FilterTime,
+    /// `kvroute.tokenizer_duration_us`: the tokenizer call.
+    TokenizerCall,
+    /// `kvroute.index_duration_us`: the Pick call.
+    IndexCall,
+}
+
+impl Histogram {
+    /// Every histogram, in definition order.
+    pub const ALL: [Self; 3] = [Self::FilterTime, Self::TokenizerCall, Self::IndexCall];
+
+    /// The metric name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::FilterTime => "kvroute.filter_duration_us",
+            Self::TokenizerCall => "kvroute.tokenizer_duration_us",
+            Self::IndexCall => "kvroute.index_duration_us",
+        }
+    }
+}

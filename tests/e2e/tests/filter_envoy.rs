@@ -1,0 +1,705 @@
+//! The kvroute filter in real Envoy 1.40 with stand-in tokenizer and indexd
+//! servers whose answers are scripted per test: the pick is honoured, every
+//! failure still ends in a 200 through least-request, the breaker opens and
+//! closes, clients cannot pin hosts, Responses ids are observed, and a bad
+//! plugin configuration makes Envoy refuse to start.
+//!
+//! indexd's stand-in speaks plain HTTP/1.1: a second Envoy in front of it runs
+//! `grpc_http1_reverse_bridge`, which turns the filter's gRPC calls into
+//! `POST /kvroute.v1.Index/<Method>` with the bare protobuf message and frames
+//! the answer (a non-200 status becomes a gRPC error status).
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvroute_e2e::envoy::{
+    cluster_route, grpc_cluster, http_cluster, http_listener, inference_cluster, kvroute_filter,
+};
+use kvroute_e2e::{Envoy, EnvoyConfig, artifacts, http};
+use serde_json::{Value, json};
+
+const OVERRIDE: &str = "x-gateway-destination-endpoint";
+const DECISION: &str = "x-kvroute-decision";
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+// ---------------------------------------------------------------- stand-ins
+
+#[derive(Debug, Clone)]
+struct Req {
+    path: String,
+    body: Vec<u8>,
+}
+
+#[derive(Debug, Clone)]
+struct Reply {
+    status: u16,
+    content_type: &'static str,
+    body: Vec<u8>,
+    delay: Duration,
+}
+
+impl Reply {
+    fn ok(content_type: &'static str, body: impl Into<Vec<u8>>) -> Self {
+        Self {
+            status: 200,
+            content_type,
+            body: body.into(),
+            delay: Duration::ZERO,
+        }
+    }
+}
+
+type Handler = Arc<dyn Fn(&Req) -> Reply + Send + Sync>;
+
+/// A threaded HTTP/1.1 server (keep-alive, chunked request bodies).
+fn serve(handler: Handler) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(stream) = stream else { return };
+            let handler = handler.clone();
+            std::thread::spawn(move || connection(stream, &handler));
+        }
+    });
+    addr
+}
+
+fn connection(stream: TcpStream, handler: &Handler) {
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut writer = stream;
+    while let Some(req) = read_request(&mut reader) {
+        let reply = handler(&req);
+        std::thread::sleep(reply.delay);
+        let head = format!(
+            "HTTP/1.1 {} X\r\ncontent-type: {}\r\ncontent-length: {}\r\n\r\n",
+            reply.status,
+            reply.content_type,
+            reply.body.len()
+        );
+        if writer.write_all(head.as_bytes()).is_err() || writer.write_all(&reply.body).is_err() {
+            return;
+        }
+    }
+}
+
+fn read_line(reader: &mut impl BufRead) -> Option<String> {
+    let mut line = String::new();
+    (reader.read_line(&mut line).ok()? > 0).then_some(line)
+}
+
+fn read_request(reader: &mut BufReader<TcpStream>) -> Option<Req> {
+    let request_line = read_line(reader)?;
+    let path = request_line.split(' ').nth(1)?.to_owned();
+    let (mut len, mut chunked) = (0usize, false);
+    loop {
+        let line = read_line(reader)?;
+        let lower = line.to_ascii_lowercase();
+        if let Some(v) = lower.strip_prefix("content-length:") {
+            len = v.trim().parse().ok()?;
+        }
+        if lower.starts_with("transfer-encoding:") && lower.contains("chunked") {
+            chunked = true;
+        }
+        if line == "\r\n" {
+            break;
+        }
+    }
+    let mut body = Vec::new();
+    if chunked {
+        loop {
+            let size = usize::from_str_radix(read_line(reader)?.trim(), 16).ok()?;
+            if size == 0 {
+                while read_line(reader)? != "\r\n" {}
+                break;
+            }
+            let mut chunk = vec![0; size + 2];
+            reader.read_exact(&mut chunk).ok()?;
+            chunk.truncate(size);
+            body.extend(chunk);
+        }
+    } else {
+        body.resize(len, 0);
+        reader.read_exact(&mut body).ok()?;
+    }
+    Some(Req { path, body })
+}
+
+/// A vLLM replica stand-in: answers with its own address; Responses get an
+/// id naming it (JSON or SSE).
+fn replica() -> SocketAddr {
+    let me = Arc::new(Mutex::new(String::new()));
+    let name = me.clone();
+    let addr = serve(Arc::new(move |req: &Req| {
+        let me = name.lock().unwrap().clone();
+        let port = me.rsplit(':').next().unwrap_or_default().to_owned();
+        if req.path.starts_with("/v1/responses") {
+            if String::from_utf8_lossy(&req.body).contains("\"stream\":true") {
+                let sse = format!(
+                    "event: response.created\ndata: {{\"type\":\"response.created\",\"response\":{{\"id\":\"resp_sse_{port}\"}}}}\n\nevent: response.completed\ndata: {{\"type\":\"response.completed\",\"served_by\":\"{me}\"}}\n\n"
+                );
+                return Reply::ok("text/event-stream", sse);
+            }
+            let body = json!({"id": format!("resp_{port}"), "object": "response", "served_by": me});
+            return Reply::ok("application/json", body.to_string());
+        }
+        Reply::ok("text/plain", me)
+    }));
+    *me.lock().unwrap() = addr.to_string();
+    addr
+}
+
+/// What a scripted stand-in does next.
+#[derive(Debug, Clone)]
+enum Script {
+    /// Answer with this body.
+    Answer(Vec<u8>),
+    /// Answer with an HTTP error status.
+    Status(u16),
+    /// Answer this body after a delay longer than the filter's timeout.
+    Slow(Vec<u8>),
+}
+
+#[derive(Clone)]
+struct Stub {
+    script: Arc<Mutex<Script>>,
+    seen: Arc<Mutex<Vec<Req>>>,
+}
+
+impl Stub {
+    fn start(content_type: &'static str, initial: Script) -> (Self, SocketAddr) {
+        let stub = Self {
+            script: Arc::new(Mutex::new(initial)),
+            seen: Arc::new(Mutex::new(Vec::new())),
+        };
+        let s = stub.clone();
+        let addr = serve(Arc::new(move |req: &Req| {
+            s.seen.lock().unwrap().push(req.clone());
+            match s.script.lock().unwrap().clone() {
+                Script::Answer(body) => Reply::ok(content_type, body),
+                Script::Status(status) => Reply {
+                    status,
+                    ..Reply::ok(content_type, Vec::new())
+                },
+                Script::Slow(body) => Reply {
+                    delay: Duration::from_millis(1500),
+                    ..Reply::ok(content_type, body)
+                },
+            }
+        }));
+        (stub, addr)
+    }
+
+    fn set(&self, script: Script) {
+        *self.script.lock().unwrap() = script;
+    }
+
+    fn seen(&self, path_suffix: &str) -> Vec<Req> {
+        let seen = self.seen.lock().unwrap();
+        seen.iter()
+            .filter(|r| r.path.ends_with(path_suffix))
+            .cloned()
+            .collect()
+    }
+}
+
+// ------------------------------------------------------ protobuf by hand
+
+fn varint(mut n: u64, out: &mut Vec<u8>) {
+    while n >= 0x80 {
+        out.push((n as u8) | 0x80);
+        n >>= 7;
+    }
+    out.push(n as u8);
+}
+
+fn bytes_field(field: u64, value: &[u8], out: &mut Vec<u8>) {
+    varint(field << 3 | 2, out);
+    varint(value.len() as u64, out);
+    out.extend_from_slice(value);
+}
+
+/// `PickResponse { candidates: [{address}…], decision }`.
+fn pick_answer(decision: u64, addrs: &[SocketAddr]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for a in addrs {
+        let mut cand = Vec::new();
+        bytes_field(1, a.to_string().as_bytes(), &mut cand);
+        bytes_field(1, &cand, &mut out);
+    }
+    varint(2 << 3, &mut out);
+    varint(decision, &mut out);
+    out
+}
+
+const PRECISE: u64 = 1;
+const STALE: u64 = 5;
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+// ------------------------------------------------------------------ setup
+
+struct Fleet {
+    replicas: Vec<SocketAddr>,
+    tokenizer: Stub,
+    index: Stub,
+    gateway: Envoy,
+    _bridge: Envoy,
+    url: String,
+}
+
+fn plugin_config(extra: &Value) -> Value {
+    let mut cfg = json!({
+        "tokenizer_cluster": "tokenizer",
+        "index_cluster": "indexd",
+        "tokenizer_timeout_ms": 400,
+        "index_timeout_ms": 400,
+        "block_size": 4,
+        "decision_header": DECISION,
+        "breaker": {"failures": 3, "window_ms": 30000, "cooldown_ms": 1500},
+    });
+    for (k, v) in extra.as_object().into_iter().flatten() {
+        cfg[k] = v.clone();
+    }
+    cfg
+}
+
+fn bridge(index: SocketAddr) -> Envoy {
+    let bridge_filter = json!({
+        "name": "envoy.filters.http.grpc_http1_reverse_bridge",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.grpc_http1_reverse_bridge.v3.FilterConfig",
+            "content_type": "application/grpc+proto",
+            "withhold_grpc_frames": true
+        }
+    });
+    let config = EnvoyConfig::new(
+        vec![http_listener(
+            "grpc",
+            vec![bridge_filter],
+            vec![cluster_route("indexd_http", Duration::from_secs(5))],
+        )],
+        vec![http_cluster("indexd_http", &[index])],
+    );
+    Envoy::start(&config).unwrap()
+}
+
+fn gateway_config(
+    replicas: &[SocketAddr],
+    tokenizer: SocketAddr,
+    index: SocketAddr,
+    plugin: &Value,
+) -> EnvoyConfig {
+    let wasm = artifacts::filter_wasm().unwrap();
+    EnvoyConfig::new(
+        vec![http_listener(
+            "gateway",
+            vec![kvroute_filter(&wasm, plugin)],
+            vec![cluster_route("vllm", Duration::from_secs(5))],
+        )],
+        vec![
+            inference_cluster("vllm", replicas, OVERRIDE),
+            http_cluster("tokenizer", &[tokenizer]),
+            grpc_cluster("indexd", index),
+        ],
+    )
+}
+
+fn fleet(extra: &Value) -> Fleet {
+    let replicas: Vec<SocketAddr> = (0..3).map(|_| replica()).collect();
+    let tokens: Vec<u32> = (1..=10).collect();
+    let (tokenizer, tok_addr) = Stub::start(
+        "application/json",
+        Script::Answer(
+            json!({"count": 10, "max_model_len": 100, "tokens": tokens})
+                .to_string()
+                .into_bytes(),
+        ),
+    );
+    let (index, index_addr) = Stub::start(
+        "application/grpc+proto",
+        Script::Answer(pick_answer(PRECISE, &[replicas[1], replicas[2]])),
+    );
+    let bridge = bridge(index_addr);
+    let bridge_addr: SocketAddr = format!("127.0.0.1:{}", bridge.listener_port("grpc").unwrap())
+        .parse()
+        .unwrap();
+    let gateway = Envoy::start(&gateway_config(
+        &replicas,
+        tok_addr,
+        bridge_addr,
+        &plugin_config(extra),
+    ))
+    .unwrap();
+    let url = gateway.listener_url("gateway").unwrap();
+    Fleet {
+        replicas,
+        tokenizer,
+        index,
+        gateway,
+        _bridge: bridge,
+        url,
+    }
+}
+
+const CHAT: &str =
+    r#"{"model":"m","messages":[{"role":"user","content":"hello there"}],"cache_salt":"t"}"#;
+
+impl Fleet {
+    fn chat(&self, headers: &[(&str, &str)]) -> http::Response {
+        let r = http::post(
+            &format!("{}/v1/chat/completions", self.url),
+            headers,
+            CHAT.as_bytes(),
+            TIMEOUT,
+        )
+        .unwrap();
+        assert_eq!(r.status, 200, "{r:?}\n{}", self.gateway.log());
+        r
+    }
+}
+
+/// A panic in the VM shows in Envoy's log (and would fail requests).
+fn assert_no_wasm_failure(envoy: &Envoy) {
+    let log = std::fs::read_to_string(envoy.dir().join("envoy.log")).unwrap();
+    for bad in ["panicked", "RuntimeError", "Uncaught"] {
+        assert!(!log.contains(bad), "{bad} in Envoy's log:\n{log}");
+    }
+}
+
+fn decision(r: &http::Response) -> &str {
+    r.header(DECISION).unwrap_or("<none>")
+}
+
+// ------------------------------------------------------------------ tests
+
+#[test]
+fn the_pick_is_honoured_and_client_pins_are_not() {
+    let f = fleet(&json!({}));
+    let pin = f.replicas[0].to_string();
+    for _ in 0..10 {
+        let r = f.chat(&[(OVERRIDE, &pin), ("x-data-parallel-rank", "3")]);
+        assert_eq!(decision(&r), "precise");
+        assert_eq!(r.body, f.replicas[1].to_string());
+    }
+    // The tokenizer saw a /tokenize body without the salt; indexd saw keys.
+    let tok = f.tokenizer.seen("/tokenize");
+    assert_eq!(tok.len(), 10);
+    let sent: Value = serde_json::from_slice(&tok[0].body).unwrap();
+    assert_eq!(sent["model"], "m");
+    assert_eq!(sent["messages"][0]["content"], "hello there");
+    let picks = f.index.seen("/kvroute.v1.Index/Pick");
+    assert_eq!(picks.len(), 10);
+    assert!(contains(&picks[0].body, b"m"));
+
+    // With no decision (STALE) a client's pin is still ignored:
+    // least-request spreads the requests.
+    f.index.set(Script::Answer(pick_answer(STALE, &[])));
+    let served: BTreeSet<String> = (0..30)
+        .map(|_| {
+            let r = f.chat(&[(OVERRIDE, &pin)]);
+            assert_eq!(decision(&r), "index_stale");
+            r.body
+        })
+        .collect();
+    assert!(served.len() > 1, "a client pin was honoured: {served:?}");
+
+    let stats = f.gateway.prometheus_stats().unwrap();
+    assert!(stats.contains("kvroute_decisions_precise"), "{stats}");
+    assert!(stats.contains("kvroute_decisions_index_stale"), "{stats}");
+    assert_no_wasm_failure(&f.gateway);
+}
+
+#[test]
+fn failures_end_in_200s_through_least_request() {
+    let f = fleet(&json!({"breaker": {"failures": 100, "window_ms": 1000, "cooldown_ms": 1000}}));
+    let good_tokens = json!({"tokens": (1..=10).collect::<Vec<u32>>()})
+        .to_string()
+        .into_bytes();
+    let ok_pick = pick_answer(PRECISE, &[f.replicas[0]]);
+    // (what, tokenizer script, index script, expected reason)
+    let cases = [
+        (
+            "tokenizer 500",
+            Script::Status(500),
+            Script::Answer(ok_pick.clone()),
+            "tokenize_failed",
+        ),
+        (
+            "tokenizer slow",
+            Script::Slow(good_tokens.clone()),
+            Script::Answer(ok_pick.clone()),
+            "tokenize_failed",
+        ),
+        (
+            "tokenizer garbage",
+            Script::Answer(b"\xff\x00garbage".to_vec()),
+            Script::Answer(ok_pick.clone()),
+            "tokenize_failed",
+        ),
+        (
+            "index slow",
+            Script::Answer(good_tokens.clone()),
+            Script::Slow(ok_pick.clone()),
+            "index_unavailable",
+        ),
+        (
+            "index 503",
+            Script::Answer(good_tokens.clone()),
+            Script::Status(503),
+            "index_unavailable",
+        ),
+        (
+            "index garbage",
+            Script::Answer(good_tokens.clone()),
+            Script::Answer(vec![0xff; 7]),
+            "index_unavailable",
+        ),
+        (
+            "index names no usable host",
+            Script::Answer(good_tokens.clone()),
+            Script::Answer(pick_answer(PRECISE, &[])),
+            "index_unavailable",
+        ),
+    ];
+    for (what, tokenizer, index, want) in cases {
+        f.tokenizer.set(tokenizer);
+        f.index.set(index);
+        let r = f.chat(&[]);
+        assert_eq!(decision(&r), want, "{what}");
+        assert!(
+            f.replicas.iter().any(|a| a.to_string() == r.body),
+            "{what}: {r:?}"
+        );
+    }
+    // Short prompts and unparseable bodies are not routed either.
+    f.tokenizer
+        .set(Script::Answer(br#"{"tokens":[1,2]}"#.to_vec()));
+    assert_eq!(decision(&f.chat(&[])), "short_prompt");
+    let r = http::post(
+        &format!("{}/v1/chat/completions", f.url),
+        &[],
+        b"{not json",
+        TIMEOUT,
+    )
+    .unwrap();
+    assert_eq!((r.status, decision(&r)), (200, "unparseable"));
+    // Non-routed paths are untouched.
+    let r = http::get(&format!("{}/v1/models", f.url), &[], TIMEOUT).unwrap();
+    assert_eq!((r.status, r.header(DECISION)), (200, None));
+    assert_no_wasm_failure(&f.gateway);
+}
+
+#[test]
+fn unknown_clusters_fail_open() {
+    let replicas: Vec<SocketAddr> = (0..2).map(|_| replica()).collect();
+    let (_tok, tok_addr) = Stub::start(
+        "application/json",
+        Script::Answer(
+            json!({"tokens": (1..=10).collect::<Vec<u32>>()})
+                .to_string()
+                .into_bytes(),
+        ),
+    );
+    for (field, want) in [
+        ("index_cluster", "index_unavailable"),
+        ("tokenizer_cluster", "tokenize_failed"),
+    ] {
+        let mut plugin = plugin_config(&json!({}));
+        plugin[field] = json!("no-such-cluster");
+        let gateway = Envoy::start(&gateway_config(
+            &replicas,
+            tok_addr,
+            "127.0.0.1:1".parse().unwrap(),
+            &plugin,
+        ))
+        .unwrap();
+        let url = gateway.listener_url("gateway").unwrap();
+        for _ in 0..3 {
+            let r = http::post(
+                &format!("{url}/v1/chat/completions"),
+                &[],
+                CHAT.as_bytes(),
+                TIMEOUT,
+            )
+            .unwrap();
+            assert_eq!((r.status, decision(&r)), (200, want), "{}", gateway.log());
+        }
+        assert_no_wasm_failure(&gateway);
+    }
+}
+
+#[test]
+fn the_breaker_opens_and_closes() {
+    let f = fleet(&json!({}));
+    f.index.set(Script::Status(503));
+    for _ in 0..3 {
+        assert_eq!(decision(&f.chat(&[])), "index_unavailable");
+    }
+    let picks = f.index.seen("/Pick").len();
+    for _ in 0..5 {
+        assert_eq!(decision(&f.chat(&[])), "breaker_open");
+    }
+    assert_eq!(
+        f.index.seen("/Pick").len(),
+        picks,
+        "indexd called while open"
+    );
+    f.index
+        .set(Script::Answer(pick_answer(PRECISE, &[f.replicas[2]])));
+    std::thread::sleep(Duration::from_millis(1700));
+    let r = f.chat(&[]);
+    assert_eq!(decision(&r), "precise");
+    assert_eq!(r.body, f.replicas[2].to_string());
+    let stats = f.gateway.prometheus_stats().unwrap();
+    assert!(
+        stats.contains("kvroute_breaker_opened 1") || stats.contains("kvroute_breaker_opened{} 1"),
+        "{stats}"
+    );
+    assert_no_wasm_failure(&f.gateway);
+}
+
+#[test]
+fn responses_ids_are_observed_and_continuations_follow_them() {
+    let f = fleet(&json!({}));
+    f.tokenizer.set(Script::Answer(
+        br#"{"token_ids":[1,2,3,4,5,6,7,8]}"#.to_vec(),
+    ));
+    let url = format!("{}/v1/responses", f.url);
+    let r = http::post(&url, &[], br#"{"model":"m","input":"hi"}"#, TIMEOUT).unwrap();
+    assert_eq!(r.status, 200);
+    let body: Value = serde_json::from_str(&r.body).unwrap();
+    assert_eq!(body["served_by"], f.replicas[1].to_string());
+    let id = body["id"].as_str().unwrap().to_owned();
+    assert_eq!(f.tokenizer.seen("/v1/responses/render").len(), 1);
+    let observed = f.index.seen("/Observe");
+    assert_eq!(
+        observed.len(),
+        1,
+        "Observe must arrive before the body is released; {}",
+        f.gateway.prometheus_stats().unwrap_or_default()
+    );
+    assert!(contains(&observed[0].body, id.as_bytes()));
+    assert!(contains(
+        &observed[0].body,
+        f.replicas[1].to_string().as_bytes()
+    ));
+
+    // A continuation is picked by id, without tokenizing.
+    f.index
+        .set(Script::Answer(pick_answer(2, &[f.replicas[1]])));
+    let cont = json!({"model": "m", "input": "more", "previous_response_id": id, "stream": true});
+    let r = http::post(&url, &[], cont.to_string().as_bytes(), TIMEOUT).unwrap();
+    assert_eq!((r.status, decision(&r)), (200, "affinity"));
+    assert!(r.body.contains("response.completed"), "{r:?}");
+    assert_eq!(f.tokenizer.seen("/render").len(), 1);
+    let picks = f.index.seen("/Pick");
+    assert!(contains(&picks.last().unwrap().body, id.as_bytes()));
+    let observed = f.index.seen("/Observe");
+    assert_eq!(observed.len(), 2);
+    let port = f.replicas[1].port();
+    assert!(contains(
+        &observed[1].body,
+        format!("resp_sse_{port}").as_bytes()
+    ));
+    assert_no_wasm_failure(&f.gateway);
+}
+
+#[test]
+fn config_errors_make_envoy_refuse_the_plugin() {
+    let replicas = [replica()];
+    let addr: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    for (bad, field) in [
+        (json!({"index_cluster": "indexd"}), "tokenizer_cluster"),
+        (
+            json!({"index_cluster": "indexd", "tokenizer_cluster": "t", "blok_size": 64}),
+            "unknown field `blok_size`",
+        ),
+        (
+            json!({"index_cluster": "indexd", "tokenizer_cluster": "t", "block_size": 0}),
+            "block_size",
+        ),
+        (
+            json!({"index_cluster": "i", "tokenizer_cluster": "t", "breaker": {"failures": 0}}),
+            "breaker.failures",
+        ),
+    ] {
+        let err = Envoy::start(&gateway_config(&replicas, addr, addr, &bad))
+            .expect_err("Envoy accepted a bad plugin configuration");
+        let text = err.to_string();
+        assert!(
+            text.contains(&format!("invalid configuration: {field}"))
+                || (field.starts_with("unknown") && text.contains(field)),
+            "{text}"
+        );
+        assert!(
+            text.contains("Unable to create Wasm plugin kvroute"),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn big_bodies_pass_unrouted_and_approximate_mode_needs_no_tokenizer() {
+    let f = fleet(&json!({}));
+    // 3 MiB: over max_body_bytes (960 KiB) and over Envoy's 1 MiB buffer.
+    let text = "x".repeat(3 << 20);
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": text}]}).to_string();
+    let r = http::post(
+        &format!("{}/v1/chat/completions", f.url),
+        &[],
+        body.as_bytes(),
+        TIMEOUT,
+    )
+    .unwrap();
+    assert_eq!(
+        (r.status, decision(&r)),
+        (200, "body_too_large"),
+        "{}",
+        f.gateway.log()
+    );
+    assert!(f.tokenizer.seen("").is_empty());
+    // 600 KiB arrives in several chunks and is buffered whole.
+    let text = "y".repeat(600 << 10);
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": text}]}).to_string();
+    let r = http::post(
+        &format!("{}/v1/chat/completions", f.url),
+        &[],
+        body.as_bytes(),
+        TIMEOUT,
+    )
+    .unwrap();
+    assert_eq!(
+        (r.status, decision(&r)),
+        (200, "precise"),
+        "{}",
+        f.gateway.log()
+    );
+    let tok = f.tokenizer.seen("/tokenize");
+    let sent: Value = serde_json::from_slice(&tok[0].body).unwrap();
+    assert_eq!(
+        sent["messages"][0]["content"].as_str().map(str::len),
+        Some(600 << 10)
+    );
+    assert_no_wasm_failure(&f.gateway);
+
+    let f = fleet(&json!({"mode": "approximate", "approximate_chunk_bytes": 16}));
+    f.index
+        .set(Script::Answer(pick_answer(3, &[f.replicas[0]])));
+    let r = f.chat(&[]);
+    assert_eq!(decision(&r), "approximate");
+    assert_eq!(r.body, f.replicas[0].to_string());
+    assert!(
+        f.tokenizer.seen("").is_empty(),
+        "approximate mode called the tokenizer"
+    );
+    assert_eq!(f.index.seen("/Pick").len(), 1);
+    assert_no_wasm_failure(&f.gateway);
+}
