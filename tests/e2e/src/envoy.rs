@@ -324,3 +324,33 @@ pub fn grpc_cluster(name: &str, host: SocketAddr) -> Value {
     });
     cluster
 }
+
+/// Runs `envoy --mode validate` on a config file from directory `cwd`
+/// (relative paths in the config, such as the `.wasm`, resolve from there).
+/// Envoy loads the wasm module and runs its `on_configure`, so the plugin
+/// configuration is checked by the filter itself. Returns Envoy's output.
+pub fn validate(config: &Path, cwd: &Path) -> Result<String, HarnessError> {
+    let output = Command::new(artifacts::envoy_binary()?)
+        .arg("--mode")
+        .arg("validate")
+        .arg("--config-path")
+        .arg(config)
+        .arg("--use-dynamic-base-id")
+        .current_dir(cwd)
+        .output()
+        .map_err(|e| HarnessError::io("run envoy --mode validate", e))?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    if output.status.success() {
+        Ok(text)
+    } else {
+        Err(HarnessError::Exited {
+            what: format!("envoy --mode validate {}", config.display()),
+            status: output.status.to_string(),
+            log: text,
+        })
+    }
+}
