@@ -1,6 +1,122 @@
+//! The `indexd` binary: flags and/or a YAML file → [`indexd::Config`] → serve
+//! until SIGINT/SIGTERM.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::process::ExitCode;
 
-fn main() -> ExitCode {
-    eprintln!("indexd: not built yet in this version of kvroute");
-    ExitCode::from(2)
+use anyhow::Context as _;
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+
+/// Node-local KV-cache index daemon for the kvroute filter.
+#[derive(Debug, Parser)]
+#[command(name = "indexd", version, about)]
+struct Args {
+    /// YAML config file (see the `indexd::config` docs for the format).
+    #[arg(short, long, env = "INDEXD_CONFIG")]
+    config: Option<PathBuf>,
+    /// gRPC listen address (overrides the file).
+    #[arg(long)]
+    grpc_listen: Option<SocketAddr>,
+    /// HTTP listen address for /metrics, /healthz, /readyz (overrides the file).
+    #[arg(long)]
+    http_listen: Option<SocketAddr>,
+    /// Tokens per block (vLLM --block-size; overrides the file).
+    #[arg(long)]
+    block_size: Option<u32>,
+    /// Discovery file with an `endpoints:` list (overrides the file).
+    #[arg(long)]
+    discovery_file: Option<PathBuf>,
+    /// An endpoint as a YAML flow mapping (repeatable), added to the file's:
+    /// '{address: 10.0.0.7:8000, model: m, events: tcp://10.0.0.7:5557, replay: tcp://10.0.0.7:5558, metrics_url: http://10.0.0.7:8000/metrics}'
+    #[arg(long = "endpoint", value_name = "YAML")]
+    endpoints: Vec<String>,
+    /// Seed for tie-breaking (reproducible runs).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Once listening, print {"grpc":"ip:port","http":"ip:port"} on stdout.
+    #[arg(long)]
+    print_addresses: bool,
+}
+
+fn config(args: &Args) -> anyhow::Result<indexd::Config> {
+    let mut c = match &args.config {
+        Some(path) => indexd::Config::from_file(path)?,
+        None => indexd::Config::new(Vec::new()),
+    };
+    if let Some(a) = args.grpc_listen {
+        c.grpc_listen = a;
+    }
+    if let Some(a) = args.http_listen {
+        c.http_listen = a;
+    }
+    if let Some(b) = args.block_size {
+        c.block_size = kvroute_proto::BlockSize::new(b).context("--block-size must be positive")?;
+    }
+    if let Some(p) = &args.discovery_file {
+        c.discovery_file = Some(p.clone());
+    }
+    for text in &args.endpoints {
+        c.endpoints.push(indexd::config::parse_endpoint(text)?);
+    }
+    if args.seed.is_some() {
+        c.seed = args.seed;
+    }
+    c.validate()?;
+    Ok(c)
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
+    let bound = indexd::Server::bind(config(&args)?).await?;
+    tracing::info!(grpc = %bound.grpc_addr(), http = %bound.http_addr(), "indexd listening");
+    if args.print_addresses {
+        println!(
+            "{}",
+            serde_json::json!({"grpc": bound.grpc_addr().to_string(), "http": bound.http_addr().to_string()})
+        );
+    }
+    let shutdown = CancellationToken::new();
+    let signal = shutdown.clone();
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        tracing::info!("shutting down");
+        signal.cancel();
+    });
+    bound.serve(shutdown).await?;
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    match run(Args::parse()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e:#}");
+            eprintln!("indexd: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -1,0 +1,232 @@
+//! indexd benchmarks: Pick over 1,024 keys on 8 replicas, ingest rate, and
+//! memory per indexed (block, replica) entry. Results: `indexd/BENCHMARKS.md`.
+
+// A benchmark binary: setup may fail loudly.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+use std::hint::black_box;
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
+use indexd::config::{Config, EndpointConfig};
+use indexd::index::{ApplyStats, Index, ReplicaSlot};
+use indexd::state::Shared;
+use indexd::wire::{self, BlockStored, EngineHash, EventBatch, ExtraKeys, KvEvent, Limits};
+use indexd::{Tier, pick};
+use kvroute_proto::keys::{BlockSize, block_keys};
+use kvroute_proto::v1::{Mode, PickRequest};
+use rmpv::Value;
+use tokio_util::sync::CancellationToken;
+
+const BS: u32 = 64;
+
+fn tokens(n: usize, seed: u32) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| (i.wrapping_mul(7919) ^ seed.wrapping_mul(104_729)) % 32_000)
+        .collect()
+}
+
+fn stored(hashes: std::ops::Range<u64>, parent: Option<u64>, tokens: Vec<u32>) -> KvEvent {
+    let n = (hashes.end - hashes.start) as usize;
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: hashes.map(EngineHash).collect(),
+        parent: parent.map(EngineHash),
+        token_ids: tokens,
+        block_size: BS,
+        tier: Tier::Gpu,
+        lora_name: None,
+        extra_keys: vec![ExtraKeys::None; n],
+        group_idx: 0,
+    })
+}
+
+/// 8 replicas; replica i holds the first 128·(i+1) blocks of one 1,024-block
+/// prompt (so the walk goes the whole way for the last one).
+fn pick_setup(speculative: bool) -> (Shared, PickRequest) {
+    let endpoints: Vec<EndpointConfig> = (0..8u16)
+        .map(|i| EndpointConfig::new(SocketAddr::from(([10, 0, 0, 1], 8000 + i)), "m"))
+        .collect();
+    let mut config = Config::new(endpoints.clone());
+    config.seed = Some(1);
+    if !speculative {
+        config.speculative_ttl = std::time::Duration::ZERO;
+    }
+    let shared = Shared::new(config, CancellationToken::new());
+    let prompt = tokens(1024 * BS as usize, 1);
+    for (i, ep) in endpoints.into_iter().enumerate() {
+        let replica = shared.add_replica(ep).unwrap();
+        let blocks = 128 * (i + 1);
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![stored(
+                0..blocks as u64,
+                None,
+                prompt[..blocks * BS as usize].to_vec(),
+            )],
+            data_parallel_rank: None,
+        };
+        shared.ingest(&replica, &batch);
+    }
+    let keys = block_keys(&prompt, BlockSize::new(BS).unwrap(), None);
+    let req = PickRequest {
+        model: "m".into(),
+        block_keys: keys.iter().map(|k| k.as_u64()).collect(),
+        block_size: BS,
+        prompt_tokens: 1024 * BS,
+        mode: Mode::Precise as i32,
+        ..PickRequest::default()
+    };
+    (shared, req)
+}
+
+fn bench_pick(c: &mut Criterion) {
+    let mut g = c.benchmark_group("pick_1024_keys_8_replicas");
+    // Warm: one replica holds all 1,024 blocks, the others 128..896; the
+    // walk goes the whole way. Speculative entries off (nothing to credit
+    // anyway: the chosen replica holds every key).
+    let (shared, req) = pick_setup(false);
+    let r = pick::pick(&shared, &req, Instant::now()).unwrap();
+    assert_eq!(r.candidates[0].matched_blocks, 1024);
+    g.bench_function("warm_prefix", |b| {
+        b.iter(|| pick::pick(&shared, black_box(&req), Instant::now()).unwrap())
+    });
+    // Cold: a new prompt every time (nobody holds its first block), so the
+    // chosen replica is credited with all 1,024 keys as speculative entries.
+    let (shared, mut req) = pick_setup(true);
+    let mut seed = 0u64;
+    g.bench_function("cold_prompt_with_speculative_insert", |b| {
+        b.iter(|| {
+            seed += 1;
+            for (i, k) in req.block_keys.iter_mut().enumerate() {
+                *k = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i as u64;
+            }
+            pick::pick(&shared, black_box(&req), Instant::now()).unwrap()
+        })
+    });
+    g.finish();
+}
+
+fn bench_ingest(c: &mut Criterion) {
+    let mut g = c.benchmark_group("ingest");
+    let blocks = 64u64;
+    g.throughput(Throughput::Elements(blocks));
+    let toks = tokens(blocks as usize * BS as usize, 2);
+    // Decode: vLLM's msgpack for one BlockStored of 64 blocks × 64 tokens.
+    let ev = Value::Map(vec![
+        (Value::from("type"), Value::from("BlockStored")),
+        (
+            Value::from("block_hashes"),
+            Value::Array((0..blocks).map(|h| Value::from(h | 1 << 63)).collect()),
+        ),
+        (Value::from("parent_block_hash"), Value::Nil),
+        (
+            Value::from("token_ids"),
+            Value::Array(toks.iter().map(|t| Value::from(*t)).collect()),
+        ),
+        (Value::from("block_size"), Value::from(BS)),
+        (Value::from("medium"), Value::from("GPU")),
+        (
+            Value::from("extra_keys"),
+            Value::Array(vec![Value::Nil; blocks as usize]),
+        ),
+        (Value::from("group_idx"), Value::from(0)),
+    ]);
+    let mut payload = Vec::new();
+    rmpv::encode::write_value(
+        &mut payload,
+        &Value::Array(vec![Value::from(1.0), Value::Array(vec![ev])]),
+    )
+    .unwrap();
+    g.bench_with_input(BenchmarkId::new("decode", "64_blocks"), &payload, |b, p| {
+        b.iter(|| wire::decode_batch(black_box(p), &Limits::default()).unwrap())
+    });
+    // Apply: fresh engine hashes every time (keys via SHA-256 chains),
+    // into an index at its memory bound (evicting as it goes).
+    let mut index = Index::new(1 << 20, 0);
+    let KvEvent::BlockStored(mut template) = stored(0..blocks, None, toks) else {
+        unreachable!()
+    };
+    let mut next = 0u64;
+    let mut stats = ApplyStats::default();
+    g.bench_function(BenchmarkId::new("apply", "64_blocks"), |b| {
+        b.iter(|| {
+            for h in &mut template.block_hashes {
+                *h = EngineHash(next);
+                next += 1;
+            }
+            let ev = KvEvent::BlockStored(template.clone());
+            index.apply(
+                ReplicaSlot((next / 4096 % 8) as u32),
+                "m",
+                black_box(&ev),
+                &mut stats,
+            );
+        })
+    });
+    g.finish();
+}
+
+fn rss_bytes() -> Option<usize> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: usize = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
+}
+
+/// Bytes per (block, replica) entry: 8 replicas × 131,072 blocks, chained
+/// 64 blocks per event, measured as RSS growth and as the index's own
+/// capacity-based estimate.
+fn memory_report() {
+    let before = rss_bytes();
+    let mut index = Index::new(usize::MAX, 0);
+    let mut stats = ApplyStats::default();
+    let per_replica = 131_072u64;
+    for r in 0..8u32 {
+        let mut parent = None;
+        for start in (0..per_replica).step_by(64) {
+            let base = u64::from(r) << 40 | start;
+            let ev = stored(
+                base..base + 64,
+                parent,
+                tokens(64 * BS as usize, (start / 64) as u32 ^ r),
+            );
+            // Independent prompts: restart the chain every 16 events.
+            index.apply(ReplicaSlot(r), "m", &ev, &mut stats);
+            parent = if (start / 64) % 16 == 15 {
+                None
+            } else {
+                Some(base + 63)
+            };
+        }
+    }
+    let after = rss_bytes();
+    let entries = index.entries();
+    println!(
+        "memory: {entries} entries, {} distinct keys; estimate {:.1} bytes/entry; RSS growth {}",
+        index.distinct_keys(),
+        index.approx_bytes() as f64 / entries as f64,
+        match (before, after) {
+            (Some(b), Some(a)) => format!(
+                "{:.1} bytes/entry",
+                a.saturating_sub(b) as f64 / entries as f64
+            ),
+            _ => "n/a".into(),
+        }
+    );
+    black_box(index);
+}
+
+criterion_group!(benches, bench_pick, bench_ingest);
+
+fn main() {
+    memory_report();
+    benches();
+    criterion::Criterion::default()
+        .configure_from_args()
+        .final_summary();
+}

@@ -1,0 +1,625 @@
+//! Typed configuration, valid by construction.
+//!
+//! [`Config`] is built in code ([`Config::new`] plus public fields that are
+//! already typed) or parsed from YAML ([`Config::from_yaml`]); either way
+//! [`Config::validate`] has run before indexd starts, and every error names
+//! the field. Durations in YAML are strings with a unit (`250ms`, `5s`, `2m`,
+//! `1h`) or plain numbers of seconds.
+//!
+//! ```yaml
+//! grpc_listen: 127.0.0.1:50071
+//! http_listen: 127.0.0.1:9471
+//! block_size: 64
+//! scrape_interval: 1s
+//! speculative_ttl: 5s
+//! endpoints:
+//!   - address: 10.0.0.7:8000          # as Envoy knows the host
+//!     data_parallel_rank: 0           # optional
+//!     model: llama-3-8b               # served model name
+//!     adapters: [my-lora]             # optional LoRA adapters served
+//!     events: tcp://10.0.0.7:5557     # indexd connects (events_bind: true → indexd binds)
+//!     replay: tcp://10.0.0.7:5558
+//!     metrics_url: http://10.0.0.7:8000/metrics
+//!     capacity_url: http://10.0.0.7:9000/capacity   # optional
+//! discovery_file: /etc/kvroute/endpoints.yaml        # optional, same `endpoints:` format
+//! ```
+
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use kvroute_proto::keys::BlockSize;
+use serde::Deserialize;
+
+use crate::error::ConfigError;
+use crate::score::Weights;
+use crate::wire::Limits;
+
+/// A replica (one data-parallel rank of one vLLM server).
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EndpointId {
+    /// The host as Envoy knows it.
+    pub address: SocketAddr,
+    /// The data-parallel rank inside the server, if any.
+    pub rank: Option<u32>,
+}
+
+impl std::fmt::Display for EndpointId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.rank {
+            Some(rank) => write!(f, "{}#{rank}", self.address),
+            None => write!(f, "{}", self.address),
+        }
+    }
+}
+
+/// A plain-HTTP URL split for the tiny scrape client.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HttpUrl {
+    /// `host:port` to connect to.
+    pub authority: String,
+    /// Path and query, starting with `/`.
+    pub path: String,
+}
+
+impl HttpUrl {
+    /// Parses `http://host[:port][/path]`.
+    pub fn parse(url: &str) -> Option<Self> {
+        let rest = url.strip_prefix("http://")?;
+        let (authority, path) = match rest.find('/') {
+            Some(i) => rest.split_at(i),
+            None => (rest, "/"),
+        };
+        if authority.is_empty() {
+            return None;
+        }
+        let authority = if authority.contains(':') && !authority.ends_with(']') {
+            authority.to_owned()
+        } else {
+            format!("{authority}:80")
+        };
+        Some(Self {
+            authority,
+            path: path.to_owned(),
+        })
+    }
+}
+
+impl std::fmt::Display for HttpUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "http://{}{}", self.authority, self.path)
+    }
+}
+
+/// One replica's sources.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointConfig {
+    /// Identity: address as Envoy knows it, plus rank.
+    pub id: EndpointId,
+    /// The served model name (the request's `model`).
+    pub model: String,
+    /// LoRA adapters served besides the base model.
+    pub adapters: Vec<String>,
+    /// The ZMQ KV-event endpoint (`tcp://host:port`). None: no events (the
+    /// replica is ranked by load and approximate keys only).
+    pub events: Option<String>,
+    /// True: indexd binds `events` and the replica connects to it.
+    pub events_bind: bool,
+    /// The ZMQ replay (ROUTER) endpoint.
+    pub replay: Option<String>,
+    /// vLLM's Prometheus endpoint. None: always healthy, no load signal.
+    pub metrics_url: Option<HttpUrl>,
+    /// Optional capacity signal (`{"occupancy", "cache_available"}`).
+    pub capacity_url: Option<HttpUrl>,
+}
+
+impl EndpointConfig {
+    /// An endpoint with only an address and a model.
+    pub fn new(address: SocketAddr, model: impl Into<String>) -> Self {
+        Self {
+            id: EndpointId {
+                address,
+                rank: None,
+            },
+            model: model.into(),
+            adapters: Vec::new(),
+            events: None,
+            events_bind: false,
+            replay: None,
+            metrics_url: None,
+            capacity_url: None,
+        }
+    }
+
+    /// True when this replica serves `model` (base or adapter).
+    pub fn serves(&self, model: &str) -> bool {
+        self.model == model || self.adapters.iter().any(|a| a == model)
+    }
+}
+
+/// The whole daemon's configuration.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// gRPC listen address (loopback by default; port 0 picks one).
+    pub grpc_listen: SocketAddr,
+    /// HTTP (`/metrics`, `/healthz`, `/readyz`) listen address.
+    pub http_listen: SocketAddr,
+    /// The block size the filter computes keys with (vLLM's `--block-size`).
+    pub block_size: BlockSize,
+    /// Static endpoints.
+    pub endpoints: Vec<EndpointConfig>,
+    /// A YAML file with an `endpoints:` list, polled for changes.
+    pub discovery_file: Option<PathBuf>,
+    /// How often the discovery file is checked.
+    pub discovery_interval: Duration,
+    /// How often each replica's /metrics is scraped.
+    pub scrape_interval: Duration,
+    /// Timeout of one scrape.
+    pub scrape_timeout: Duration,
+    /// Consecutive failed scrapes before a replica is unhealthy.
+    pub unhealthy_after: NonZeroU32,
+    /// How long a picked replica is credited with the request's keys.
+    pub speculative_ttl: Duration,
+    /// How long a pick counts as in flight when no scrape has seen it.
+    pub pending_pick_ttl: Duration,
+    /// How long a replay may take before it counts as incomplete.
+    pub replay_timeout: Duration,
+    /// Upper bound on the reconnect backoff of a subscription.
+    pub max_backoff: Duration,
+    /// Response-id affinity: entries and TTL.
+    pub affinity_capacity: usize,
+    /// See `affinity_capacity`.
+    pub affinity_ttl: Duration,
+    /// Approximate mode: learned `(key, replica)` entries and their TTL.
+    pub approximate_capacity: usize,
+    /// See `approximate_capacity`.
+    pub approximate_ttl: Duration,
+    /// Hard bound on indexed `(block, replica)` entries.
+    pub max_index_entries: usize,
+    /// Hard bound on speculative `(key, replica)` entries.
+    pub max_speculative_entries: usize,
+    /// Most keys accepted in one Pick.
+    pub max_pick_keys: usize,
+    /// Candidates returned when the request does not say (0: all).
+    pub max_candidates: u32,
+    /// Decoder caps.
+    pub limits: Limits,
+    /// Cost-model weights.
+    pub weights: Weights,
+    /// Seed of the tie-breaking RNG (None: from entropy).
+    pub seed: Option<u64>,
+}
+
+impl Config {
+    /// Defaults with the given endpoints.
+    pub fn new(endpoints: Vec<EndpointConfig>) -> Self {
+        Self {
+            grpc_listen: SocketAddr::from(([127, 0, 0, 1], 50071)),
+            http_listen: SocketAddr::from(([127, 0, 0, 1], 9471)),
+            block_size: DEFAULT_BLOCK_SIZE,
+            endpoints,
+            discovery_file: None,
+            discovery_interval: Duration::from_secs(2),
+            scrape_interval: Duration::from_secs(1),
+            scrape_timeout: Duration::from_millis(800),
+            unhealthy_after: NonZeroU32::MIN.saturating_add(1),
+            speculative_ttl: Duration::from_secs(5),
+            pending_pick_ttl: Duration::from_secs(5),
+            replay_timeout: Duration::from_secs(3),
+            max_backoff: Duration::from_secs(5),
+            affinity_capacity: 100_000,
+            affinity_ttl: Duration::from_secs(3600),
+            approximate_capacity: 1_000_000,
+            approximate_ttl: Duration::from_secs(600),
+            max_index_entries: 8_000_000,
+            max_speculative_entries: 1_000_000,
+            max_pick_keys: 65_536,
+            max_candidates: 0,
+            limits: Limits::default(),
+            weights: Weights::default(),
+            seed: None,
+        }
+    }
+
+    /// Parses YAML and validates it.
+    pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
+        let raw: RawConfig =
+            serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        raw.into_config()
+    }
+
+    /// Reads and parses a YAML file.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        Self::from_yaml(&text)
+    }
+
+    /// Checks the invariants the types cannot express.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        validate_endpoints(&self.endpoints, "endpoints")?;
+        let positive = [
+            ("scrape_interval", self.scrape_interval),
+            ("scrape_timeout", self.scrape_timeout),
+            ("replay_timeout", self.replay_timeout),
+            ("discovery_interval", self.discovery_interval),
+            ("max_backoff", self.max_backoff),
+        ];
+        for (field, d) in positive {
+            if d.is_zero() {
+                return Err(ConfigError::field(field, "must be positive"));
+            }
+        }
+        if self.max_index_entries == 0 {
+            return Err(ConfigError::field("max_index_entries", "must be positive"));
+        }
+        self.weights.validate()?;
+        Ok(())
+    }
+}
+
+/// vLLM's usual `--block-size` on CPU and the design's default.
+// Evaluated at compile time: a zero here would fail the build, not panic.
+#[allow(clippy::panic)]
+pub const DEFAULT_BLOCK_SIZE: BlockSize = match BlockSize::new(64) {
+    Some(b) => b,
+    None => panic!("64 is non-zero"),
+};
+
+/// Checks endpoint identities are unique and every endpoint is usable.
+pub fn validate_endpoints(endpoints: &[EndpointConfig], field: &str) -> Result<(), ConfigError> {
+    let mut seen = std::collections::HashSet::new();
+    for (i, ep) in endpoints.iter().enumerate() {
+        if !seen.insert(&ep.id) {
+            return Err(ConfigError::field(
+                format!("{field}[{i}].address"),
+                format!("duplicate endpoint {}", ep.id),
+            ));
+        }
+        if ep.model.is_empty() {
+            return Err(ConfigError::field(
+                format!("{field}[{i}].model"),
+                "must not be empty",
+            ));
+        }
+        if ep.events_bind && ep.events.is_none() {
+            return Err(ConfigError::field(
+                format!("{field}[{i}].events_bind"),
+                "needs `events` (the address to bind)",
+            ));
+        }
+        if let Some(events) = &ep.events
+            && !ep.events_bind
+            && events.contains('*')
+        {
+            return Err(ConfigError::field(
+                format!("{field}[{i}].events"),
+                format!(
+                    "{events:?} is a bind address: name the replica's host, or set events_bind: true"
+                ),
+            ));
+        }
+        for (name, value) in [("events", &ep.events), ("replay", &ep.replay)] {
+            if let Some(v) = value
+                && !v.starts_with("tcp://")
+            {
+                return Err(ConfigError::field(
+                    format!("{field}[{i}].{name}"),
+                    format!("{v:?} is not a tcp:// endpoint"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Parses a duration: `250ms`, `5s`, `2m`, `1h`, or a number of seconds.
+pub fn parse_duration(text: &str) -> Option<Duration> {
+    let t = text.trim();
+    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = t.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = t.strip_suffix('h') {
+        (n, 3600.0)
+    } else {
+        (t, 1.0)
+    };
+    let value: f64 = num.trim().parse().ok()?;
+    Duration::try_from_secs_f64(value * scale).ok()
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawDuration {
+    Secs(f64),
+    Text(String),
+}
+
+fn duration(
+    field: &str,
+    raw: Option<RawDuration>,
+    default: Duration,
+) -> Result<Duration, ConfigError> {
+    match raw {
+        None => Ok(default),
+        Some(RawDuration::Secs(s)) => Duration::try_from_secs_f64(s)
+            .map_err(|_| ConfigError::field(field, "not a valid duration")),
+        Some(RawDuration::Text(t)) => parse_duration(&t).ok_or_else(|| {
+            ConfigError::field(field, format!("{t:?} is not a duration (e.g. 500ms, 5s)"))
+        }),
+    }
+}
+
+/// The YAML shape of an endpoint (also the discovery file's).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+#[derive(Debug)]
+struct RawEndpoint {
+    address: String,
+    #[serde(default)]
+    data_parallel_rank: Option<u32>,
+    model: String,
+    #[serde(default)]
+    adapters: Vec<String>,
+    #[serde(default)]
+    events: Option<String>,
+    #[serde(default)]
+    events_bind: bool,
+    #[serde(default)]
+    replay: Option<String>,
+    #[serde(default)]
+    metrics_url: Option<String>,
+    #[serde(default)]
+    capacity_url: Option<String>,
+}
+
+impl RawEndpoint {
+    fn into_endpoint(self, field: &str) -> Result<EndpointConfig, ConfigError> {
+        let address: SocketAddr = self.address.parse().map_err(|_| {
+            ConfigError::field(
+                format!("{field}.address"),
+                format!("{:?} is not ip:port", self.address),
+            )
+        })?;
+        let url = |name: &str, v: Option<String>| -> Result<Option<HttpUrl>, ConfigError> {
+            v.map(|u| {
+                HttpUrl::parse(&u).ok_or_else(|| {
+                    ConfigError::field(
+                        format!("{field}.{name}"),
+                        format!("{u:?} is not an http:// URL"),
+                    )
+                })
+            })
+            .transpose()
+        };
+        Ok(EndpointConfig {
+            id: EndpointId {
+                address,
+                rank: self.data_parallel_rank,
+            },
+            model: self.model,
+            adapters: self.adapters,
+            events: self.events,
+            events_bind: self.events_bind,
+            replay: self.replay,
+            metrics_url: url("metrics_url", self.metrics_url)?,
+            capacity_url: url("capacity_url", self.capacity_url)?,
+        })
+    }
+}
+
+/// The discovery file: `endpoints:` and nothing else.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDiscovery {
+    #[serde(default)]
+    endpoints: Vec<RawEndpoint>,
+}
+
+/// Parses one endpoint written as a YAML flow mapping, e.g.
+/// `{address: 127.0.0.1:8000, model: m, events: tcp://127.0.0.1:5557}`
+/// (the binary's `--endpoint` flag).
+pub fn parse_endpoint(text: &str) -> Result<EndpointConfig, ConfigError> {
+    let raw: RawEndpoint =
+        serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(format!("--endpoint: {e}")))?;
+    raw.into_endpoint("--endpoint")
+}
+
+/// Parses a discovery file's text.
+pub fn parse_discovery(text: &str) -> Result<Vec<EndpointConfig>, ConfigError> {
+    let raw: RawDiscovery =
+        serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+    let endpoints = raw
+        .endpoints
+        .into_iter()
+        .enumerate()
+        .map(|(i, e)| e.into_endpoint(&format!("endpoints[{i}]")))
+        .collect::<Result<Vec<_>, _>>()?;
+    validate_endpoints(&endpoints, "endpoints")?;
+    Ok(endpoints)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    grpc_listen: Option<String>,
+    http_listen: Option<String>,
+    block_size: Option<u32>,
+    #[serde(default)]
+    endpoints: Vec<RawEndpoint>,
+    discovery_file: Option<PathBuf>,
+    discovery_interval: Option<RawDuration>,
+    scrape_interval: Option<RawDuration>,
+    scrape_timeout: Option<RawDuration>,
+    unhealthy_after: Option<u32>,
+    speculative_ttl: Option<RawDuration>,
+    pending_pick_ttl: Option<RawDuration>,
+    replay_timeout: Option<RawDuration>,
+    max_backoff: Option<RawDuration>,
+    affinity_capacity: Option<usize>,
+    affinity_ttl: Option<RawDuration>,
+    approximate_capacity: Option<usize>,
+    approximate_ttl: Option<RawDuration>,
+    max_index_entries: Option<usize>,
+    max_speculative_entries: Option<usize>,
+    max_pick_keys: Option<usize>,
+    max_candidates: Option<u32>,
+    max_frame_bytes: Option<usize>,
+    max_events_per_batch: Option<usize>,
+    max_blocks_per_event: Option<usize>,
+    max_tokens_per_event: Option<usize>,
+    weights: Option<Weights>,
+    seed: Option<u64>,
+}
+
+impl RawConfig {
+    fn into_config(self) -> Result<Config, ConfigError> {
+        let mut c = Config::new(Vec::new());
+        let addr =
+            |field: &str, v: Option<String>, d: SocketAddr| -> Result<SocketAddr, ConfigError> {
+                v.map_or(Ok(d), |s| {
+                    s.parse()
+                        .map_err(|_| ConfigError::field(field, format!("{s:?} is not ip:port")))
+                })
+            };
+        c.grpc_listen = addr("grpc_listen", self.grpc_listen, c.grpc_listen)?;
+        c.http_listen = addr("http_listen", self.http_listen, c.http_listen)?;
+        if let Some(bs) = self.block_size {
+            c.block_size = BlockSize::new(bs)
+                .ok_or_else(|| ConfigError::field("block_size", "must be positive"))?;
+        }
+        c.endpoints = self
+            .endpoints
+            .into_iter()
+            .enumerate()
+            .map(|(i, e)| e.into_endpoint(&format!("endpoints[{i}]")))
+            .collect::<Result<_, _>>()?;
+        c.discovery_file = self.discovery_file;
+        c.discovery_interval = duration(
+            "discovery_interval",
+            self.discovery_interval,
+            c.discovery_interval,
+        )?;
+        c.scrape_interval = duration("scrape_interval", self.scrape_interval, c.scrape_interval)?;
+        c.scrape_timeout = duration("scrape_timeout", self.scrape_timeout, c.scrape_timeout)?;
+        if let Some(n) = self.unhealthy_after {
+            c.unhealthy_after = NonZeroU32::new(n)
+                .ok_or_else(|| ConfigError::field("unhealthy_after", "must be positive"))?;
+        }
+        c.speculative_ttl = duration("speculative_ttl", self.speculative_ttl, c.speculative_ttl)?;
+        c.pending_pick_ttl = duration(
+            "pending_pick_ttl",
+            self.pending_pick_ttl,
+            c.pending_pick_ttl,
+        )?;
+        c.replay_timeout = duration("replay_timeout", self.replay_timeout, c.replay_timeout)?;
+        c.max_backoff = duration("max_backoff", self.max_backoff, c.max_backoff)?;
+        c.affinity_capacity = self.affinity_capacity.unwrap_or(c.affinity_capacity);
+        c.affinity_ttl = duration("affinity_ttl", self.affinity_ttl, c.affinity_ttl)?;
+        c.approximate_capacity = self.approximate_capacity.unwrap_or(c.approximate_capacity);
+        c.approximate_ttl = duration("approximate_ttl", self.approximate_ttl, c.approximate_ttl)?;
+        c.max_index_entries = self.max_index_entries.unwrap_or(c.max_index_entries);
+        c.max_speculative_entries = self
+            .max_speculative_entries
+            .unwrap_or(c.max_speculative_entries);
+        c.max_pick_keys = self.max_pick_keys.unwrap_or(c.max_pick_keys);
+        c.max_candidates = self.max_candidates.unwrap_or(c.max_candidates);
+        let l = &mut c.limits;
+        l.max_frame_bytes = self.max_frame_bytes.unwrap_or(l.max_frame_bytes);
+        l.max_events_per_batch = self.max_events_per_batch.unwrap_or(l.max_events_per_batch);
+        l.max_blocks_per_event = self.max_blocks_per_event.unwrap_or(l.max_blocks_per_event);
+        l.max_tokens_per_event = self.max_tokens_per_event.unwrap_or(l.max_tokens_per_event);
+        if let Some(w) = self.weights {
+            c.weights = w;
+        }
+        c.seed = self.seed;
+        c.validate()?;
+        Ok(c)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn yaml_round_trip_and_defaults() {
+        let c = Config::from_yaml(
+            "grpc_listen: 127.0.0.1:0\nblock_size: 32\nscrape_interval: 250ms\nendpoints:\n  - address: 10.0.0.1:8000\n    model: m\n    events: tcp://10.0.0.1:5557\n    replay: tcp://10.0.0.1:5558\n    metrics_url: http://10.0.0.1:8000/metrics\n  - address: 10.0.0.1:8000\n    data_parallel_rank: 1\n    model: m\n",
+        )
+        .unwrap();
+        assert_eq!(c.block_size.get(), 32);
+        assert_eq!(c.scrape_interval, Duration::from_millis(250));
+        assert_eq!(c.endpoints.len(), 2);
+        assert_eq!(c.endpoints[1].id.rank, Some(1));
+        assert_eq!(
+            c.endpoints[0].metrics_url,
+            Some(HttpUrl {
+                authority: "10.0.0.1:8000".into(),
+                path: "/metrics".into()
+            })
+        );
+        assert_eq!(c.speculative_ttl, Duration::from_secs(5));
+        let w = Config::from_yaml("weights: {credit_cpu: 0.5}\n")
+            .unwrap()
+            .weights;
+        assert_eq!((w.credit_cpu, w.credit_gpu), (0.5, 1.0));
+        assert!(Config::from_yaml("weights: {credit_tpu: 1}\n").is_err());
+        let err = Config::from_yaml(
+            "endpoints:\n  - {address: 1.2.3.4:1, model: m, events_bind: true}\n",
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("endpoints[0].events_bind"),
+            "{err}"
+        );
+        let star = "endpoints:\n  - {address: 1.2.3.4:1, model: m, events: 'tcp://*:5557'}\n";
+        let err = Config::from_yaml(star).unwrap_err();
+        assert!(err.to_string().contains("endpoints[0].events"), "{err}");
+        let bind = "endpoints:\n  - {address: 1.2.3.4:1, model: m, events: 'tcp://*:5557', events_bind: true}\n";
+        assert!(Config::from_yaml(bind).is_ok());
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let err = Config::from_yaml("endpoints:\n  - address: nope\n    model: m\n").unwrap_err();
+        assert!(err.to_string().contains("endpoints[0].address"), "{err}");
+        let err = Config::from_yaml("scrape_interval: soon\n").unwrap_err();
+        assert!(err.to_string().contains("scrape_interval"), "{err}");
+        let err = Config::from_yaml("block_size: 0\n").unwrap_err();
+        assert!(err.to_string().contains("block_size"), "{err}");
+        let err = Config::from_yaml("endpoints:\n  - address: 1.2.3.4:1\n    model: m\n  - address: 1.2.3.4:1\n    model: m\n")
+            .unwrap_err();
+        assert!(err.to_string().contains("endpoints[1].address"), "{err}");
+        let err = Config::from_yaml("bogus: 1\n").unwrap_err();
+        assert!(err.to_string().contains("bogus"), "{err}");
+    }
+
+    #[test]
+    fn endpoint_flag() {
+        let e = parse_endpoint("{address: 127.0.0.1:8000, model: m, events: tcp://127.0.0.1:5557, data_parallel_rank: 1}").unwrap();
+        assert_eq!(e.id.rank, Some(1));
+        assert_eq!(e.events.as_deref(), Some("tcp://127.0.0.1:5557"));
+        assert!(
+            parse_endpoint("{address: x, model: m}")
+                .unwrap_err()
+                .to_string()
+                .contains("--endpoint.address")
+        );
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("1.5s"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
+        assert_eq!(parse_duration("7"), Some(Duration::from_secs(7)));
+        assert_eq!(parse_duration("-1s"), None);
+        assert_eq!(parse_duration("x"), None);
+    }
+}

@@ -1,0 +1,123 @@
+//! One error enum per boundary. gRPC status mapping lives here only.
+
+use std::net::SocketAddr;
+
+/// Invalid configuration; the message names the field.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The YAML did not parse (serde names the field and line).
+    #[error("config: {0}")]
+    Parse(String),
+    /// The file could not be read.
+    #[error("config file {path}: {reason}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The OS error.
+        reason: String,
+    },
+    /// A field has an invalid value.
+    #[error("config field `{field}`: {reason}")]
+    Field {
+        /// Dotted path of the field, e.g. `endpoints[2].address`.
+        field: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+impl ConfigError {
+    /// An error naming `field`.
+    pub fn field(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        Self::Field {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Starting or running the servers failed.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A listener could not be bound.
+    #[error("cannot bind {what} listener on {addr}: {source}")]
+    Bind {
+        /// `grpc` or `http`.
+        what: &'static str,
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// A server stopped with an error.
+    #[error("{what} server failed: {reason}")]
+    Serve {
+        /// `grpc` or `http`.
+        what: &'static str,
+        /// The error.
+        reason: String,
+    },
+}
+
+/// A Pick or Observe the daemon refuses.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RequestError {
+    /// More keys than `max_pick_keys`.
+    #[error("{got} block keys exceed the limit of {max}")]
+    TooManyKeys {
+        /// Keys in the request.
+        got: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// The endpoint named in an Observe is not `ip:port`.
+    #[error("endpoint {0:?} is not ip:port")]
+    BadEndpoint(String),
+}
+
+impl From<RequestError> for tonic::Status {
+    fn from(e: RequestError) -> Self {
+        match e {
+            RequestError::TooManyKeys { .. } | RequestError::BadEndpoint(_) => {
+                tonic::Status::invalid_argument(e.to_string())
+            }
+        }
+    }
+}
+
+/// A subscription session ended.
+#[derive(Debug, thiserror::Error)]
+pub enum SubscribeError {
+    /// ZMQ failed.
+    #[error("zmq: {0}")]
+    Zmq(#[from] zeromq::ZmqError),
+    /// Connecting did not finish in time.
+    #[error("connect timed out")]
+    Timeout,
+    /// The socket's monitor or receive side closed.
+    #[error("socket closed")]
+    Closed,
+}
+
+/// A scrape failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ScrapeError {
+    /// Connecting, sending or reading failed.
+    #[error("io: {0}")]
+    Io(#[from] std::io::Error),
+    /// The whole exchange took too long.
+    #[error("timed out")]
+    Timeout,
+    /// Not a 200 response.
+    #[error("http status {0}")]
+    Status(u16),
+    /// The response could not be parsed.
+    #[error("bad response: {0}")]
+    Malformed(&'static str),
+    /// The body exceeded the cap.
+    #[error("response larger than {0} bytes")]
+    TooLarge(usize),
+}

@@ -1,0 +1,122 @@
+//! The HTTP side: Prometheus `/metrics`, `/healthz` (the process is up) and
+//! `/readyz` (some replica is healthy and fresh).
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::get;
+
+use crate::metrics::gauge;
+use crate::state::{Shared, lock, read};
+
+/// The router serving `/metrics`, `/healthz`, `/readyz`.
+pub fn router(shared: Arc<Shared>) -> Router {
+    Router::new()
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .with_state(shared)
+}
+
+async fn readyz(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
+    if shared.is_ready() {
+        (StatusCode::OK, "ready\n")
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no healthy, fresh replica\n",
+        )
+    }
+}
+
+async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        render(&shared),
+    )
+}
+
+/// The full metrics page.
+#[allow(clippy::cast_precision_loss)]
+pub fn render(shared: &Shared) -> String {
+    let mut out = String::with_capacity(8192);
+    shared.metrics.render(&mut out);
+    let (entries, keys, bytes, spec) = {
+        let index = read(&shared.index);
+        (
+            index.entries(),
+            index.distinct_keys(),
+            index.approx_bytes(),
+            index.speculative_entries(),
+        )
+    };
+    gauge(
+        &mut out,
+        "indexd_index_entries",
+        "Indexed (block, replica) entries.",
+        entries as f64,
+    );
+    gauge(
+        &mut out,
+        "indexd_index_keys",
+        "Distinct (model, block key) pairs.",
+        keys as f64,
+    );
+    gauge(
+        &mut out,
+        "indexd_index_bytes",
+        "Estimated heap bytes of the index.",
+        bytes as f64,
+    );
+    gauge(
+        &mut out,
+        "indexd_speculative_entries",
+        "Speculative (key, replica) entries.",
+        spec as f64,
+    );
+    gauge(
+        &mut out,
+        "indexd_affinity_entries",
+        "Response-id affinity entries.",
+        lock(&shared.affinity).len() as f64,
+    );
+    gauge(
+        &mut out,
+        "indexd_approximate_entries",
+        "Approximate-mode (key, replica) entries.",
+        lock(&shared.approximate).len() as f64,
+    );
+    let replicas = read(&shared.registry).all();
+    let index = read(&shared.index);
+    for (name, help) in [
+        (
+            "indexd_replica_fresh",
+            "1 when the replica's event stream has no unrecovered gap.",
+        ),
+        (
+            "indexd_replica_healthy",
+            "1 when the replica's /metrics scrapes succeed.",
+        ),
+        ("indexd_replica_entries", "Indexed blocks per replica."),
+    ] {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for r in &replicas {
+            let value = match name {
+                "indexd_replica_fresh" => u8::from(r.is_fresh()) as f64,
+                "indexd_replica_healthy" => u8::from(r.is_healthy()) as f64,
+                _ => index.replica_entries(r.slot) as f64,
+            };
+            let _ = writeln!(
+                out,
+                "{name}{{endpoint=\"{}\",model=\"{}\"}} {value}",
+                r.id(),
+                r.config.model.escape_default()
+            );
+        }
+    }
+    out
+}

@@ -1,0 +1,324 @@
+//! Prometheus metrics: counters and one histogram, rendered as text.
+//!
+//! Hand-rolled (atomics and small maps keyed by static labels) so the hot
+//! paths cost an atomic add or one short lock.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// A counter family keyed by `N` static label values.
+#[derive(Debug)]
+pub struct CounterVec<const N: usize> {
+    name: &'static str,
+    help: &'static str,
+    labels: [&'static str; N],
+    values: Mutex<BTreeMap<[&'static str; N], u64>>,
+}
+
+impl<const N: usize> CounterVec<N> {
+    const fn new(name: &'static str, help: &'static str, labels: [&'static str; N]) -> Self {
+        Self {
+            name,
+            help,
+            labels,
+            values: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// Adds `n` to the series with `values`.
+    pub fn add(&self, values: [&'static str; N], n: u64) {
+        if n == 0 {
+            return;
+        }
+        let mut map = self
+            .values
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *map.entry(values).or_insert(0) += n;
+    }
+
+    /// Adds one.
+    pub fn inc(&self, values: [&'static str; N]) {
+        self.add(values, 1);
+    }
+
+    /// The current value of one series.
+    pub fn get(&self, values: [&'static str; N]) -> u64 {
+        let map = self
+            .values
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        map.get(&values).copied().unwrap_or(0)
+    }
+
+    fn render(&self, out: &mut String) {
+        let _ = writeln!(
+            out,
+            "# HELP {} {}\n# TYPE {} counter",
+            self.name, self.help, self.name
+        );
+        let map = self
+            .values
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (values, n) in map.iter() {
+            let labels: Vec<String> = self
+                .labels
+                .iter()
+                .zip(values)
+                .map(|(k, v)| format!("{k}=\"{v}\""))
+                .collect();
+            let _ = writeln!(out, "{}{{{}}} {n}", self.name, labels.join(","));
+        }
+    }
+}
+
+/// A plain counter.
+#[derive(Debug)]
+pub struct Counter {
+    name: &'static str,
+    help: &'static str,
+    value: AtomicU64,
+}
+
+impl Counter {
+    const fn new(name: &'static str, help: &'static str) -> Self {
+        Self {
+            name,
+            help,
+            value: AtomicU64::new(0),
+        }
+    }
+
+    /// Adds `n`.
+    pub fn add(&self, n: u64) {
+        self.value.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Adds one.
+    pub fn inc(&self) {
+        self.add(1);
+    }
+
+    /// The current value.
+    pub fn get(&self) -> u64 {
+        self.value.load(Ordering::Relaxed)
+    }
+
+    fn render(&self, out: &mut String) {
+        let _ = writeln!(
+            out,
+            "# HELP {0} {1}\n# TYPE {0} counter\n{0} {2}",
+            self.name,
+            self.help,
+            self.get()
+        );
+    }
+}
+
+const LATENCY_BUCKETS: [f64; 14] = [
+    5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 1e-1,
+];
+
+/// A latency histogram with fixed buckets (5 µs … 100 ms).
+#[derive(Debug)]
+pub struct Histogram {
+    name: &'static str,
+    help: &'static str,
+    buckets: [AtomicU64; 14],
+    count: AtomicU64,
+    sum_nanos: AtomicU64,
+}
+
+impl Histogram {
+    const fn new(name: &'static str, help: &'static str) -> Self {
+        Self {
+            name,
+            help,
+            buckets: [const { AtomicU64::new(0) }; 14],
+            count: AtomicU64::new(0),
+            sum_nanos: AtomicU64::new(0),
+        }
+    }
+
+    /// Records one observation.
+    pub fn observe(&self, d: Duration) {
+        let secs = d.as_secs_f64();
+        for (b, le) in self.buckets.iter().zip(LATENCY_BUCKETS) {
+            if secs <= le {
+                b.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        let nanos = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        self.sum_nanos.fetch_add(nanos, Ordering::Relaxed);
+    }
+
+    /// Observations so far.
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn render(&self, out: &mut String) {
+        let _ = writeln!(
+            out,
+            "# HELP {0} {1}\n# TYPE {0} histogram",
+            self.name, self.help
+        );
+        for (b, le) in self.buckets.iter().zip(LATENCY_BUCKETS) {
+            let _ = writeln!(
+                out,
+                "{}_bucket{{le=\"{le}\"}} {}",
+                self.name,
+                b.load(Ordering::Relaxed)
+            );
+        }
+        let count = self.count();
+        #[allow(clippy::cast_precision_loss)]
+        let sum = self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
+        let _ = writeln!(
+            out,
+            "{0}_bucket{{le=\"+Inf\"}} {count}\n{0}_sum {sum}\n{0}_count {count}",
+            self.name
+        );
+    }
+}
+
+/// Every metric indexd exports.
+#[derive(Debug)]
+pub struct Metrics {
+    /// KV events by type.
+    pub events: CounterVec<1>,
+    /// Payload batches applied.
+    pub batches: Counter,
+    /// Blocks by what happened to them.
+    pub blocks: CounterVec<1>,
+    /// Sequence gaps detected.
+    pub gaps: Counter,
+    /// Replays by result.
+    pub replays: CounterVec<1>,
+    /// Replica purges by reason.
+    pub purges: CounterVec<1>,
+    /// Frames or payloads that failed to decode, by kind.
+    pub decode_errors: CounterVec<1>,
+    /// Live batches skipped as already replayed.
+    pub duplicates: Counter,
+    /// Pick latency.
+    pub pick_latency: Histogram,
+    /// Pick decisions by kind and reason.
+    pub decisions: CounterVec<2>,
+    /// Block-size mismatches by where they were seen.
+    pub block_size_mismatch: CounterVec<1>,
+    /// Metrics scrapes by result.
+    pub scrapes: CounterVec<1>,
+    /// Batches whose data_parallel_rank differs from the endpoint's.
+    pub rank_mismatch: Counter,
+    /// Observe calls by whether they recorded an affinity.
+    pub observes: CounterVec<1>,
+    /// Discovery file reloads by result.
+    pub discovery: CounterVec<1>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// All zero.
+    pub const fn new() -> Self {
+        Self {
+            events: CounterVec::new(
+                "indexd_events_total",
+                "KV events received, by type.",
+                ["type"],
+            ),
+            batches: Counter::new("indexd_batches_total", "KV event batches applied."),
+            blocks: CounterVec::new(
+                "indexd_blocks_total",
+                "Blocks by outcome (stored, tier_move, removed, skipped_*, evicted).",
+                ["outcome"],
+            ),
+            gaps: Counter::new(
+                "indexd_seq_gaps_total",
+                "Sequence gaps detected in live streams.",
+            ),
+            replays: CounterVec::new("indexd_replays_total", "Replays by result.", ["result"]),
+            purges: CounterVec::new(
+                "indexd_purges_total",
+                "Replica purges by reason.",
+                ["reason"],
+            ),
+            decode_errors: CounterVec::new(
+                "indexd_decode_errors_total",
+                "Frames or payloads rejected by the decoder, by kind.",
+                ["kind"],
+            ),
+            duplicates: Counter::new(
+                "indexd_duplicate_batches_total",
+                "Live batches skipped because a replay already applied them.",
+            ),
+            pick_latency: Histogram::new("indexd_pick_latency_seconds", "Time to answer a Pick."),
+            decisions: CounterVec::new(
+                "indexd_decisions_total",
+                "Pick decisions by kind and reason.",
+                ["decision", "reason"],
+            ),
+            block_size_mismatch: CounterVec::new(
+                "indexd_block_size_mismatch_total",
+                "Block sizes differing from the configured one, by source (event, pick).",
+                ["source"],
+            ),
+            scrapes: CounterVec::new(
+                "indexd_scrapes_total",
+                "Replica /metrics scrapes by result.",
+                ["result"],
+            ),
+            rank_mismatch: Counter::new(
+                "indexd_rank_mismatch_total",
+                "Batches whose data_parallel_rank differs from the endpoint's.",
+            ),
+            observes: CounterVec::new(
+                "indexd_observes_total",
+                "Observe calls by result.",
+                ["result"],
+            ),
+            discovery: CounterVec::new(
+                "indexd_discovery_reloads_total",
+                "Discovery file reloads by result.",
+                ["result"],
+            ),
+        }
+    }
+
+    /// Renders the counters (gauges are appended by the caller).
+    pub fn render(&self, out: &mut String) {
+        self.events.render(out);
+        self.batches.render(out);
+        self.blocks.render(out);
+        self.gaps.render(out);
+        self.replays.render(out);
+        self.purges.render(out);
+        self.decode_errors.render(out);
+        self.duplicates.render(out);
+        self.pick_latency.render(out);
+        self.decisions.render(out);
+        self.block_size_mismatch.render(out);
+        self.scrapes.render(out);
+        self.rank_mismatch.render(out);
+        self.observes.render(out);
+        self.discovery.render(out);
+    }
+}
+
+/// Appends one gauge.
+pub fn gauge(out: &mut String, name: &str, help: &str, value: f64) {
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
+    );
+}

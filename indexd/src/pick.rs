@@ -1,0 +1,264 @@
+//! Pick and Observe: from a request to an ordered list of healthy, fresh
+//! replicas (or a stale answer), using [`crate::score`] over a snapshot.
+//!
+//! Decision kinds (proto `DecisionKind`):
+//! - `AFFINITY`: `previous_response_id` names a known, healthy replica: that
+//!   replica alone (its response store is the only one holding the id).
+//! - `PRECISE` / `APPROXIMATE`: some candidate holds a prefix of the keys.
+//! - `LOAD`: nobody holds anything (or the block size differs, reason
+//!   `block_size_mismatch`): ranked by load alone.
+//! - `STALE`: no healthy, fresh replica serves the model; no candidates.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvroute_proto::keys::BlockKey;
+use kvroute_proto::v1::{
+    Candidate, DecisionKind, Mode, ObserveRequest, Outcome, PickRequest, PickResponse,
+};
+
+use crate::config::EndpointId;
+use crate::error::RequestError;
+use crate::index::{PrefixMatch, Tier};
+use crate::score::{self, Input};
+use crate::state::{Replica, Shared, lock, read, write};
+
+fn proto_tier(t: Option<Tier>) -> i32 {
+    use kvroute_proto::v1::Tier as P;
+    (match t {
+        None => P::Unspecified,
+        Some(Tier::Gpu) => P::Gpu,
+        Some(Tier::Cpu) => P::Cpu,
+        Some(Tier::Storage) => P::Storage,
+    }) as i32
+}
+
+fn decision_label(d: DecisionKind) -> &'static str {
+    match d {
+        DecisionKind::Unspecified => "unspecified",
+        DecisionKind::Precise => "precise",
+        DecisionKind::Affinity => "affinity",
+        DecisionKind::Approximate => "approximate",
+        DecisionKind::Load => "load",
+        DecisionKind::Stale => "stale",
+    }
+}
+
+fn answer(
+    shared: &Shared,
+    decision: DecisionKind,
+    reason: &'static str,
+    candidates: Vec<Candidate>,
+) -> PickResponse {
+    shared
+        .metrics
+        .decisions
+        .inc([decision_label(decision), reason]);
+    PickResponse {
+        candidates,
+        decision: decision as i32,
+        reason: reason.to_owned(),
+        index_block_size: 0,
+        block_size_mismatch: false,
+    }
+}
+
+fn candidate(r: &Replica, m: &PrefixMatch, block_size: u32, cost: f64) -> Candidate {
+    Candidate {
+        address: r.id().address.to_string(),
+        data_parallel_rank: r.id().rank,
+        matched_blocks: m.blocks,
+        matched_tokens: m.blocks.saturating_mul(block_size),
+        tier: proto_tier(m.slowest_tier()),
+        cost,
+    }
+}
+
+/// Answers one Pick at `now`.
+pub fn pick(
+    shared: &Shared,
+    req: &PickRequest,
+    now: Instant,
+) -> Result<PickResponse, RequestError> {
+    let cfg = &shared.config;
+    if req.block_keys.len() > cfg.max_pick_keys {
+        return Err(RequestError::TooManyKeys {
+            got: req.block_keys.len(),
+            max: cfg.max_pick_keys,
+        });
+    }
+    let serving: Vec<Arc<Replica>> = read(&shared.registry)
+        .all()
+        .into_iter()
+        .filter(|r| r.serves(&req.model))
+        .collect();
+
+    if !req.previous_response_id.is_empty() {
+        let target = lock(&shared.affinity)
+            .get(&req.previous_response_id, now)
+            .cloned();
+        if let Some(id) = target
+            && let Some(r) = read(&shared.registry).find(&id)
+            && r.is_healthy()
+        {
+            r.note_pick(now);
+            let c = candidate(&r, &PrefixMatch::default(), req.block_size, 0.0);
+            return Ok(answer(
+                shared,
+                DecisionKind::Affinity,
+                "previous_response_id",
+                vec![c],
+            ));
+        }
+    }
+
+    let eligible: Vec<Arc<Replica>> = serving
+        .iter()
+        .filter(|r| r.is_eligible())
+        .cloned()
+        .collect();
+    if eligible.is_empty() {
+        let reason = if serving.is_empty() {
+            "unknown_model"
+        } else {
+            "no_fresh_replica"
+        };
+        return Ok(answer(shared, DecisionKind::Stale, reason, Vec::new()));
+    }
+
+    let approximate = req.mode == Mode::Approximate as i32;
+    let keys: Vec<BlockKey> = req
+        .block_keys
+        .iter()
+        .map(|k| BlockKey::from_u64(*k))
+        .collect();
+    let slots: Vec<_> = eligible.iter().map(|r| r.slot).collect();
+    let index_block_size = eligible
+        .iter()
+        .map(|r| r.block_size_seen())
+        .find(|b| *b != 0)
+        .unwrap_or(0);
+    let mismatch = !approximate
+        && (req.block_size != cfg.block_size.get()
+            || (index_block_size != 0 && index_block_size != req.block_size));
+    if mismatch {
+        shared.metrics.block_size_mismatch.inc(["pick"]);
+        tracing::warn!(
+            request_block_size = req.block_size,
+            index_block_size,
+            configured = cfg.block_size.get(),
+            "Pick block size differs from the index's: ranking by load only"
+        );
+    }
+
+    let matches = if mismatch || keys.is_empty() {
+        vec![PrefixMatch::default(); slots.len()]
+    } else if approximate {
+        lock(&shared.approximate).match_prefix(&req.model, &keys, &slots, now)
+    } else {
+        let index = read(&shared.index);
+        index.match_prefix(index.partition(&req.model), &keys, &slots, now)
+    };
+
+    let inputs: Vec<Input> = eligible
+        .iter()
+        .zip(&matches)
+        .map(|(r, m)| Input {
+            matched: *m,
+            load: r.load(now, cfg.pending_pick_ttl),
+        })
+        .collect();
+    let keyed_tokens = u32::try_from(keys.len())
+        .unwrap_or(u32::MAX)
+        .saturating_mul(req.block_size);
+    let prompt_tokens = req.prompt_tokens.max(keyed_tokens);
+    let ranked = {
+        let mut rng = lock(&shared.rng);
+        score::rank(
+            &inputs,
+            prompt_tokens,
+            req.block_size,
+            &cfg.weights,
+            &mut *rng,
+        )
+    };
+
+    let limit = match (req.max_candidates, cfg.max_candidates) {
+        (0, 0) => usize::MAX,
+        (0, n) | (n, _) => n as usize,
+    };
+    let mut candidates = Vec::with_capacity(ranked.len().min(limit));
+    let mut any_match = false;
+    for r in ranked.iter().take(limit) {
+        if let (Some(rep), Some(m)) = (eligible.get(r.input), matches.get(r.input)) {
+            any_match |= m.blocks > 0;
+            candidates.push(candidate(rep, m, req.block_size, r.cost));
+        }
+    }
+
+    if let Some(first) = ranked.first()
+        && let Some(chosen) = eligible.get(first.input)
+    {
+        chosen.note_pick(now);
+        // Credit the run unless the chosen replica already holds all of it.
+        let held = matches.get(first.input).map_or(0, |m| m.blocks as usize);
+        if !mismatch && held < keys.len() {
+            if approximate {
+                lock(&shared.approximate).learn(
+                    &req.model,
+                    &keys,
+                    chosen.slot,
+                    now,
+                    cfg.approximate_ttl,
+                );
+            } else if !cfg.speculative_ttl.is_zero() {
+                let mut index = write(&shared.index);
+                if let Some(p) = index.partition_or_insert(&req.model) {
+                    index.speculate(p, &keys, chosen.slot, now, now + cfg.speculative_ttl);
+                }
+            }
+        }
+    }
+
+    let (decision, reason) = match (mismatch, any_match, approximate) {
+        (true, ..) => (DecisionKind::Load, "block_size_mismatch"),
+        (false, true, false) => (DecisionKind::Precise, "prefix_match"),
+        (false, true, true) => (DecisionKind::Approximate, "prefix_match"),
+        (false, false, _) => (DecisionKind::Load, "no_match"),
+    };
+    let mut resp = answer(shared, decision, reason, candidates);
+    resp.index_block_size = index_block_size;
+    resp.block_size_mismatch = mismatch;
+    Ok(resp)
+}
+
+/// Records which replica served a request (feeds response-id affinity).
+pub fn observe(shared: &Shared, req: &ObserveRequest, now: Instant) -> Result<(), RequestError> {
+    if req.response_id.is_empty() {
+        shared.metrics.observes.inc(["no_response_id"]);
+        return Ok(());
+    }
+    let address = req
+        .endpoint
+        .parse()
+        .map_err(|_| RequestError::BadEndpoint(req.endpoint.clone()))?;
+    let ok = req.outcome == Outcome::Ok as i32 || req.outcome == Outcome::Unspecified as i32;
+    if !ok {
+        shared.metrics.observes.inc(["failed_request"]);
+        return Ok(());
+    }
+    let id = EndpointId {
+        address,
+        rank: req.data_parallel_rank,
+    };
+    let recorded = lock(&shared.affinity).insert(&req.response_id, id, now);
+    shared
+        .metrics
+        .observes
+        .inc([if recorded { "recorded" } else { "rejected" }]);
+    Ok(())
+}
+
+#[cfg(test)]
+#[path = "pick_tests.rs"]
+mod tests;

@@ -1,0 +1,186 @@
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use kvroute_proto::keys::{BlockSize, block_keys};
+use kvroute_proto::v1::{DecisionKind, Mode, ObserveRequest, PickRequest};
+use tokio_util::sync::CancellationToken;
+
+use super::*;
+use crate::config::{Config, EndpointConfig};
+use crate::wire::{BlockStored, EngineHash, EventBatch, ExtraKeys, KvEvent};
+
+fn shared(n: u16, tweak: impl FnOnce(&mut Config)) -> (Shared, Vec<Arc<Replica>>) {
+    let eps: Vec<EndpointConfig> = (0..n)
+        .map(|i| EndpointConfig::new(SocketAddr::from(([10, 0, 0, 1], 8000 + i)), "m"))
+        .collect();
+    let mut config = Config::new(eps.clone());
+    config.block_size = BlockSize::new(4).unwrap();
+    config.seed = Some(3);
+    tweak(&mut config);
+    let s = Shared::new(config, CancellationToken::new());
+    let replicas = eps.into_iter().map(|e| s.add_replica(e).unwrap()).collect();
+    (s, replicas)
+}
+
+fn req(keys: &[u64]) -> PickRequest {
+    PickRequest {
+        model: "m".into(),
+        block_keys: keys.to_vec(),
+        block_size: 4,
+        mode: Mode::Precise as i32,
+        ..PickRequest::default()
+    }
+}
+
+fn store(s: &Shared, r: &Replica, tokens: &[u32]) {
+    let n = tokens.len() / 4;
+    let ev = KvEvent::BlockStored(BlockStored {
+        block_hashes: (0..n as u64).map(EngineHash).collect(),
+        parent: None,
+        token_ids: tokens.to_vec(),
+        block_size: 4,
+        tier: crate::index::Tier::Gpu,
+        lora_name: None,
+        extra_keys: vec![ExtraKeys::None; n],
+        group_idx: 0,
+    });
+    s.ingest(
+        r,
+        &EventBatch {
+            ts: 0.0,
+            events: vec![ev],
+            data_parallel_rank: None,
+        },
+    );
+}
+
+fn keys(tokens: &[u32]) -> Vec<u64> {
+    block_keys(tokens, BlockSize::new(4).unwrap(), None)
+        .iter()
+        .map(|k| k.as_u64())
+        .collect()
+}
+
+#[test]
+fn the_holder_wins_and_only_eligible_replicas_are_named() {
+    let (s, rs) = shared(3, |_| {});
+    let t: Vec<u32> = (0..16).collect();
+    store(&s, &rs[2], &t);
+    let r = pick(&s, &req(&keys(&t)), Instant::now()).unwrap();
+    assert_eq!(r.decision, DecisionKind::Precise as i32);
+    assert_eq!(r.candidates[0].address, "10.0.0.1:8002");
+    assert_eq!(
+        (
+            r.candidates[0].matched_blocks,
+            r.candidates[0].matched_tokens
+        ),
+        (4, 16)
+    );
+    assert_eq!(r.candidates.len(), 3);
+    assert_eq!(r.index_block_size, 4);
+    rs[2].set_fresh(false);
+    let r = pick(&s, &req(&keys(&t)), Instant::now()).unwrap();
+    assert!(r.candidates.iter().all(|c| c.address != "10.0.0.1:8002"));
+    assert_eq!(r.decision, DecisionKind::Load as i32);
+    for r in &rs {
+        r.set_fresh(false);
+    }
+    let r = pick(&s, &req(&keys(&t)), Instant::now()).unwrap();
+    assert_eq!(
+        (r.decision, r.candidates.len()),
+        (DecisionKind::Stale as i32, 0)
+    );
+}
+
+#[test]
+fn speculative_entries_send_siblings_to_the_same_replica_then_expire() {
+    let (s, _) = shared(4, |c| c.speculative_ttl = Duration::from_secs(2));
+    // Long enough that the credit outweighs the first pick's pending load.
+    let k = keys(&(100..4196).collect::<Vec<u32>>());
+    let now = Instant::now();
+    let first = pick(&s, &req(&k), now).unwrap();
+    assert_eq!(first.decision, DecisionKind::Load as i32);
+    let chosen = first.candidates[0].address.clone();
+    let second = pick(&s, &req(&k), now).unwrap();
+    assert_eq!(second.decision, DecisionKind::Precise as i32);
+    assert_eq!(
+        (
+            second.candidates[0].address.as_str(),
+            second.candidates[0].matched_blocks
+        ),
+        (chosen.as_str(), 1024)
+    );
+    let later = pick(&s, &req(&k), now + Duration::from_secs(3)).unwrap();
+    assert_eq!(later.decision, DecisionKind::Load as i32);
+}
+
+#[test]
+fn block_size_mismatch_is_reported_and_ranks_by_load() {
+    let (s, rs) = shared(2, |_| {});
+    let t: Vec<u32> = (0..16).collect();
+    store(&s, &rs[0], &t);
+    let mut r8 = req(&keys(&t));
+    r8.block_size = 8;
+    let r = pick(&s, &r8, Instant::now()).unwrap();
+    assert_eq!(
+        (r.decision, r.reason.as_str()),
+        (DecisionKind::Load as i32, "block_size_mismatch")
+    );
+    assert!(r.block_size_mismatch);
+    assert!(r.candidates.iter().all(|c| c.matched_blocks == 0));
+    assert_eq!(s.metrics.block_size_mismatch.get(["pick"]), 1);
+}
+
+#[test]
+fn limits_and_candidate_caps() {
+    let (s, _) = shared(5, |c| {
+        c.max_pick_keys = 3;
+        c.max_candidates = 2;
+    });
+    assert!(matches!(
+        pick(&s, &req(&[1, 2, 3, 4]), Instant::now()),
+        Err(RequestError::TooManyKeys { .. })
+    ));
+    assert_eq!(
+        pick(&s, &req(&[1]), Instant::now())
+            .unwrap()
+            .candidates
+            .len(),
+        2
+    );
+    let mut one = req(&[1]);
+    one.max_candidates = 1;
+    assert_eq!(pick(&s, &one, Instant::now()).unwrap().candidates.len(), 1);
+}
+
+#[test]
+fn pending_picks_spread_load_until_a_scrape_sees_them() {
+    let (s, _) = shared(2, |c| c.speculative_ttl = Duration::ZERO);
+    let now = Instant::now();
+    let a = pick(&s, &req(&[1]), now).unwrap().candidates[0]
+        .address
+        .clone();
+    let b = pick(&s, &req(&[2]), now).unwrap().candidates[0]
+        .address
+        .clone();
+    assert_ne!(a, b, "the second pick sees the first as in flight");
+}
+
+#[test]
+fn affinity_by_address_when_the_rank_is_unknown() {
+    let (s, _) = shared(2, |_| {});
+    let obs = ObserveRequest {
+        endpoint: "10.0.0.1:8001".into(),
+        response_id: "resp_1".into(),
+        data_parallel_rank: Some(3),
+        ..ObserveRequest::default()
+    };
+    observe(&s, &obs, Instant::now()).unwrap();
+    let mut r = req(&[1]);
+    r.previous_response_id = "resp_1".into();
+    let resp = pick(&s, &r, Instant::now()).unwrap();
+    assert_eq!(
+        (resp.decision, resp.candidates[0].address.as_str()),
+        (DecisionKind::Affinity as i32, "10.0.0.1:8001")
+    );
+}

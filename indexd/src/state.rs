@@ -1,0 +1,397 @@
+//! Shared state: the replica registry, the index and the side tables, with
+//! one owner each.
+//!
+//! - `index`: `RwLock` — subscribers write one batch at a time; Pick reads,
+//!   then briefly writes its speculative entries. Never held across `.await`.
+//! - `registry`: `RwLock` — read on every Pick (a clone of a few `Arc`s),
+//!   written only when discovery adds or removes endpoints.
+//! - per-replica load, freshness and health: atomics and small mutexes inside
+//!   [`Replica`], written by that replica's own tasks.
+//! - `affinity`, `approximate`, `rng`: short `Mutex`es.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
+
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::affinity::{Affinity, Approximate};
+use crate::config::{Config, EndpointConfig, EndpointId};
+use crate::index::{ApplyStats, Index, ReplicaSlot};
+use crate::metrics::Metrics;
+use crate::score::Load;
+use crate::wire::{EventBatch, KvEvent};
+
+/// Locks a mutex, ignoring poisoning (no invariant spans a panic: there are
+/// none outside tests).
+pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Read-locks, ignoring poisoning.
+pub fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Write-locks, ignoring poisoning.
+pub fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+    l.write().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Load as scraped, plus bookkeeping.
+#[derive(Debug, Default)]
+struct Scraped {
+    running: f64,
+    waiting: f64,
+    kv_usage: f64,
+    consecutive_failures: u32,
+    occupancy: Option<f64>,
+    cache_available: Option<bool>,
+}
+
+/// One replica's runtime state.
+#[derive(Debug)]
+pub struct Replica {
+    /// Its configuration.
+    pub config: EndpointConfig,
+    /// Its slot in the index.
+    pub slot: ReplicaSlot,
+    /// Cancels its tasks when it is removed or indexd stops.
+    pub cancel: CancellationToken,
+    fresh: AtomicBool,
+    healthy: AtomicBool,
+    scraped: Mutex<Scraped>,
+    pending: Mutex<VecDeque<Instant>>,
+    block_size_seen: AtomicU32,
+    block_size_warned: AtomicBool,
+    loras: Mutex<BTreeSet<String>>,
+    last_warning: Mutex<Option<Instant>>,
+}
+
+const MAX_PENDING: usize = 4096;
+const MAX_LORAS: usize = 256;
+
+impl Replica {
+    fn new(config: EndpointConfig, slot: ReplicaSlot, cancel: CancellationToken) -> Self {
+        Self {
+            // Without an event source there is nothing to be stale about;
+            // without a metrics URL there is no health signal.
+            fresh: AtomicBool::new(config.events.is_none()),
+            healthy: AtomicBool::new(config.metrics_url.is_none()),
+            config,
+            slot,
+            cancel,
+            scraped: Mutex::new(Scraped::default()),
+            pending: Mutex::new(VecDeque::new()),
+            block_size_seen: AtomicU32::new(0),
+            block_size_warned: AtomicBool::new(false),
+            loras: Mutex::new(BTreeSet::new()),
+            last_warning: Mutex::new(None),
+        }
+    }
+
+    /// True at most once per 10 s: bad input from one replica is counted
+    /// always but logged sparingly.
+    pub fn may_warn(&self) -> bool {
+        let now = Instant::now();
+        let mut last = lock(&self.last_warning);
+        if last.is_some_and(|t| now.saturating_duration_since(t) < Duration::from_secs(10)) {
+            return false;
+        }
+        *last = Some(now);
+        true
+    }
+
+    /// Its identity.
+    pub fn id(&self) -> &EndpointId {
+        &self.config.id
+    }
+
+    /// Subscribed with no unrecovered gap.
+    pub fn is_fresh(&self) -> bool {
+        self.fresh.load(Ordering::Acquire)
+    }
+
+    /// Marks the event stream complete (or not).
+    pub fn set_fresh(&self, fresh: bool) {
+        self.fresh.store(fresh, Ordering::Release);
+    }
+
+    /// The last scrapes succeeded (or there is nothing to scrape).
+    pub fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Acquire)
+    }
+
+    /// Healthy and fresh: may be named in an answer.
+    pub fn is_eligible(&self) -> bool {
+        self.is_healthy() && self.is_fresh()
+    }
+
+    /// The block size its events carry (0: none seen).
+    pub fn block_size_seen(&self) -> u32 {
+        self.block_size_seen.load(Ordering::Relaxed)
+    }
+
+    /// True if it serves `model` (configured, or a LoRA seen in its events).
+    pub fn serves(&self, model: &str) -> bool {
+        self.config.serves(model) || lock(&self.loras).contains(model)
+    }
+
+    /// Records a successful scrape that started at `started`.
+    pub fn scrape_ok(&self, running: f64, waiting: f64, kv_usage: f64, started: Instant) {
+        {
+            let mut s = lock(&self.scraped);
+            s.running = running;
+            s.waiting = waiting;
+            s.kv_usage = kv_usage;
+            s.consecutive_failures = 0;
+        }
+        // Picks made before the scrape started are visible in it now.
+        let mut pending = lock(&self.pending);
+        while pending.front().is_some_and(|t| *t < started) {
+            pending.pop_front();
+        }
+        drop(pending);
+        self.healthy.store(true, Ordering::Release);
+    }
+
+    /// Records a failed scrape; returns true if the replica just became
+    /// unhealthy.
+    pub fn scrape_failed(&self, unhealthy_after: u32) -> bool {
+        let failures = {
+            let mut s = lock(&self.scraped);
+            s.consecutive_failures = s.consecutive_failures.saturating_add(1);
+            s.consecutive_failures
+        };
+        failures >= unhealthy_after && self.healthy.swap(false, Ordering::AcqRel)
+    }
+
+    /// Records the capacity signal.
+    pub fn set_capacity(&self, occupancy: Option<f64>, cache_available: Option<bool>) {
+        let mut s = lock(&self.scraped);
+        s.occupancy = occupancy;
+        s.cache_available = cache_available;
+    }
+
+    /// Counts a pick until a scrape shows it.
+    pub fn note_pick(&self, now: Instant) {
+        let mut pending = lock(&self.pending);
+        if pending.len() >= MAX_PENDING {
+            pending.pop_front();
+        }
+        pending.push_back(now);
+    }
+
+    /// The load snapshot the scorer uses.
+    pub fn load(&self, now: Instant, pending_ttl: Duration) -> Load {
+        let pending = {
+            let mut p = lock(&self.pending);
+            while p
+                .front()
+                .is_some_and(|t| now.saturating_duration_since(*t) > pending_ttl)
+            {
+                p.pop_front();
+            }
+            p.len()
+        };
+        let s = lock(&self.scraped);
+        #[allow(clippy::cast_precision_loss)]
+        Load {
+            running: s.running,
+            waiting: s.waiting,
+            kv_usage: s.kv_usage,
+            pending_picks: pending as f64,
+            occupancy: s.occupancy,
+            cache_available: s.cache_available.unwrap_or(true),
+        }
+    }
+}
+
+/// The replicas indexd knows, by identity.
+#[derive(Debug, Default)]
+pub struct Registry {
+    replicas: BTreeMap<EndpointId, Arc<Replica>>,
+    next_slot: u32,
+}
+
+impl Registry {
+    /// All replicas.
+    pub fn all(&self) -> Vec<Arc<Replica>> {
+        self.replicas.values().cloned().collect()
+    }
+
+    /// One replica.
+    pub fn get(&self, id: &EndpointId) -> Option<Arc<Replica>> {
+        self.replicas.get(id).cloned()
+    }
+
+    /// The replica `id` names, or, when the rank is unknown or differs, the
+    /// first replica at that address.
+    pub fn find(&self, id: &EndpointId) -> Option<Arc<Replica>> {
+        self.get(id).or_else(|| {
+            self.replicas
+                .values()
+                .find(|r| r.id().address == id.address)
+                .cloned()
+        })
+    }
+}
+
+/// Everything the tasks and handlers share.
+#[derive(Debug)]
+pub struct Shared {
+    /// The configuration indexd started with.
+    pub config: Config,
+    /// The block index.
+    pub index: RwLock<Index>,
+    /// The replica registry.
+    pub registry: RwLock<Registry>,
+    /// Response-id affinity.
+    pub affinity: Mutex<Affinity>,
+    /// Approximate-mode keys.
+    pub approximate: Mutex<Approximate>,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Tie-breaking RNG.
+    pub rng: Mutex<StdRng>,
+    /// Cancelled when indexd stops.
+    pub shutdown: CancellationToken,
+    /// Every background task, awaited on shutdown.
+    pub tasks: TaskTracker,
+}
+
+impl Shared {
+    /// Fresh state for `config`.
+    pub fn new(config: Config, shutdown: CancellationToken) -> Self {
+        let rng = match config.seed {
+            Some(seed) => StdRng::seed_from_u64(seed),
+            None => StdRng::from_os_rng(),
+        };
+        Self {
+            index: RwLock::new(Index::new(
+                config.max_index_entries,
+                config.max_speculative_entries,
+            )),
+            registry: RwLock::new(Registry::default()),
+            affinity: Mutex::new(Affinity::new(config.affinity_capacity, config.affinity_ttl)),
+            approximate: Mutex::new(Approximate::new(config.approximate_capacity)),
+            metrics: Metrics::new(),
+            rng: Mutex::new(rng),
+            shutdown,
+            tasks: TaskTracker::new(),
+            config,
+        }
+    }
+
+    /// Registers an endpoint; `None` if it is already known.
+    pub fn add_replica(&self, config: EndpointConfig) -> Option<Arc<Replica>> {
+        let mut reg = write(&self.registry);
+        if reg.replicas.contains_key(&config.id) {
+            return None;
+        }
+        let slot = ReplicaSlot(reg.next_slot);
+        reg.next_slot = reg.next_slot.saturating_add(1);
+        let replica = Arc::new(Replica::new(config, slot, self.shutdown.child_token()));
+        reg.replicas
+            .insert(replica.id().clone(), Arc::clone(&replica));
+        Some(replica)
+    }
+
+    /// Unregisters an endpoint, stops its tasks and drops its entries.
+    pub fn remove_replica(&self, id: &EndpointId) -> bool {
+        let Some(replica) = write(&self.registry).replicas.remove(id) else {
+            return false;
+        };
+        replica.cancel.cancel();
+        write(&self.index).remove_replica(replica.slot);
+        lock(&self.approximate).forget_replica(replica.slot);
+        self.metrics.purges.inc(["removed"]);
+        true
+    }
+
+    /// Forgets what `replica` holds.
+    pub fn purge(&self, replica: &Replica, reason: &'static str) {
+        write(&self.index).purge(replica.slot);
+        self.metrics.purges.inc([reason]);
+        tracing::info!(endpoint = %replica.id(), reason, "purged replica from the index");
+    }
+
+    /// Applies one decoded batch from `replica`.
+    pub fn ingest(&self, replica: &Replica, batch: &EventBatch) {
+        let m = &self.metrics;
+        m.batches.inc();
+        if let (Some(got), Some(want)) = (batch.data_parallel_rank, replica.id().rank)
+            && got != want
+        {
+            m.rank_mismatch.inc();
+        }
+        for ev in &batch.events {
+            let ty = match ev {
+                KvEvent::BlockStored(s) => {
+                    self.note_block_size(replica, s.block_size);
+                    if let Some(lora) = &s.lora_name {
+                        let mut loras = lock(&replica.loras);
+                        if loras.len() < MAX_LORAS {
+                            loras.insert(lora.clone());
+                        }
+                    }
+                    "block_stored"
+                }
+                KvEvent::BlockRemoved(_) => "block_removed",
+                KvEvent::AllBlocksCleared => "all_blocks_cleared",
+                KvEvent::Unknown => "unknown",
+            };
+            m.events.inc([ty]);
+        }
+        let mut stats = ApplyStats::default();
+        {
+            let mut index = write(&self.index);
+            for ev in &batch.events {
+                index.apply(replica.slot, &replica.config.model, ev, &mut stats);
+            }
+        }
+        if stats.cleared > 0 {
+            m.purges.add(["cleared"], stats.cleared);
+        }
+        let outcomes = [
+            ("stored", stats.stored),
+            ("tier_move", stats.tier_moves),
+            ("removed", stats.removed),
+            ("skipped_unknown_parent", stats.skipped_unknown_parent),
+            ("skipped_unkeyable", stats.skipped_unkeyable),
+            ("skipped_group", stats.skipped_group),
+            ("skipped_bad_length", stats.skipped_bad_length),
+            ("evicted", stats.evicted),
+        ];
+        for (label, n) in outcomes {
+            m.blocks.add([label], n);
+        }
+    }
+
+    fn note_block_size(&self, replica: &Replica, block_size: u32) {
+        replica.block_size_seen.store(block_size, Ordering::Relaxed);
+        if block_size != self.config.block_size.get() {
+            self.metrics.block_size_mismatch.inc(["event"]);
+            if !replica.block_size_warned.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    endpoint = %replica.id(),
+                    event_block_size = block_size,
+                    configured = self.config.block_size.get(),
+                    "replica's KV events use a different block size than configured: its blocks will not match"
+                );
+            }
+        }
+    }
+
+    /// True when some replica may be named in an answer.
+    pub fn is_ready(&self) -> bool {
+        read(&self.registry)
+            .replicas
+            .values()
+            .any(|r| r.is_eligible())
+    }
+}
