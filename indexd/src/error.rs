@@ -106,17 +106,14 @@ pub enum SubscribeError {
 #[derive(Debug, thiserror::Error)]
 pub enum ScrapeError {
     /// Connecting, sending or reading failed.
-    #[error("io: {0}")]
-    Io(#[from] std::io::Error),
+    #[error("http: {0}")]
+    Http(#[from] reqwest::Error),
     /// The whole exchange took too long.
     #[error("timed out")]
     Timeout,
     /// Not a 200 response.
     #[error("http status {0}")]
     Status(u16),
-    /// The response could not be parsed.
-    #[error("bad response: {0}")]
-    Malformed(&'static str),
     /// The body exceeded the cap.
     #[error("response larger than {0} bytes")]
     TooLarge(usize),

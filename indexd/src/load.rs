@@ -1,5 +1,5 @@
 //! Load and health: a background scrape of each replica's vLLM `/metrics`
-//! (and the optional capacity signal), over a tiny HTTP/1.1 client.
+//! (and the optional capacity signal) over HTTP.
 //!
 //! - `vllm:num_requests_running` and `vllm:num_requests_waiting` are summed
 //!   over the series of the replica (the series whose `engine` label equals
@@ -14,8 +14,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::config::HttpUrl;
@@ -30,6 +28,13 @@ pub async fn run(shared: Arc<Shared>, replica: Arc<Replica>) {
     if replica.config.metrics_url.is_none() && replica.config.capacity_url.is_none() {
         return;
     }
+    let client = match client() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!(endpoint = %replica.id(), error = %e, "cannot build the scrape client");
+            return;
+        }
+    };
     let mut tick = tokio::time::interval(shared.config.scrape_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
@@ -37,16 +42,16 @@ pub async fn run(shared: Arc<Shared>, replica: Arc<Replica>) {
             () = replica.cancel.cancelled() => return,
             _ = tick.tick() => {}
         }
-        scrape_once(&shared, &replica).await;
+        scrape_once(&shared, &replica, &client).await;
     }
 }
 
 /// One scrape of metrics and capacity.
-pub async fn scrape_once(shared: &Shared, replica: &Replica) {
+pub async fn scrape_once(shared: &Shared, replica: &Replica, client: &reqwest::Client) {
     let timeout = shared.config.scrape_timeout;
     if let Some(url) = &replica.config.metrics_url {
         let started = std::time::Instant::now();
-        match get(url, timeout).await {
+        match get(client, url, timeout).await {
             Ok(body) => {
                 let text = String::from_utf8_lossy(&body);
                 let load = parse_vllm_metrics(&text, replica.id().rank);
@@ -64,7 +69,7 @@ pub async fn scrape_once(shared: &Shared, replica: &Replica) {
         }
     }
     if let Some(url) = &replica.config.capacity_url {
-        match get(url, timeout).await {
+        match get(client, url, timeout).await {
             Ok(body) => {
                 let (occupancy, available) = parse_capacity(&body);
                 replica.set_capacity(occupancy, available);
@@ -169,98 +174,53 @@ pub fn parse_capacity(body: &[u8]) -> (Option<f64>, Option<bool>) {
     )
 }
 
-/// GET `url` with an overall timeout; the body of a 200 response.
-pub async fn get(url: &HttpUrl, timeout: Duration) -> Result<Vec<u8>, ScrapeError> {
-    tokio::time::timeout_at(Instant::now() + timeout, get_inner(url))
+/// GET `url` with an overall timeout; the body of a 200 response, at most
+/// [`MAX_BODY`] bytes. Redirects are followed: vLLM mounts its Prometheus app
+/// at `/metrics/`, so `/metrics` answers 307.
+pub async fn get(
+    client: &reqwest::Client,
+    url: &HttpUrl,
+    timeout: Duration,
+) -> Result<Vec<u8>, ScrapeError> {
+    tokio::time::timeout_at(Instant::now() + timeout, get_inner(client, url))
         .await
         .map_err(|_| ScrapeError::Timeout)?
 }
 
-async fn get_inner(url: &HttpUrl) -> Result<Vec<u8>, ScrapeError> {
-    let mut stream = TcpStream::connect(&url.authority).await?;
-    let request = format!(
-        "GET {} HTTP/1.1\r\nHost: {}\r\nUser-Agent: kvroute-indexd\r\nAccept: text/plain, application/json\r\nConnection: close\r\n\r\n",
-        url.path, url.authority
-    );
-    stream.write_all(request.as_bytes()).await?;
-    let mut raw = Vec::new();
-    let mut limited = (&mut stream).take(MAX_BODY as u64 + 64 * 1024);
-    limited.read_to_end(&mut raw).await?;
-    parse_response(&raw)
-}
-
-/// Splits an HTTP/1.x response read to EOF; decodes chunked bodies.
-pub fn parse_response(raw: &[u8]) -> Result<Vec<u8>, ScrapeError> {
-    let head_end = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or(ScrapeError::Malformed("no end of headers"))?;
-    let head = std::str::from_utf8(raw.get(..head_end).unwrap_or_default())
-        .map_err(|_| ScrapeError::Malformed("headers not utf-8"))?;
-    let body = raw.get(head_end + 4..).unwrap_or_default();
-    let mut lines = head.split("\r\n");
-    let status: u16 = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|s| s.parse().ok())
-        .ok_or(ScrapeError::Malformed("status line"))?;
-    if status != 200 {
-        return Err(ScrapeError::Status(status));
+async fn get_inner(client: &reqwest::Client, url: &HttpUrl) -> Result<Vec<u8>, ScrapeError> {
+    let mut response = client
+        .get(url.to_string())
+        .header(reqwest::header::ACCEPT, "text/plain, application/json")
+        .send()
+        .await?;
+    let status = response.status();
+    if status != reqwest::StatusCode::OK {
+        return Err(ScrapeError::Status(status.as_u16()));
     }
-    let mut chunked = false;
-    let mut length = None;
-    for line in lines {
-        if let Some((k, v)) = line.split_once(':') {
-            let (k, v) = (k.trim(), v.trim());
-            if k.eq_ignore_ascii_case("transfer-encoding")
-                && v.to_ascii_lowercase().contains("chunked")
-            {
-                chunked = true;
-            } else if k.eq_ignore_ascii_case("content-length") {
-                length = v.parse::<usize>().ok();
-            }
-        }
-    }
-    let body = if chunked {
-        dechunk(body)?
-    } else if let Some(n) = length {
-        body.get(..n)
-            .ok_or(ScrapeError::Malformed("short body"))?
-            .to_vec()
-    } else {
-        body.to_vec()
-    };
-    if body.len() > MAX_BODY {
+    if response
+        .content_length()
+        .is_some_and(|n| n > MAX_BODY as u64)
+    {
         return Err(ScrapeError::TooLarge(MAX_BODY));
+    }
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await? {
+        if body.len() + chunk.len() > MAX_BODY {
+            return Err(ScrapeError::TooLarge(MAX_BODY));
+        }
+        body.extend_from_slice(&chunk);
     }
     Ok(body)
 }
 
-fn dechunk(mut body: &[u8]) -> Result<Vec<u8>, ScrapeError> {
-    let mut out = Vec::new();
-    loop {
-        let line_end = body
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .ok_or(ScrapeError::Malformed("chunk size"))?;
-        let size_text = std::str::from_utf8(body.get(..line_end).unwrap_or_default())
-            .map_err(|_| ScrapeError::Malformed("chunk size"))?;
-        let size_hex = size_text.split(';').next().unwrap_or_default().trim();
-        let size = usize::from_str_radix(size_hex, 16)
-            .map_err(|_| ScrapeError::Malformed("chunk size"))?;
-        let rest = body.get(line_end + 2..).unwrap_or_default();
-        if size == 0 {
-            return Ok(out);
-        }
-        if out.len() + size > MAX_BODY {
-            return Err(ScrapeError::TooLarge(MAX_BODY));
-        }
-        out.extend_from_slice(
-            rest.get(..size)
-                .ok_or(ScrapeError::Malformed("short chunk"))?,
-        );
-        body = rest.get(size + 2..).unwrap_or_default();
-    }
+/// The scrape client: plain HTTP, a few redirects, no proxy from the
+/// environment (replicas are addressed directly).
+pub fn client() -> Result<reqwest::Client, ScrapeError> {
+    Ok(reqwest::Client::builder()
+        .user_agent("kvroute-indexd")
+        .redirect(reqwest::redirect::Policy::limited(3))
+        .no_proxy()
+        .build()?)
 }
 
 #[cfg(test)]
@@ -291,24 +251,43 @@ vllm:num_requests_running_total 99
         assert_eq!((plain.waiting, plain.kv_usage), (5.0, 0.9));
     }
 
-    #[test]
-    fn http_responses_plain_sized_and_chunked() {
+    #[tokio::test]
+    async fn scrape_follows_vllms_metrics_redirect_and_bounds_the_body() {
+        use axum::response::Redirect;
+        use axum::routing::get as route;
+        let app = axum::Router::new()
+            .route(
+                "/metrics",
+                route(|| async { Redirect::temporary("/metrics/") }),
+            )
+            .route(
+                "/metrics/",
+                route(|| async { "vllm:num_requests_running 2\n" }),
+            )
+            .route("/huge", route(|| async { "x".repeat(MAX_BODY + 1) }))
+            .route(
+                "/down",
+                route(|| async { (axum::http::StatusCode::SERVICE_UNAVAILABLE, "no") }),
+            );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        let client = client().unwrap();
+        let url = |p: &str| HttpUrl::parse(&format!("http://{addr}{p}")).unwrap();
+        let t = Duration::from_secs(5);
+        let body = get(&client, &url("/metrics"), t).await.unwrap();
         assert_eq!(
-            parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhiXX").unwrap(),
-            b"hi"
-        );
-        assert_eq!(
-            parse_response(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhe\r\n3\r\nllo\r\n0\r\n\r\n").unwrap(),
-            b"hello"
+            parse_vllm_metrics(&String::from_utf8_lossy(&body), None).running,
+            2.0
         );
         assert!(matches!(
-            parse_response(b"HTTP/1.1 503 No\r\n\r\n"),
+            get(&client, &url("/huge"), t).await,
+            Err(ScrapeError::TooLarge(_))
+        ));
+        assert!(matches!(
+            get(&client, &url("/down"), t).await,
             Err(ScrapeError::Status(503))
         ));
-        assert!(parse_response(b"garbage").is_err());
-        assert!(
-            parse_response(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n").is_err()
-        );
     }
 
     #[test]

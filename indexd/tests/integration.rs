@@ -271,7 +271,12 @@ impl Daemon {
 
     async fn http_get(&self, path: &str) -> Result<Vec<u8>, indexd::error::ScrapeError> {
         let url = HttpUrl::parse(&format!("http://{}{path}", self.http)).unwrap();
-        indexd::load::get(&url, Duration::from_secs(5)).await
+        indexd::load::get(
+            &indexd::load::client().unwrap(),
+            &url,
+            Duration::from_secs(5),
+        )
+        .await
     }
 
     async fn stop(self) {
@@ -872,9 +877,13 @@ async fn the_binary_prints_its_addresses_and_serves() {
     assert_ne!(grpc.port(), 0);
     let url = HttpUrl::parse(&format!("http://{http}/healthz")).unwrap();
     assert_eq!(
-        indexd::load::get(&url, Duration::from_secs(5))
-            .await
-            .unwrap(),
+        indexd::load::get(
+            &indexd::load::client().unwrap(),
+            &url,
+            Duration::from_secs(5)
+        )
+        .await
+        .unwrap(),
         b"ok\n"
     );
     let mut client = IndexClient::connect(format!("http://{grpc}"))
