@@ -4,7 +4,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/kvroute_filter.wasm
 WASM_TEST_RUNNER := CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner
 
-.PHONY: help deps build wasm lint test test-native test-wasm run clean
+.PHONY: help deps build wasm lint test test-native test-wasm run up clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -33,11 +33,17 @@ test-native: ## Unit and integration tests, native (needs `make wasm` and the ve
 test-wasm: ## The block-key golden vectors compiled to wasm32 and run under node
 	$(WASM_TEST_RUNNER) $(CARGO) test -p kvroute-proto --target wasm32-unknown-unknown --lib --tests
 
-run: ## The end-to-end demo (arrives with the end-to-end work)
-	@echo "make run: the end-to-end demo (Envoy + filter + indexd + mock vLLM) is not built yet." >&2
-	@echo "          Today: 'make test' runs the unit tests, the key vectors (native and wasm)" >&2
-	@echo "          and loads the filter in a real Envoy 1.40." >&2
-	@exit 2
+run: ## The demo: least-request vs kvroute through real Envoy on mock vLLM replicas
+	bash .ci/deps.sh run
+	$(MAKE) wasm
+	$(CARGO) build -p kvroute-e2e --bin kvroute-demo
+	target/debug/kvroute-demo $(DEMO_ARGS)
+
+up: ## A kvroute stack (Envoy + filter + indexd + mock replicas) running until Ctrl-C
+	bash .ci/deps.sh run
+	$(MAKE) wasm
+	$(CARGO) build -p kvroute-e2e --bin kvroute-demo
+	target/debug/kvroute-demo --up $(DEMO_ARGS)
 
 clean: ## Remove build output
 	$(CARGO) clean

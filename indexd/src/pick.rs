@@ -101,7 +101,7 @@ pub fn pick(
             && let Some(r) = read(&shared.registry).find(&id)
             && r.is_healthy()
         {
-            r.note_pick(now);
+            r.note_pick(now, &req.request_id, f64::from(req.prompt_tokens));
             let c = candidate(&r, &PrefixMatch::default(), req.block_size, 0.0);
             return Ok(answer(
                 shared,
@@ -199,9 +199,15 @@ pub fn pick(
     if let Some(first) = ranked.first()
         && let Some(chosen) = eligible.get(first.input)
     {
-        chosen.note_pick(now);
         // Credit the run unless the chosen replica already holds all of it.
         let held = matches.get(first.input).map_or(0, |m| m.blocks as usize);
+        #[allow(clippy::cast_precision_loss)]
+        let cached = (held as f64) * f64::from(req.block_size);
+        chosen.note_pick(
+            now,
+            &req.request_id,
+            (f64::from(prompt_tokens) - cached).max(0.0),
+        );
         if !mismatch && held < keys.len() {
             if approximate {
                 lock(&shared.approximate).learn(
@@ -234,6 +240,16 @@ pub fn pick(
 
 /// Records which replica served a request (feeds response-id affinity).
 pub fn observe(shared: &Shared, req: &ObserveRequest, now: Instant) -> Result<(), RequestError> {
+    // The request was answered: its pick no longer stands for queued prefill
+    // work, on whichever replica it was noted (Envoy may have served it
+    // elsewhere after a retry).
+    if !req.request_id.is_empty() {
+        for r in read(&shared.registry).all() {
+            if r.complete_pick(&req.request_id) {
+                break;
+            }
+        }
+    }
     if req.response_id.is_empty() {
         shared.metrics.observes.inc(["no_response_id"]);
         return Ok(());

@@ -184,3 +184,37 @@ fn affinity_by_address_when_the_rank_is_unknown() {
         (DecisionKind::Affinity as i32, "10.0.0.1:8001")
     );
 }
+
+#[test]
+fn an_answered_pick_stops_counting_as_queued_work() {
+    let (s, _) = shared(2, |_| {});
+    let now = Instant::now();
+    let tokens: Vec<u32> = (0..16).collect();
+    let mut first = req(&keys(&tokens));
+    first.request_id = "r1".into();
+    first.prompt_tokens = 2_000;
+    let warm = pick(&s, &first, now).unwrap().candidates[0].address.clone();
+
+    // The continuation (same prefix, more tokens) while the first request is
+    // still counted as 2,000 tokens of queued prefill on `warm`: the other
+    // replica looks cheaper.
+    let mut next = req(&keys(&tokens));
+    next.request_id = "r2".into();
+    next.prompt_tokens = 40;
+    let busy = pick(&s, &next, now).unwrap();
+    assert_ne!(busy.candidates[0].address, warm);
+
+    // Once the filter reports r1 answered, only r2's own pick is pending and
+    // the warm prefix decides.
+    let (s, _) = shared(2, |_| {});
+    let warm = pick(&s, &first, now).unwrap().candidates[0].address.clone();
+    let answered = ObserveRequest {
+        endpoint: warm.clone(),
+        request_id: "r1".into(),
+        ..ObserveRequest::default()
+    };
+    observe(&s, &answered, now).unwrap();
+    let resp = pick(&s, &next, now).unwrap();
+    assert_eq!(resp.candidates[0].address, warm);
+    assert_eq!(resp.decision, DecisionKind::Precise as i32);
+}

@@ -6,7 +6,7 @@
 //! ```text
 //! credited_r = block_size × Σ_tier matched_blocks_r[tier] × credit[tier]
 //! uncached_r = max(prompt_tokens − credited_r, 0)
-//! queued_r   = queued_tokens_per_waiting × (waiting_r + pending_picks_r)
+//! queued_r   = queued_tokens_per_waiting × waiting_r + pending_tokens_r
 //! cost_r     = (uncached_r + queued_r) / prefill_tokens_per_second
 //!            + running_penalty_seconds   × running_r
 //!            + kv_usage_penalty_seconds  × kv_usage_r
@@ -15,9 +15,13 @@
 //!
 //! `credit` is 1.0 for GPU, less for CPU and storage; with a capacity signal
 //! saying `cache_available: false`, lower tiers earn nothing. Candidates are
-//! ordered by cost (rounded to microseconds), then fewer requests in flight
-//! (`running + waiting + pending`), then a random draw from the caller's RNG
-//! (seeded in tests).
+//! ordered by cost (rounded to microseconds), then more matched blocks, then
+//! fewer requests in flight (`running + waiting + pending`), then a random
+//! draw from the caller's RNG (seeded in tests).
+//!
+//! `pending_tokens_r` is the prefill work of picks the replica's metrics do
+//! not show yet: each pick adds the prompt tokens that replica had not cached,
+//! until a later scrape sees it or the filter's Observe reports it answered.
 //!
 //! A shared prefix cached everywhere credits every replica alike, so load
 //! decides; a conversation's own history cached on one replica is a strong
@@ -130,8 +134,11 @@ pub struct Load {
     pub waiting: f64,
     /// `vllm:kv_cache_usage_perc` (0..1).
     pub kv_usage: f64,
-    /// Picks not yet visible in the metrics.
+    /// Picks not yet visible in the metrics (nor answered).
     pub pending_picks: f64,
+    /// Their estimated prefill work in tokens (uncached prompt tokens at pick
+    /// time).
+    pub pending_tokens: f64,
     /// Capacity signal occupancy (0..1), if any.
     pub occupancy: Option<f64>,
     /// Capacity signal `cache_available` (true without a signal).
@@ -165,7 +172,7 @@ pub fn cost(input: &Input, prompt_tokens: u32, block_size: u32, w: &Weights) -> 
         .map(|(tier, n)| f64::from(n) * f64::from(block_size) * w.credit(tier, available))
         .sum();
     let uncached = (f64::from(prompt_tokens) - credited).max(0.0);
-    let queued = w.queued_tokens_per_waiting * (input.load.waiting + input.load.pending_picks);
+    let queued = w.queued_tokens_per_waiting * input.load.waiting + input.load.pending_tokens;
     let mut c = (uncached + queued) / w.prefill_tokens_per_second
         + w.running_penalty_seconds * input.load.running
         + w.kv_usage_penalty_seconds * input.load.kv_usage.clamp(0.0, 1.0);
@@ -183,7 +190,7 @@ pub fn rank<R: Rng>(
     w: &Weights,
     rng: &mut R,
 ) -> Vec<Ranked> {
-    let mut scored: Vec<(i64, f64, u64, Ranked)> = inputs
+    let mut scored: Vec<(i64, u32, f64, u64, Ranked)> = inputs
         .iter()
         .enumerate()
         .map(|(i, input)| {
@@ -193,13 +200,21 @@ pub fn rank<R: Rng>(
             let in_flight = input.load.running + input.load.waiting + input.load.pending_picks;
             (
                 micros,
+                input.matched.blocks,
                 in_flight,
                 rng.random::<u64>(),
                 Ranked { input: i, cost: c },
             )
         })
         .collect();
-    scored.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)).then(a.2.cmp(&b.2)));
+    // Equal estimated TTFT: the replica that reuses more of the prompt saves
+    // the fleet prefill work (and keeps a conversation together).
+    scored.sort_by(|a, b| {
+        a.0.cmp(&b.0)
+            .then(b.1.cmp(&a.1))
+            .then(a.2.total_cmp(&b.2))
+            .then(a.3.cmp(&b.3))
+    });
     scored.into_iter().map(|(.., r)| r).collect()
 }
 

@@ -65,7 +65,7 @@ pub struct Replica {
     fresh: AtomicBool,
     healthy: AtomicBool,
     scraped: Mutex<Scraped>,
-    pending: Mutex<VecDeque<Instant>>,
+    pending: Mutex<VecDeque<PendingPick>>,
     block_size_seen: AtomicU32,
     block_size_warned: AtomicBool,
     loras: Mutex<BTreeSet<String>>,
@@ -73,6 +73,17 @@ pub struct Replica {
 }
 
 const MAX_PENDING: usize = 4096;
+
+/// A pick the replica's metrics do not show yet.
+#[derive(Clone, Debug)]
+struct PendingPick {
+    at: Instant,
+    /// The request's `x-request-id` (empty if none).
+    request_id: String,
+    /// Its estimated prefill work: the prompt tokens this replica had not
+    /// cached at pick time.
+    tokens: f64,
+}
 const MAX_LORAS: usize = 256;
 
 impl Replica {
@@ -152,7 +163,7 @@ impl Replica {
         }
         // Picks made before the scrape started are visible in it now.
         let mut pending = lock(&self.pending);
-        while pending.front().is_some_and(|t| *t < started) {
+        while pending.front().is_some_and(|p| p.at < started) {
             pending.pop_front();
         }
         drop(pending);
@@ -177,26 +188,45 @@ impl Replica {
         s.cache_available = cache_available;
     }
 
-    /// Counts a pick until a scrape shows it.
-    pub fn note_pick(&self, now: Instant) {
+    /// Counts a pick, with its estimated prefill `tokens`, until a scrape
+    /// shows it or the filter reports it answered ([`Self::complete_pick`]).
+    pub fn note_pick(&self, now: Instant, request_id: &str, tokens: f64) {
         let mut pending = lock(&self.pending);
         if pending.len() >= MAX_PENDING {
             pending.pop_front();
         }
-        pending.push_back(now);
+        pending.push_back(PendingPick {
+            at: now,
+            request_id: request_id.to_owned(),
+            tokens,
+        });
+    }
+
+    /// Forgets the pending pick of `request_id`: the replica has answered
+    /// (its prefill is done), so it no longer stands for queued work. Returns
+    /// whether one was found.
+    pub fn complete_pick(&self, request_id: &str) -> bool {
+        if request_id.is_empty() {
+            return false;
+        }
+        let mut pending = lock(&self.pending);
+        match pending.iter().position(|p| p.request_id == request_id) {
+            Some(i) => pending.remove(i).is_some(),
+            None => false,
+        }
     }
 
     /// The load snapshot the scorer uses.
     pub fn load(&self, now: Instant, pending_ttl: Duration) -> Load {
-        let pending = {
+        let (pending, pending_tokens) = {
             let mut p = lock(&self.pending);
             while p
                 .front()
-                .is_some_and(|t| now.saturating_duration_since(*t) > pending_ttl)
+                .is_some_and(|p| now.saturating_duration_since(p.at) > pending_ttl)
             {
                 p.pop_front();
             }
-            p.len()
+            (p.len(), p.iter().map(|p| p.tokens).sum::<f64>())
         };
         let s = lock(&self.scraped);
         #[allow(clippy::cast_precision_loss)]
@@ -205,6 +235,7 @@ impl Replica {
             waiting: s.waiting,
             kv_usage: s.kv_usage,
             pending_picks: pending as f64,
+            pending_tokens,
             occupancy: s.occupancy,
             cache_available: s.cache_available.unwrap_or(true),
         }

@@ -742,9 +742,23 @@ async fn approximate_mode_learns_from_its_own_picks() {
         mode: Mode::Approximate as i32,
         ..PickRequest::default()
     };
-    let first = d.pick_req(req(vec![5, 6, 7])).await;
+    let mut opening = req(vec![5, 6, 7]);
+    opening.request_id = "turn-1".into();
+    let first = d.pick_req(opening).await;
     assert_eq!(first.decision, DecisionKind::Load as i32);
     let chosen = first.candidates[0].address.clone();
+    // The filter reports the first turn answered; the next turn follows it.
+    d.client
+        .observe(ObserveRequest {
+            model: "m".into(),
+            endpoint: chosen.clone(),
+            request_id: "turn-1".into(),
+            outcome: Outcome::Ok as i32,
+            http_status: 200,
+            ..ObserveRequest::default()
+        })
+        .await
+        .unwrap();
     let again = d.pick_req(req(vec![5, 6, 9])).await;
     assert_eq!(again.decision, DecisionKind::Approximate as i32);
     assert_eq!(again.candidates[0].address, chosen);

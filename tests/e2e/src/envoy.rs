@@ -145,6 +145,12 @@ impl Envoy {
             .arg(&admin_path)
             .arg("--use-dynamic-base-id")
             .args(["--concurrency", "2", "--log-level", "info"]);
+        // KVROUTE_ENVOY_WASM_LOG=debug shows the filter's per-request decisions.
+        if let Ok(level) = std::env::var("KVROUTE_ENVOY_WASM_LOG") {
+            command
+                .arg("--component-log-level")
+                .arg(format!("wasm:{level}"));
+        }
         let mut process = Spawned::start("envoy", command, &dir.path().join("envoy.log"))?;
 
         let admin = wait_ready(&mut process, &admin_path)?;
@@ -242,11 +248,19 @@ fn wait_ready(process: &mut Spawned, admin_path: &Path) -> Result<String, Harnes
     }
 }
 
+/// The response header naming the upstream host that served (`ip:port`).
+pub const UPSTREAM_HEADER: &str = "x-kvroute-upstream";
+
 /// A route sending every path to `cluster`, retrying once on another host
 /// (the next entry of the override list) when the first cannot be reached.
+/// Responses carry the serving host in [`UPSTREAM_HEADER`].
 pub fn cluster_route(cluster: &str, timeout: Duration) -> Value {
     json!({
         "match": { "prefix": "/" },
+        "response_headers_to_add": [{
+            "header": { "key": UPSTREAM_HEADER, "value": "%UPSTREAM_REMOTE_ADDRESS%" },
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"
+        }],
         "route": {
             "cluster": cluster,
             "timeout": format!("{}s", timeout.as_secs_f64()),

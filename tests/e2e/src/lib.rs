@@ -9,15 +9,24 @@
 //!   port.
 //! - [`artifacts`]: where the built filter and binaries are.
 //! - [`http`]: a small blocking HTTP client for tests.
+//! - [`client`]: OpenAI-style requests and their usage.
+//! - [`stack`]: a whole deployment (mock replicas, indexd, Envoy + filter).
+//! - [`vllm`]: real vLLM on CPU for the slow tier.
+//! - [`workload`]: the demo's multi-turn agentic workload and its summary.
 //!
 //! The harness builds nothing itself: `make test` builds the `.wasm` first.
 
 pub mod artifacts;
+pub mod client;
 pub mod envoy;
 pub mod error;
 pub mod http;
 pub mod process;
+pub mod stack;
+pub mod vllm;
+pub mod workload;
 
 pub use envoy::{Envoy, EnvoyConfig};
 pub use error::HarnessError;
 pub use process::Spawned;
+pub use stack::{Routing, Stack, StackOptions};

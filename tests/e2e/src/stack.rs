@@ -1,0 +1,498 @@
+//! A whole kvroute deployment on loopback: N mock vLLM replicas and indexd
+//! in-process (on the stack's own tokio runtime), and a real Envoy 1.40 with
+//! the built filter in front of them.
+//!
+//! Envoy's `inference` listener routes to the replicas' cluster with the
+//! `override_host` policy (least-request fallback). With
+//! [`Routing::LeastRequest`] the filter is left out: that is the baseline.
+//! indexd can be stopped and started again on the same port mid-test.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use tokio::runtime::Runtime;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::envoy::{
+    cluster_route, grpc_cluster, http_cluster, http_listener, inference_cluster, kvroute_filter,
+};
+use crate::vllm::{RealVllm, VllmOptions, free_port};
+use crate::{Envoy, EnvoyConfig, HarnessError, artifacts};
+
+/// The request header the filter writes and Envoy's override_host reads.
+pub const OVERRIDE_HEADER: &str = "x-gateway-destination-endpoint";
+/// The response header carrying the filter's reason label.
+pub const DECISION_HEADER: &str = "x-kvroute-decision";
+/// The listener the stack's clients talk to.
+pub const LISTENER: &str = "inference";
+
+/// How requests are routed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routing {
+    /// Envoy's least-request alone (no filter): the baseline.
+    LeastRequest,
+    /// kvroute with exact token-block keys.
+    Precise,
+    /// kvroute with text-chunk keys learned from its own picks.
+    Approximate,
+}
+
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct StackOptions {
+    /// Mock vLLM replicas.
+    pub replicas: usize,
+    /// The served model.
+    pub model: String,
+    /// LoRA adapters every replica serves.
+    pub adapters: Vec<String>,
+    /// vLLM `--block-size`, used by replicas, filter and indexd alike.
+    pub block_size: u32,
+    /// Prefix-cache capacity of each replica, in blocks.
+    pub num_gpu_blocks: usize,
+    /// The mock's latency model runs this much faster than real time when < 1.
+    pub time_scale: f64,
+    /// Output tokens per request when the request sets none.
+    pub default_max_tokens: u32,
+    /// Routing profile.
+    pub routing: Routing,
+    /// Fields merged into the filter's plugin configuration.
+    pub filter_overrides: Value,
+    /// Seed of indexd's tie-breaking RNG.
+    pub seed: u64,
+}
+
+impl Default for StackOptions {
+    fn default() -> Self {
+        Self {
+            replicas: 2,
+            model: "tiny".into(),
+            adapters: Vec::new(),
+            block_size: 16,
+            num_gpu_blocks: 8_192,
+            time_scale: 0.0,
+            default_max_tokens: 4,
+            routing: Routing::Precise,
+            filter_overrides: json!({}),
+            seed: 7,
+        }
+    }
+}
+
+struct RunningIndexd {
+    stop: CancellationToken,
+    task: JoinHandle<Result<(), indexd::StartError>>,
+    handle: indexd::Handle,
+    http: SocketAddr,
+}
+
+/// A running deployment; everything stops on drop.
+pub struct Stack {
+    options: StackOptions,
+    // Field order is drop order: Envoy first, then indexd, then the replicas,
+    // then the runtime they run on.
+    envoy: Envoy,
+    indexd: Option<RunningIndexd>,
+    indexd_grpc: SocketAddr,
+    endpoints: Vec<indexd::EndpointConfig>,
+    replicas: Vec<mock_vllm::Handle>,
+    real: Vec<RealVllm>,
+    runtime: Runtime,
+}
+
+impl std::fmt::Debug for Stack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stack")
+            .field("routing", &self.options.routing)
+            .field("replicas", &self.replica_addresses())
+            .field("indexd_grpc", &self.indexd_grpc)
+            .finish_non_exhaustive()
+    }
+}
+
+fn setup(context: &str, message: impl std::fmt::Display) -> HarnessError {
+    HarnessError::Unexpected {
+        context: context.to_owned(),
+        message: message.to_string(),
+    }
+}
+
+impl Stack {
+    /// Starts mock replicas, indexd (unless least-request) and Envoy, and
+    /// waits until indexd sees every replica fresh and healthy.
+    pub fn start(options: StackOptions) -> Result<Self, HarnessError> {
+        let runtime = runtime()?;
+        let mut replicas = Vec::with_capacity(options.replicas);
+        for _ in 0..options.replicas {
+            let config = mock_config(&options);
+            let replica = runtime
+                .block_on(mock_vllm::MockVllm::start(config))
+                .map_err(|e| setup("mock vLLM replica", e))?;
+            replicas.push(replica);
+        }
+        let endpoints = replicas
+            .iter()
+            .map(|r| {
+                endpoint(
+                    &options,
+                    r.http_addr(),
+                    r.events_endpoint().map(|e| (e.to_owned(), false)),
+                    r.replay_endpoint().map(str::to_owned),
+                )
+            })
+            .collect();
+        Self::assemble(options, runtime, endpoints, replicas, Vec::new())
+    }
+
+    /// Starts `options.replicas` real vLLM servers (CPU, the tiny model) with
+    /// their KV events flowing into indexd, then indexd and Envoy.
+    pub fn start_real_vllm(options: StackOptions) -> Result<Self, HarnessError> {
+        let runtime = runtime()?;
+        let mut plans = Vec::new();
+        for i in 0..options.replicas {
+            let vllm = VllmOptions {
+                served_name: options.model.clone(),
+                block_size: options.block_size,
+                events_endpoint: format!("tcp://127.0.0.1:{}", free_port()?),
+                topic: format!("kv@r{i}@{}", options.model),
+                cpu: i % 2,
+                port: free_port()?,
+                replay_port: free_port()?,
+            };
+            plans.push(vllm);
+        }
+        let endpoints = plans
+            .iter()
+            .map(|p| {
+                endpoint(
+                    &options,
+                    SocketAddr::from(([127, 0, 0, 1], p.port)),
+                    Some((p.events_endpoint.clone(), true)),
+                    Some(format!("tcp://127.0.0.1:{}", p.replay_port)),
+                )
+            })
+            .collect();
+        // Both servers start at once: most of their start-up is waiting.
+        let started: Vec<Result<RealVllm, HarnessError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = plans
+                .iter()
+                .map(|p| scope.spawn(move || RealVllm::start(p)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(setup("vllm", "start-up thread panicked")))
+                })
+                .collect()
+        });
+        let real = started.into_iter().collect::<Result<Vec<_>, _>>()?;
+        Self::assemble(options, runtime, endpoints, Vec::new(), real)
+    }
+
+    fn assemble(
+        options: StackOptions,
+        runtime: Runtime,
+        endpoints: Vec<indexd::EndpointConfig>,
+        replicas: Vec<mock_vllm::Handle>,
+        real: Vec<RealVllm>,
+    ) -> Result<Self, HarnessError> {
+        let addresses: Vec<SocketAddr> = endpoints.iter().map(|e| e.id.address).collect();
+        let (indexd, indexd_grpc) = if options.routing == Routing::LeastRequest {
+            (None, SocketAddr::from(([127, 0, 0, 1], 9)))
+        } else {
+            let config = indexd_config(&options, &endpoints, SocketAddr::from(([127, 0, 0, 1], 0)));
+            let (running, grpc) = start_indexd(&runtime, config)?;
+            (Some(running), grpc)
+        };
+        let envoy = Envoy::start(&envoy_config(&options, &addresses, indexd_grpc)?)?;
+        let stack = Self {
+            options,
+            envoy,
+            indexd,
+            indexd_grpc,
+            endpoints,
+            replicas,
+            real,
+            runtime,
+        };
+        stack.wait_index_ready(Duration::from_secs(60))?;
+        Ok(stack)
+    }
+
+    /// The real vLLM servers (empty on the mock).
+    pub fn real_vllm(&self) -> &[RealVllm] {
+        &self.real
+    }
+
+    /// indexd's gRPC address.
+    pub fn indexd_grpc(&self) -> SocketAddr {
+        self.indexd_grpc
+    }
+
+    /// `http://127.0.0.1:port` of Envoy's inference listener.
+    pub fn url(&self) -> Result<String, HarnessError> {
+        self.envoy.listener_url(LISTENER)
+    }
+
+    /// The Envoy in front.
+    pub fn envoy(&self) -> &Envoy {
+        &self.envoy
+    }
+
+    /// The replicas, in cluster order.
+    pub fn replicas(&self) -> &[mock_vllm::Handle] {
+        &self.replicas
+    }
+
+    /// `ip:port` of every replica, in cluster order (for the mock, the names
+    /// in `x-mock-vllm-replica`).
+    pub fn replica_addresses(&self) -> Vec<String> {
+        self.endpoints
+            .iter()
+            .map(|e| e.id.address.to_string())
+            .collect()
+    }
+
+    /// The options the stack was started with.
+    pub fn options(&self) -> &StackOptions {
+        &self.options
+    }
+
+    /// The running indexd, if any.
+    pub fn indexd(&self) -> Option<&indexd::Handle> {
+        self.indexd.as_ref().map(|i| &i.handle)
+    }
+
+    /// indexd's HTTP address (`/metrics`), if running.
+    pub fn indexd_http(&self) -> Option<SocketAddr> {
+        self.indexd.as_ref().map(|i| i.http)
+    }
+
+    /// Runs a future on the stack's runtime.
+    pub fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
+        self.runtime.block_on(future)
+    }
+
+    /// Waits until every replica has published what it produced so far.
+    pub fn flush_events(&self) {
+        for replica in &self.replicas {
+            self.runtime.block_on(replica.flush_events());
+        }
+    }
+
+    /// Stops indexd (as if it crashed); Envoy keeps running.
+    pub fn stop_indexd(&mut self) {
+        if let Some(running) = self.indexd.take() {
+            running.stop.cancel();
+            let _ = self.runtime.block_on(running.task);
+        }
+    }
+
+    /// Starts indexd again on its previous gRPC port, with an empty index
+    /// (it recovers what the replicas' replay buffers still hold).
+    pub fn start_indexd(&mut self) -> Result<(), HarnessError> {
+        if self.indexd.is_some() || self.options.routing == Routing::LeastRequest {
+            return Ok(());
+        }
+        let config = indexd_config(&self.options, &self.endpoints, self.indexd_grpc);
+        let (running, _) = start_indexd(&self.runtime, config)?;
+        self.indexd = Some(running);
+        self.wait_index_ready(Duration::from_secs(20))
+    }
+
+    /// Waits until indexd (if running) sees every replica fresh and healthy.
+    pub fn wait_index_ready(&self, timeout: Duration) -> Result<(), HarnessError> {
+        let Some(indexd) = &self.indexd else {
+            return Ok(());
+        };
+        let ids: Vec<indexd::EndpointId> = self.endpoints.iter().map(|e| e.id.clone()).collect();
+        wait_until(
+            "indexd sees every replica fresh and healthy",
+            timeout,
+            || {
+                ids.iter().all(|id| {
+                    indexd
+                        .handle
+                        .replica(id)
+                        .is_some_and(|s| s.fresh && s.healthy)
+                })
+            },
+        )
+        .map_err(|e| match e {
+            HarnessError::NotReady { what, after, .. } => {
+                let status: Vec<String> = ids
+                    .iter()
+                    .map(|id| format!("{id}: {:?}", indexd.handle.replica(id)))
+                    .collect();
+                HarnessError::NotReady {
+                    what,
+                    after,
+                    log: format!("{}\n{}", status.join("\n"), indexd.handle.metrics_text()),
+                }
+            }
+            other => other,
+        })
+    }
+
+    /// Waits until indexd holds at least `entries` blocks for replica `i`.
+    pub fn wait_indexed(
+        &self,
+        i: usize,
+        entries: usize,
+        timeout: Duration,
+    ) -> Result<(), HarnessError> {
+        let (Some(indexd), Some(endpoint)) = (&self.indexd, self.endpoints.get(i)) else {
+            return Ok(());
+        };
+        if let Some(replica) = self.replicas.get(i) {
+            self.runtime.block_on(replica.flush_events());
+        }
+        let id = endpoint.id.clone();
+        wait_until("indexd ingests the replica's events", timeout, || {
+            indexd
+                .handle
+                .replica(&id)
+                .is_some_and(|s| s.entries >= entries)
+        })
+    }
+}
+
+/// Polls `done` every 10 ms until it holds or `timeout` passes.
+pub fn wait_until(
+    what: &str,
+    timeout: Duration,
+    mut done: impl FnMut() -> bool,
+) -> Result<(), HarnessError> {
+    let started = Instant::now();
+    while !done() {
+        if started.elapsed() > timeout {
+            return Err(HarnessError::NotReady {
+                what: what.to_owned(),
+                after: timeout,
+                log: String::new(),
+            });
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    Ok(())
+}
+
+fn mock_config(options: &StackOptions) -> mock_vllm::Config {
+    let mut config = mock_vllm::Config {
+        served_model_names: vec![options.model.clone()],
+        lora_modules: options.adapters.clone(),
+        block_size: options.block_size,
+        num_gpu_blocks: options.num_gpu_blocks,
+        default_max_tokens: options.default_max_tokens,
+        // One hash seed for all replicas, as a fleet started with one
+        // PYTHONHASHSEED would have; indexd must not depend on it either way.
+        hash_seed: Some("kvroute-e2e".into()),
+        ..mock_vllm::Config::default()
+    };
+    config.latency.time_scale = options.time_scale;
+    config
+}
+
+fn runtime() -> Result<Runtime, HarnessError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| HarnessError::io("tokio runtime", e))
+}
+
+/// One replica as indexd knows it; `events` is `(endpoint, indexd binds)`.
+fn endpoint(
+    options: &StackOptions,
+    http: SocketAddr,
+    events: Option<(String, bool)>,
+    replay: Option<String>,
+) -> indexd::EndpointConfig {
+    let mut endpoint = indexd::EndpointConfig::new(http, options.model.clone());
+    endpoint.adapters = options.adapters.clone();
+    if let Some((events, bind)) = events {
+        endpoint.events = Some(events);
+        endpoint.events_bind = bind;
+    }
+    endpoint.replay = replay;
+    endpoint.metrics_url = indexd::HttpUrl::parse(&format!("http://{http}/metrics"));
+    endpoint
+}
+
+fn indexd_config(
+    options: &StackOptions,
+    endpoints: &[indexd::EndpointConfig],
+    grpc: SocketAddr,
+) -> indexd::Config {
+    let mut config = indexd::Config::new(endpoints.to_vec());
+    config.grpc_listen = grpc;
+    config.http_listen = SocketAddr::from(([127, 0, 0, 1], 0));
+    config.scrape_interval = Duration::from_millis(200);
+    config.seed = Some(options.seed);
+    if let Some(bs) = kvroute_proto::BlockSize::new(options.block_size) {
+        config.block_size = bs;
+    }
+    config
+}
+
+fn start_indexd(
+    runtime: &Runtime,
+    config: indexd::Config,
+) -> Result<(RunningIndexd, SocketAddr), HarnessError> {
+    let bound = runtime
+        .block_on(indexd::Server::bind(config))
+        .map_err(|e| setup("indexd", e))?;
+    let grpc = bound.grpc_addr();
+    let http = bound.http_addr();
+    let handle = bound.handle();
+    let stop = CancellationToken::new();
+    let task = runtime.spawn(bound.serve(stop.clone()));
+    Ok((
+        RunningIndexd {
+            stop,
+            task,
+            handle,
+            http,
+        },
+        grpc,
+    ))
+}
+
+fn envoy_config(
+    options: &StackOptions,
+    replicas: &[SocketAddr],
+    indexd: SocketAddr,
+) -> Result<EnvoyConfig, HarnessError> {
+    let route = cluster_route("vllm", Duration::from_secs(120));
+    let mut clusters = vec![
+        inference_cluster("vllm", replicas, OVERRIDE_HEADER),
+        http_cluster("vllm_tokenizer", replicas),
+    ];
+    let filters = match options.routing {
+        Routing::LeastRequest => vec![],
+        Routing::Precise | Routing::Approximate => {
+            clusters.push(grpc_cluster("kvroute_indexd", indexd));
+            let mut plugin = json!({
+                "tokenizer_cluster": "vllm_tokenizer",
+                "index_cluster": "kvroute_indexd",
+                "block_size": options.block_size,
+                "decision_header": DECISION_HEADER,
+                "mode": if options.routing == Routing::Precise { "precise" } else { "approximate" },
+            });
+            if let (Some(plugin), Some(extra)) =
+                (plugin.as_object_mut(), options.filter_overrides.as_object())
+            {
+                for (k, v) in extra {
+                    plugin.insert(k.clone(), v.clone());
+                }
+            }
+            vec![kvroute_filter(&artifacts::filter_wasm()?, &plugin)]
+        }
+    };
+    let mut listener = http_listener(LISTENER, filters, vec![route]);
+    listener["per_connection_buffer_limit_bytes"] = json!(8 * 1024 * 1024);
+    Ok(EnvoyConfig::new(vec![listener], clusters))
+}

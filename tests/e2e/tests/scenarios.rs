@@ -1,0 +1,378 @@
+//! End-to-end scenarios on the mock: real Envoy + the built filter + indexd
+//! + mock vLLM replicas, all on loopback.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
+
+use std::time::Duration;
+
+use kvroute_e2e::client::{Outcome, chat_body, filler, message, post_json, post_raw};
+use kvroute_e2e::stack::OVERRIDE_HEADER;
+use kvroute_e2e::{Routing, Stack, StackOptions, http};
+use serde_json::{Value, json};
+
+const WAIT: Duration = Duration::from_secs(10);
+
+fn index_of(stack: &Stack, name: &str) -> usize {
+    stack
+        .replica_addresses()
+        .iter()
+        .position(|a| a == name)
+        .unwrap_or_else(|| panic!("{name} is not a replica"))
+}
+
+fn entries(stack: &Stack) -> Vec<usize> {
+    let indexd = stack.indexd().unwrap();
+    stack
+        .replica_addresses()
+        .iter()
+        .map(|a| {
+            let id = indexd::EndpointId {
+                address: a.parse().unwrap(),
+                rank: None,
+            };
+            indexd.replica(&id).map_or(0, |s| s.entries)
+        })
+        .collect()
+}
+
+fn chat(stack: &Stack, messages: &[Value], salt: Option<&str>) -> Outcome {
+    let url = stack.url().unwrap();
+    let body = chat_body(&stack.options().model, messages, salt);
+    let out = post_json(&url, "/v1/chat/completions", &body, &[]).unwrap();
+    assert_eq!(out.status, 200, "{}", out.body);
+    out
+}
+
+/// Sends `messages`, waits until indexd has ingested the blocks it stored,
+/// and returns the outcome.
+fn turn(stack: &Stack, messages: &[Value], salt: Option<&str>) -> Outcome {
+    let out = chat(stack, messages, salt);
+    let served = index_of(stack, out.replica.as_deref().unwrap());
+    let blocks = (out.prompt_tokens / u64::from(stack.options().block_size)) as usize;
+    stack.wait_indexed(served, blocks, WAIT).unwrap();
+    out
+}
+
+fn admin(stack: &Stack, replica: usize, path: &str, body: &Value) {
+    let url = format!("http://{}{path}", stack.replicas()[replica].admin_addr());
+    let r = http::post(
+        &url,
+        &[("content-type", "application/json")],
+        body.to_string().as_bytes(),
+        WAIT,
+    )
+    .unwrap();
+    assert_eq!(r.status, 200, "{path}: {}", r.body);
+}
+
+/// A conversation's first turn: a system prompt every conversation shares,
+/// then its own question.
+fn opening(conversation: u64) -> Vec<Value> {
+    vec![
+        message("system", &filler(1_000, 60)),
+        message("user", &filler(conversation, 120)),
+    ]
+}
+
+/// A first turn that shares no block with any other conversation.
+fn unshared(conversation: u64) -> Vec<Value> {
+    vec![message("user", &filler(conversation + 5_000, 150))]
+}
+
+#[test]
+fn continuations_land_on_the_warm_replica() {
+    let stack = Stack::start(StackOptions {
+        replicas: 3,
+        ..StackOptions::default()
+    })
+    .unwrap();
+
+    for conversation in 0..6u64 {
+        let mut messages = opening(conversation);
+        let first = turn(&stack, &messages, None);
+        let warm = first.replica.clone().unwrap();
+
+        messages.push(message("assistant", &first.text));
+        messages.push(message("user", &filler(conversation + 100, 40)));
+        let second = chat(&stack, &messages, None);
+        assert_eq!(
+            second.replica.as_deref(),
+            Some(warm.as_str()),
+            "conversation {conversation}"
+        );
+        assert_eq!(second.decision.as_deref(), Some("precise"));
+        assert!(
+            second.cached_tokens >= first.prompt_tokens / 2,
+            "cached {} of a {}-token first turn",
+            second.cached_tokens,
+            first.prompt_tokens
+        );
+    }
+}
+
+#[test]
+fn salts_never_share_blocks() {
+    let stack = Stack::start(StackOptions::default()).unwrap();
+    let messages = opening(7);
+    let a = turn(&stack, &messages, Some("tenant-a"));
+    let b = turn(&stack, &messages, Some("tenant-b"));
+    let b_again = chat(&stack, &messages, Some("tenant-b"));
+    assert_eq!(a.cached_tokens, 0);
+    assert_eq!(b.cached_tokens, 0, "tenant-b hit tenant-a's blocks");
+    assert!(
+        b_again.cached_tokens > 0,
+        "tenant-b's repeat missed its own blocks"
+    );
+    assert_eq!(b_again.replica, b.replica);
+    // Without a salt the same text is another identity again.
+    let unsalted = chat(&stack, &messages, None);
+    assert_eq!(unsalted.cached_tokens, 0);
+}
+
+#[test]
+fn a_clients_override_header_is_ignored() {
+    let stack = Stack::start(StackOptions::default()).unwrap();
+    let mut messages = opening(11);
+    let first = turn(&stack, &messages, None);
+    let warm = first.replica.clone().unwrap();
+    let other = stack
+        .replica_addresses()
+        .into_iter()
+        .find(|a| *a != warm)
+        .unwrap();
+    messages.push(message("user", "and then?"));
+    let url = stack.url().unwrap();
+    let body = chat_body(&stack.options().model, &messages, None);
+    for _ in 0..3 {
+        let out = post_json(
+            &url,
+            "/v1/chat/completions",
+            &body,
+            &[(OVERRIDE_HEADER, &other)],
+        )
+        .unwrap();
+        assert_eq!(
+            out.replica.as_deref(),
+            Some(warm.as_str()),
+            "the client pinned the host"
+        );
+    }
+}
+
+#[test]
+fn responses_continuations_reach_the_storing_replica() {
+    let stack = Stack::start(StackOptions {
+        replicas: 3,
+        ..StackOptions::default()
+    })
+    .unwrap();
+    let url = stack.url().unwrap();
+    let model = stack.options().model.clone();
+    for conversation in 0..4u64 {
+        let mut previous: Option<String> = None;
+        let mut served = None;
+        for step in 0..4u64 {
+            let mut body = json!({
+                "model": model,
+                "input": filler(conversation * 10 + step, 30),
+                "max_output_tokens": 4,
+            });
+            if let Some(id) = &previous {
+                body["previous_response_id"] = json!(id);
+            }
+            let out = post_json(&url, "/v1/responses", &body, &[]).unwrap();
+            assert_eq!(
+                out.status, 200,
+                "conversation {conversation} step {step}: {}",
+                out.body
+            );
+            if step > 0 {
+                assert_eq!(out.decision.as_deref(), Some("affinity"));
+                assert_eq!(out.replica, served);
+            }
+            served = out.replica.clone();
+            previous = Some(out.response_id.clone().unwrap());
+        }
+    }
+}
+
+#[test]
+fn indexd_down_fails_open_and_routing_resumes() {
+    let mut stack = Stack::start(StackOptions::default()).unwrap();
+    let mut messages = opening(21);
+    let first = turn(&stack, &messages, None);
+    let warm = first.replica.clone().unwrap();
+
+    stack.stop_indexd();
+    for i in 0..8 {
+        messages.push(message("user", &format!("question {i}")));
+        let out = chat(&stack, &messages, None);
+        let reason = out.decision.unwrap();
+        assert!(
+            reason == "index_unavailable" || reason == "breaker_open",
+            "reason {reason}"
+        );
+    }
+
+    stack.start_indexd().unwrap();
+    // The restarted indexd recovered the replica's blocks by replay.
+    let held = entries(&stack)[index_of(&stack, &warm)];
+    assert!(held > 0, "nothing recovered after the restart");
+    // The breaker lets requests through to indexd again after its cool-down.
+    let mut routed = None;
+    for _ in 0..100 {
+        messages.push(message("user", "more"));
+        let out = chat(&stack, &messages, None);
+        if out.decision.as_deref() == Some("precise") {
+            routed = Some(out);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let routed = routed.expect("routing never resumed");
+    assert!(routed.cached_tokens > 0);
+}
+
+#[test]
+fn a_restarted_replica_is_purged() {
+    let stack = Stack::start(StackOptions::default()).unwrap();
+    let messages = unshared(31);
+    let first = turn(&stack, &messages, None);
+    let warm = index_of(&stack, first.replica.as_deref().unwrap());
+    assert!(entries(&stack)[warm] > 0);
+
+    admin(&stack, warm, "/admin/restart", &json!({}));
+    // The restarted engine's next batch starts again at seq 0: indexd purges
+    // everything it held for the replica before applying it.
+    let direct = format!("http://{}", stack.replicas()[warm].http_addr());
+    let other = chat_body(&stack.options().model, &unshared(32), None);
+    assert_eq!(
+        post_json(&direct, "/v1/chat/completions", &other, &[])
+            .unwrap()
+            .status,
+        200
+    );
+    let fresh_blocks = (first.prompt_tokens / u64::from(stack.options().block_size)) as usize;
+    kvroute_e2e::stack::wait_until("the purge", WAIT, || entries(&stack)[warm] <= fresh_blocks)
+        .unwrap();
+
+    // The first conversation's blocks are gone everywhere: no precise claim.
+    let again = chat(&stack, &messages, None);
+    assert_eq!(again.decision.as_deref(), Some("load"));
+    assert_eq!(again.cached_tokens, 0);
+}
+
+#[test]
+fn lost_batches_are_replayed() {
+    let stack = Stack::start(StackOptions::default()).unwrap();
+    let warm = turn(&stack, &unshared(41), None);
+    let r = index_of(&stack, warm.replica.as_deref().unwrap());
+    let before = entries(&stack)[r];
+
+    // The next batch is numbered but never sent live: a gap.
+    admin(&stack, r, "/admin/events/drop", &json!({ "batches": 1 }));
+    let direct = format!("http://{}", stack.replicas()[r].http_addr());
+    let lost = chat_body(&stack.options().model, &unshared(42), None);
+    let lost_out = post_json(&direct, "/v1/chat/completions", &lost, &[]).unwrap();
+    let lost_blocks = (lost_out.prompt_tokens / u64::from(stack.options().block_size)) as usize;
+    // A later batch reveals the gap; indexd replays the missing one.
+    let next = chat_body(&stack.options().model, &unshared(43), None);
+    let next_out = post_json(&direct, "/v1/chat/completions", &next, &[]).unwrap();
+    let next_blocks = (next_out.prompt_tokens / u64::from(stack.options().block_size)) as usize;
+    stack
+        .wait_indexed(r, before + lost_blocks + next_blocks, WAIT)
+        .unwrap();
+
+    let metrics = stack.indexd().unwrap().metrics_text();
+    assert!(metrics.contains("indexd_seq_gaps_total 1"), "{metrics}");
+
+    // The conversation whose batch was lost live is routed to its replica.
+    let mut messages = unshared(42);
+    messages.push(message("user", "continue"));
+    let out = chat(&stack, &messages, None);
+    assert_eq!(out.replica, warm.replica);
+    assert_eq!(out.decision.as_deref(), Some("precise"));
+}
+
+#[test]
+fn lora_adapters_are_kept_apart() {
+    let stack = Stack::start(StackOptions {
+        adapters: vec!["sql-lora".into()],
+        ..StackOptions::default()
+    })
+    .unwrap();
+    let messages = opening(51);
+    let base = turn(&stack, &messages, None);
+    assert_eq!(base.decision.as_deref(), Some("load"));
+
+    let url = stack.url().unwrap();
+    let adapter = post_json(
+        &url,
+        "/v1/chat/completions",
+        &chat_body("sql-lora", &messages, None),
+        &[],
+    )
+    .unwrap();
+    assert_eq!(adapter.status, 200);
+    assert_eq!(
+        adapter.decision.as_deref(),
+        Some("load"),
+        "the adapter matched base-model blocks"
+    );
+    assert_eq!(adapter.cached_tokens, 0);
+}
+
+#[test]
+fn bad_bodies_still_reach_a_replica() {
+    let stack = Stack::start(StackOptions::default()).unwrap();
+    let url = stack.url().unwrap();
+    let huge = format!(
+        r#"{{"model":"tiny","messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x ".repeat(1_500_000)
+    );
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "malformed",
+            b"{\"model\": \"tiny\", \"messages\": [".to_vec(),
+            "unparseable",
+        ),
+        (
+            "binary",
+            (0..4096u32).map(|i| (i * 7 % 256) as u8).collect(),
+            "unparseable",
+        ),
+        (
+            "no model",
+            br#"{"messages":[{"role":"user","content":"hi"}]}"#.to_vec(),
+            "unparseable",
+        ),
+        ("huge", huge.into_bytes(), "body_too_large"),
+    ];
+    for (name, body, reason) in cases {
+        let out = post_raw(
+            &url,
+            "/v1/chat/completions",
+            &body,
+            &[("content-type", "application/json")],
+        )
+        .unwrap();
+        assert!(
+            out.replica.is_some(),
+            "{name}: no replica answered: {} {}",
+            out.status,
+            out.body
+        );
+        assert_eq!(out.decision.as_deref(), Some(reason), "{name}");
+    }
+}
+
+#[test]
+fn least_request_baseline_has_no_filter() {
+    let stack = Stack::start(StackOptions {
+        routing: Routing::LeastRequest,
+        ..StackOptions::default()
+    })
+    .unwrap();
+    let out = chat(&stack, &opening(61), None);
+    assert_eq!(out.decision, None);
+}
