@@ -1,10 +1,12 @@
 //! Child processes that cannot outlive their test.
 //!
 //! Each child runs in its own process group with its stdout and stderr in a
-//! log file. Dropping the [`Spawned`] kills the whole group and reaps it; if
-//! the test process itself dies, the kernel sends the child `SIGKILL`
-//! (`PR_SET_PDEATHSIG`). When the owning thread is panicking — a failed test —
-//! the drop prints the tail of the log first.
+//! log file. Dropping the [`Spawned`] kills its whole process tree (its group
+//! and every descendant, which may have made groups of their own, as vLLM's
+//! engine processes do) and reaps it. If the thread that started the child
+//! exits, the kernel sends the child `SIGKILL` (`PR_SET_PDEATHSIG`): start
+//! children from the thread that owns them. When the owning thread is
+//! panicking — a failed test — the drop prints the tail of the log first.
 
 use std::fs::File;
 use std::io::Read;
@@ -78,10 +80,15 @@ impl Spawned {
         &self.log
     }
 
-    /// Kills the process group and waits for the leader.
+    /// Kills the process tree and waits for the leader.
     pub fn stop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            kill_group(self.child.id());
+        // Descendants first collected, then killed: once the leader dies they
+        // are re-parented and cannot be found by parentage any more.
+        let mut tree = descendants(self.child.id());
+        tree.push(self.child.id());
+        for pid in &tree {
+            kill_group(*pid);
+            kill(*pid);
         }
         let _ = self.child.wait();
     }
@@ -114,6 +121,47 @@ fn read_tail(path: &Path, max: u64) -> String {
     }
     let _ = file.read_to_end(&mut buf);
     String::from_utf8_lossy(&buf).into_owned()
+}
+
+/// Every process whose parent chain leads to `root` (from `/proc`).
+fn descendants(root: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let parents: Vec<(u32, u32)> = entries
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            // `pid (comm) state ppid …`; comm may hold spaces and parentheses.
+            let after = stat.rsplit_once(')')?.1;
+            let ppid = after.split_whitespace().nth(1)?.parse().ok()?;
+            Some((pid, ppid))
+        })
+        .collect();
+    let mut found = vec![root];
+    let mut i = 0;
+    while let Some(&parent) = found.get(i) {
+        for (pid, ppid) in &parents {
+            if *ppid == parent && !found.contains(pid) {
+                found.push(*pid);
+            }
+        }
+        i += 1;
+    }
+    found.retain(|p| *p != root);
+    found
+}
+
+#[allow(unsafe_code)]
+fn kill(pid: u32) {
+    let Ok(pid) = libc::pid_t::try_from(pid) else {
+        return;
+    };
+    // SAFETY: kill only sends a signal, to a process of this child's tree.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
 }
 
 #[allow(unsafe_code)]

@@ -174,21 +174,15 @@ impl Stack {
                 )
             })
             .collect();
-        // Both servers start at once: most of their start-up is waiting.
-        let started: Vec<Result<RealVllm, HarnessError>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = plans
-                .iter()
-                .map(|p| scope.spawn(move || RealVllm::start(p)))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(setup("vllm", "start-up thread panicked")))
-                })
-                .collect()
-        });
-        let real = started.into_iter().collect::<Result<Vec<_>, _>>()?;
+        // All servers start at once (from this thread, which owns them);
+        // most of their start-up is waiting.
+        let mut real = plans
+            .iter()
+            .map(RealVllm::spawn)
+            .collect::<Result<Vec<_>, _>>()?;
+        for server in &mut real {
+            server.wait_ready()?;
+        }
         Self::assemble(options, runtime, endpoints, Vec::new(), real)
     }
 
@@ -397,6 +391,14 @@ fn mock_config(options: &StackOptions) -> mock_vllm::Config {
 }
 
 fn runtime() -> Result<Runtime, HarnessError> {
+    // KVROUTE_E2E_LOG=indexd=debug,mock_vllm=info shows the in-process
+    // components' logs on stderr.
+    if let Ok(filter) = std::env::var("KVROUTE_E2E_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

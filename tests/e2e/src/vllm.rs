@@ -74,8 +74,9 @@ pub struct VllmOptions {
 }
 
 impl RealVllm {
-    /// Starts vLLM and waits for `/health`.
-    pub fn start(options: &VllmOptions) -> Result<Self, HarnessError> {
+    /// Starts vLLM; [`Self::wait_ready`] waits for it. Call from the thread
+    /// that owns the server (it dies with that thread).
+    pub fn spawn(options: &VllmOptions) -> Result<Self, HarnessError> {
         let python = venv().join("bin/python");
         if !python.is_file() || !model_dir().join("config.json").is_file() {
             return Err(HarnessError::Missing {
@@ -102,20 +103,8 @@ impl RealVllm {
             .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
             .arg(model_dir())
             .args(["--served-model-name", &options.served_name])
-            .args([
-                "--load-format",
-                "dummy",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-            ])
-            .args([
-                "--block-size",
-                &options.block_size.to_string(),
-                "--max-model-len",
-                "8192",
-            ])
+            .args(["--load-format", "dummy", "--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--block-size", &options.block_size.to_string(), "--max-model-len", "8192"])
             .args([
                 "--enable-prefix-caching",
                 "--enable-prompt-tokens-details",
@@ -130,45 +119,39 @@ impl RealVllm {
             .env("PYTHONHASHSEED", "0")
             .env("VLLM_ENABLE_RESPONSES_API_STORE", "1")
             .current_dir(dir.path());
-        let mut process = Spawned::start(
-            &format!("vllm-{port}"),
-            command,
-            &dir.path().join("vllm.log"),
-        )?;
-        let http = SocketAddr::from(([127, 0, 0, 1], port));
+        let process = Spawned::start(&format!("vllm-{port}"), command, &dir.path().join("vllm.log"))?;
+        Ok(Self {
+            process,
+            http: SocketAddr::from(([127, 0, 0, 1], port)),
+            replay,
+            _dir: dir,
+        })
+    }
+
+    /// Waits until `/health` answers 200.
+    pub fn wait_ready(&mut self) -> Result<(), HarnessError> {
         let started = Instant::now();
         loop {
-            if let Some(status) = process.exited() {
+            if let Some(status) = self.process.exited() {
                 return Err(HarnessError::Exited {
                     what: "vllm".into(),
                     status,
-                    log: process.log_tail(),
+                    log: self.process.log_tail(),
                 });
             }
-            if http::get(
-                &format!("http://{http}/health"),
-                &[],
-                Duration::from_secs(2),
-            )
-            .is_ok_and(|r| r.status == 200)
-            {
-                break;
+            let health = format!("http://{}/health", self.http);
+            if http::get(&health, &[], Duration::from_secs(2)).is_ok_and(|r| r.status == 200) {
+                return Ok(());
             }
             if started.elapsed() > START_TIMEOUT {
                 return Err(HarnessError::NotReady {
                     what: "vllm".into(),
                     after: START_TIMEOUT,
-                    log: process.log_tail(),
+                    log: self.process.log_tail(),
                 });
             }
             std::thread::sleep(Duration::from_millis(250));
         }
-        Ok(Self {
-            process,
-            http,
-            replay,
-            _dir: dir,
-        })
     }
 
     /// The server's log so far.
