@@ -103,8 +103,20 @@ impl RealVllm {
             .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
             .arg(model_dir())
             .args(["--served-model-name", &options.served_name])
-            .args(["--load-format", "dummy", "--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--block-size", &options.block_size.to_string(), "--max-model-len", "8192"])
+            .args([
+                "--load-format",
+                "dummy",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+            ])
+            .args([
+                "--block-size",
+                &options.block_size.to_string(),
+                "--max-model-len",
+                "8192",
+            ])
             .args([
                 "--enable-prefix-caching",
                 "--enable-prompt-tokens-details",
@@ -119,7 +131,11 @@ impl RealVllm {
             .env("PYTHONHASHSEED", "0")
             .env("VLLM_ENABLE_RESPONSES_API_STORE", "1")
             .current_dir(dir.path());
-        let process = Spawned::start(&format!("vllm-{port}"), command, &dir.path().join("vllm.log"))?;
+        let process = Spawned::start(
+            &format!("vllm-{port}"),
+            command,
+            &dir.path().join("vllm.log"),
+        )?;
         Ok(Self {
             process,
             http: SocketAddr::from(([127, 0, 0, 1], port)),

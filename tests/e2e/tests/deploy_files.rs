@@ -1,9 +1,16 @@
-//! The files users copy from `envoy/`, checked statically: real Envoy
-//! validates the Envoy config (loading the built filter, which validates its
-//! own plugin configuration), and the Envoy fragments inside the Istio patches
-//! are validated by Envoy the same way.
+//! The files users copy from `envoy/`, checked statically (no Docker engine
+//! or cluster here): real Envoy validates every Envoy config (loading the
+//! built filter, which validates its own plugin configuration), the Envoy
+//! fragments inside the Istio patches are validated by Envoy the same way,
+//! indexd parses its configs, the mock's CLI parses the compose commands, and
+//! the files agree with each other on addresses and ports.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use std::path::{Path, PathBuf};
 
@@ -145,4 +152,145 @@ fn istio_envoyfilter_patches_are_valid_envoy_config() {
 
     let out = validate_json(EnvoyConfig::new(vec![listener], vec![vllm, indexd]).as_json());
     assert!(out.contains("OK"), "{out}");
+}
+
+#[test]
+fn kubernetes_indexd_config_is_valid_for_indexd() {
+    let docs = yaml_docs("envoy/kubernetes/indexd.yaml");
+    let kind = |k: &'static str| docs.iter().filter(move |d| d["kind"] == k);
+    let config = kind("ConfigMap")
+        .find(|d| d["metadata"]["name"] == "kvroute-indexd")
+        .unwrap();
+    let parsed =
+        indexd::Config::from_yaml(config["data"]["indexd.yaml"].as_str().unwrap()).unwrap();
+    assert!(!parsed.endpoints.is_empty());
+    let endpoints = kind("ConfigMap")
+        .find(|d| d["metadata"]["name"] == "kvroute-indexd-endpoints")
+        .unwrap();
+    assert!(
+        endpoints["data"]["endpoints.yaml"]
+            .as_str()
+            .unwrap()
+            .contains("endpoints:")
+    );
+
+    let daemonset = kind("DaemonSet").next().unwrap();
+    let container = &daemonset["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(
+        container["args"],
+        json!(["--config", "/etc/kvroute/indexd.yaml"])
+    );
+    let grpc_port = parsed.grpc_listen.port();
+    assert!(
+        container["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["containerPort"] == grpc_port)
+    );
+
+    // The Service the Istio patch names leads to the node-local pod.
+    let service = kind("Service").next().unwrap();
+    assert_eq!(service["spec"]["internalTrafficPolicy"], "Local");
+    let name = service["metadata"]["name"].as_str().unwrap();
+    let patches = yaml_docs("envoy/istio/envoyfilter.yaml");
+    let text = serde_json::to_string(&patches).unwrap();
+    assert!(text.contains(&format!("{name}.inference.svc.cluster.local")));
+    assert!(text.contains(&format!("\"port_value\":{grpc_port}")));
+}
+
+#[test]
+fn compose_services_match_their_binaries_and_each_other() {
+    let compose = &yaml_docs("envoy/docker-compose.yaml")[0];
+    let services = compose["services"].as_object().unwrap();
+    let dockerfile = std::fs::read_to_string(repo("envoy/docker/Dockerfile")).unwrap();
+
+    let mut replicas = Vec::new();
+    for (name, service) in services {
+        let target = service["build"]["target"].as_str().unwrap();
+        assert!(
+            dockerfile.contains(&format!(" AS {target}\n")),
+            "{name}: no Dockerfile target {target}"
+        );
+        let command: Vec<String> = service["command"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_owned())
+            .collect();
+        let ip = service["networks"]["kvroute"]["ipv4_address"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        if target == "mock-vllm" {
+            use clap::Parser;
+            let cli = mock_vllm::Cli::try_parse_from(
+                std::iter::once("mock-vllm".to_owned()).chain(command),
+            )
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let config = cli.into_config().unwrap();
+            replicas.push((format!("{ip}:{}", config.http_addr.port()), config));
+        }
+    }
+    assert_eq!(replicas.len(), 2);
+
+    // indexd's endpoints are exactly the replicas, with their event ports.
+    let indexd = indexd::Config::from_file(&repo("envoy/docker/indexd.yaml")).unwrap();
+    let mut named: Vec<String> = indexd
+        .endpoints
+        .iter()
+        .map(|e| e.id.address.to_string())
+        .collect();
+    let mut expected: Vec<String> = replicas.iter().map(|(a, _)| a.clone()).collect();
+    named.sort();
+    expected.sort();
+    assert_eq!(named, expected);
+    for e in &indexd.endpoints {
+        let (_, config) = replicas
+            .iter()
+            .find(|(a, _)| *a == e.id.address.to_string())
+            .unwrap();
+        let events = config.kv_events.as_ref().unwrap();
+        assert_eq!(indexd.block_size.get(), config.block_size);
+        assert!(e.events.as_deref().unwrap().ends_with(":5557"));
+        assert_eq!(events.replay.map(|r| r.port()), Some(5558));
+    }
+
+    // Envoy's clusters name the same replicas and indexd; Envoy validates it.
+    let envoy_yaml = std::fs::read_to_string(repo("envoy/docker/envoy.yaml")).unwrap();
+    for (address, _) in &replicas {
+        let (ip, port) = address.split_once(':').unwrap();
+        assert!(envoy_yaml.contains(&format!("address: {ip}, port_value: {port}")));
+    }
+    assert!(envoy_yaml.contains(&format!("port_value: {}", indexd.grpc_listen.port())));
+    let wasm = artifacts::filter_wasm().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("envoy.yaml");
+    std::fs::write(
+        &path,
+        envoy_yaml.replace(
+            "/etc/kvroute/kvroute_filter.wasm",
+            &wasm.display().to_string(),
+        ),
+    )
+    .unwrap();
+    envoy::validate(&path, dir.path()).unwrap();
+}
+
+#[test]
+fn local_indexd_yaml_matches_the_local_envoy_yaml() {
+    let indexd = indexd::Config::from_file(&repo("envoy/indexd.yaml")).unwrap();
+    let envoy_yaml = std::fs::read_to_string(repo("envoy/envoy.yaml")).unwrap();
+    for e in &indexd.endpoints {
+        let a = e.id.address;
+        assert!(
+            envoy_yaml.contains(&format!("address: {}, port_value: {}", a.ip(), a.port())),
+            "{a} is not in envoy.yaml's clusters"
+        );
+        assert!(
+            e.events_bind,
+            "a loopback events endpoint must be bound by indexd"
+        );
+    }
+    assert!(envoy_yaml.contains(&format!("port_value: {}", indexd.grpc_listen.port())));
 }

@@ -6,7 +6,12 @@
 //! Ignored by default (two vLLM servers need ~6 GB and a minute to start);
 //! `make test-vllm` installs vLLM and runs it with `--ignored`.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use std::time::Duration;
 

@@ -1,7 +1,12 @@
 //! End-to-end scenarios on the mock: real Envoy + the built filter + indexd
 //! + mock vLLM replicas, all on loopback.
 
-#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
 
 use std::time::Duration;
 
