@@ -201,13 +201,13 @@ pub fn pick(
     {
         // Credit the run unless the chosen replica already holds all of it.
         let held = matches.get(first.input).map_or(0, |m| m.blocks as usize);
+        // The pick's queued prefill work, in the full blocks it will add. A
+        // continuation credited with these blocks (speculatively) then costs
+        // on this replica exactly what a cold replica costs: the overlap is
+        // not counted twice, and the tie goes to the replica holding more.
         #[allow(clippy::cast_precision_loss)]
-        let cached = (held as f64) * f64::from(req.block_size);
-        chosen.note_pick(
-            now,
-            &req.request_id,
-            (f64::from(prompt_tokens) - cached).max(0.0),
-        );
+        let queued = (keys.len().saturating_sub(held) as f64) * f64::from(req.block_size);
+        chosen.note_pick(now, &req.request_id, queued);
         if !mismatch && held < keys.len() {
             if approximate {
                 lock(&shared.approximate).learn(

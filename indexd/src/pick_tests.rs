@@ -187,33 +187,41 @@ fn affinity_by_address_when_the_rank_is_unknown() {
 
 #[test]
 fn an_answered_pick_stops_counting_as_queued_work() {
-    let (s, _) = shared(2, |_| {});
+    let (s, _) = shared(2, |c| c.speculative_ttl = Duration::ZERO);
     let now = Instant::now();
-    let tokens: Vec<u32> = (0..16).collect();
-    let mut first = req(&keys(&tokens));
-    first.request_id = "r1".into();
-    first.prompt_tokens = 2_000;
-    let warm = pick(&s, &first, now).unwrap().candidates[0].address.clone();
-
-    // The continuation (same prefix, more tokens) while the first request is
-    // still counted as 2,000 tokens of queued prefill on `warm`: the other
-    // replica looks cheaper.
-    let mut next = req(&keys(&tokens));
-    next.request_id = "r2".into();
-    next.prompt_tokens = 40;
-    let busy = pick(&s, &next, now).unwrap();
-    assert_ne!(busy.candidates[0].address, warm);
-
-    // Once the filter reports r1 answered, only r2's own pick is pending and
-    // the warm prefix decides.
-    let (s, _) = shared(2, |_| {});
-    let warm = pick(&s, &first, now).unwrap().candidates[0].address.clone();
+    let pick_for = |id: &str, tokens: std::ops::Range<u32>| {
+        let mut r = req(&keys(&tokens.collect::<Vec<u32>>()));
+        r.request_id = id.into();
+        pick(&s, &r, now).unwrap().candidates[0].address.clone()
+    };
+    // r1 queues 64 tokens of prefill on its replica; an unrelated request
+    // goes to the other one.
+    let busy = pick_for("r1", 0..64);
+    let other = pick_for("r2", 1000..1016);
+    assert_ne!(busy, other);
+    // r1 answered: its replica is idle again, the other still has r2 queued.
     let answered = ObserveRequest {
-        endpoint: warm.clone(),
+        endpoint: busy.clone(),
         request_id: "r1".into(),
         ..ObserveRequest::default()
     };
     observe(&s, &answered, now).unwrap();
+    assert_eq!(pick_for("r3", 2000..2016), busy);
+}
+
+#[test]
+fn a_continuation_of_a_pending_pick_stays_on_its_replica() {
+    let (s, _) = shared(3, |_| {});
+    let now = Instant::now();
+    let tokens: Vec<u32> = (0..64).collect();
+    let mut first = req(&keys(&tokens));
+    first.prompt_tokens = 66;
+    let warm = pick(&s, &first, now).unwrap().candidates[0].address.clone();
+    // The next turn arrives before anything reports the first answered: the
+    // first's queued blocks are the continuation's own prefix, not extra work.
+    let longer: Vec<u32> = (0..96).collect();
+    let mut next = req(&keys(&longer));
+    next.prompt_tokens = 98;
     let resp = pick(&s, &next, now).unwrap();
     assert_eq!(resp.candidates[0].address, warm);
     assert_eq!(resp.decision, DecisionKind::Precise as i32);

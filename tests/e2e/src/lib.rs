@@ -10,6 +10,7 @@
 //! - [`artifacts`]: where the built filter and binaries are.
 //! - [`http`]: a small blocking HTTP client for tests.
 //! - [`client`]: OpenAI-style requests and their usage.
+//! - [`proxy`]: a TCP relay that can slow a link down (indexd made slow).
 //! - [`stack`]: a whole deployment (mock replicas, indexd, Envoy + filter).
 //! - [`vllm`]: real vLLM on CPU for the slow tier.
 //! - [`workload`]: the demo's multi-turn agentic workload and its summary.
@@ -22,6 +23,7 @@ pub mod envoy;
 pub mod error;
 pub mod http;
 pub mod process;
+pub mod proxy;
 pub mod stack;
 pub mod vllm;
 pub mod workload;

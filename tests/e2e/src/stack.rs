@@ -18,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use crate::envoy::{
     cluster_route, grpc_cluster, http_cluster, http_listener, inference_cluster, kvroute_filter,
 };
+use crate::proxy::Relay;
 use crate::vllm::{RealVllm, VllmOptions, free_port};
 use crate::{Envoy, EnvoyConfig, HarnessError, artifacts};
 
@@ -62,6 +63,9 @@ pub struct StackOptions {
     pub filter_overrides: Value,
     /// Seed of indexd's tie-breaking RNG.
     pub seed: u64,
+    /// Put a relay between Envoy and indexd that [`Stack::set_indexd_delay`]
+    /// can slow down.
+    pub slow_indexd_link: bool,
 }
 
 impl Default for StackOptions {
@@ -75,8 +79,11 @@ impl Default for StackOptions {
             time_scale: 0.0,
             default_max_tokens: 4,
             routing: Routing::Precise,
-            filter_overrides: json!({}),
+            // Generous: parallel tests share two cores with every Envoy and
+            // replica; production keeps the 50 ms / 500 ms defaults.
+            filter_overrides: json!({ "index_timeout_ms": 1_000, "tokenizer_timeout_ms": 2_000 }),
             seed: 7,
+            slow_indexd_link: false,
         }
     }
 }
@@ -96,6 +103,7 @@ pub struct Stack {
     envoy: Envoy,
     indexd: Option<RunningIndexd>,
     indexd_grpc: SocketAddr,
+    indexd_link: Option<Relay>,
     endpoints: Vec<indexd::EndpointConfig>,
     replicas: Vec<mock_vllm::Handle>,
     real: Vec<RealVllm>,
@@ -194,19 +202,28 @@ impl Stack {
         real: Vec<RealVllm>,
     ) -> Result<Self, HarnessError> {
         let addresses: Vec<SocketAddr> = endpoints.iter().map(|e| e.id.address).collect();
-        let (indexd, indexd_grpc) = if options.routing == Routing::LeastRequest {
-            (None, SocketAddr::from(([127, 0, 0, 1], 9)))
+        let (indexd, indexd_grpc, indexd_link) = if options.routing == Routing::LeastRequest {
+            (None, SocketAddr::from(([127, 0, 0, 1], 9)), None)
         } else {
             let config = indexd_config(&options, &endpoints, SocketAddr::from(([127, 0, 0, 1], 0)));
             let (running, grpc) = start_indexd(&runtime, config)?;
-            (Some(running), grpc)
+            // With `slow_indexd_link`, Envoy reaches indexd through a relay the
+            // test can slow down.
+            let link = if options.slow_indexd_link {
+                Some(Relay::start(&runtime, grpc)?)
+            } else {
+                None
+            };
+            (Some(running), grpc, link)
         };
-        let envoy = Envoy::start(&envoy_config(&options, &addresses, indexd_grpc)?)?;
+        let envoy_to_indexd = indexd_link.as_ref().map_or(indexd_grpc, Relay::addr);
+        let envoy = Envoy::start(&envoy_config(&options, &addresses, envoy_to_indexd)?)?;
         let stack = Self {
             options,
             envoy,
             indexd,
             indexd_grpc,
+            indexd_link,
             endpoints,
             replicas,
             real,
@@ -224,6 +241,14 @@ impl Stack {
     /// indexd's gRPC address.
     pub fn indexd_grpc(&self) -> SocketAddr {
         self.indexd_grpc
+    }
+
+    /// Delays every request on Envoy's link to indexd (zero: no delay); needs
+    /// [`StackOptions::slow_indexd_link`].
+    pub fn set_indexd_delay(&self, delay: Duration) {
+        if let Some(link) = &self.indexd_link {
+            link.set_delay(delay);
+        }
     }
 
     /// `http://127.0.0.1:port` of Envoy's inference listener.

@@ -187,9 +187,31 @@ fn responses_continuations_reach_the_storing_replica() {
             }
             let out = post_json(&url, "/v1/responses", &body, &[]).unwrap();
             assert_eq!(
-                out.status, 200,
-                "conversation {conversation} step {step}: {}",
-                out.body
+                out.status,
+                200,
+                "conversation {conversation} step {step}: {} ({:?}); indexd: {}",
+                out.body,
+                out.decision,
+                stack
+                    .indexd()
+                    .unwrap()
+                    .metrics_text()
+                    .lines()
+                    .filter(|l| l.contains("observes_total{") || l.contains("decisions_total{"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+                    + &stack
+                        .envoy()
+                        .prometheus_stats()
+                        .unwrap()
+                        .lines()
+                        .filter(|l| !l.starts_with('#')
+                            && (l.contains("kvroute_observe")
+                                || (l.contains("kvroute_indexd")
+                                    && (l.contains("rq_") || l.contains("cx_"))
+                                    && !l.ends_with(" 0"))))
+                        .collect::<Vec<_>>()
+                        .join("\n"),
             );
             if step > 0 {
                 assert_eq!(out.decision.as_deref(), Some("affinity"));
@@ -236,6 +258,58 @@ fn indexd_down_fails_open_and_routing_resumes() {
     }
     let routed = routed.expect("routing never resumed");
     assert!(routed.cached_tokens > 0);
+}
+
+#[test]
+fn a_slow_indexd_falls_back_and_the_breaker_opens_and_closes() {
+    let stack = Stack::start(StackOptions {
+        filter_overrides: json!({
+            "index_timeout_ms": 50,
+            "breaker": { "failures": 3, "window_ms": 10_000, "cooldown_ms": 300 },
+        }),
+        slow_indexd_link: true,
+        ..StackOptions::default()
+    })
+    .unwrap();
+    let mut messages = opening(25);
+    let first = turn(&stack, &messages, None);
+
+    // indexd answers after the filter's 50 ms timeout: every request goes on
+    // unrouted, and after three failures the breaker skips indexd altogether.
+    stack.set_indexd_delay(Duration::from_millis(400));
+    let mut reasons = Vec::new();
+    for i in 0..8 {
+        messages.push(message("user", &format!("slow {i}")));
+        reasons.push(chat(&stack, &messages, None).decision.unwrap());
+    }
+    assert!(
+        reasons
+            .iter()
+            .all(|r| r == "index_unavailable" || r == "breaker_open"),
+        "{reasons:?}"
+    );
+    assert_eq!(reasons[..3], ["index_unavailable"; 3], "{reasons:?}");
+    assert!(reasons.contains(&"breaker_open".to_owned()), "{reasons:?}");
+
+    // indexd is quick again: after the cool-down the breaker closes and the
+    // conversation is routed to a replica holding its history once more (the
+    // unrouted turns may have warmed either).
+    stack.set_indexd_delay(Duration::ZERO);
+    let mut routed = None;
+    for i in 0..50 {
+        messages.push(message("user", &format!("fast {i}")));
+        let out = chat(&stack, &messages, None);
+        if out.decision.as_deref() == Some("precise") {
+            routed = Some(out);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let routed = routed.expect("the breaker never closed");
+    assert!(
+        routed.cached_tokens >= first.prompt_tokens / 2,
+        "{routed:?}"
+    );
 }
 
 #[test]
