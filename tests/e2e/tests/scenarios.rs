@@ -168,9 +168,13 @@ fn a_clients_override_header_is_ignored() {
 fn responses_continuations_reach_the_storing_replica() {
     let stack = Stack::start(StackOptions {
         replicas: 3,
+        // indexd answers Observe late: the filter must hold each answer until
+        // indexd knows its id, or the client's next step overtakes it.
+        slow_indexd_link: true,
         ..StackOptions::default()
     })
     .unwrap();
+    stack.set_indexd_delay(Duration::from_millis(100));
     let url = stack.url().unwrap();
     let model = stack.options().model.clone();
     for conversation in 0..4u64 {
