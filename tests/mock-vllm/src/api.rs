@@ -1,15 +1,14 @@
-//! The vLLM HTTP surface: routes, `/tokenize`, the render endpoints, `/health`, `/v1/models` and
-//! `/metrics`. Every response carries `x-mock-vllm-replica: <name>`.
+//! The vLLM HTTP surface: routes, `/tokenize`, the render endpoints, `/health` and `/v1/models`
+//! (`/metrics` in `metrics.rs`). Every response carries `x-mock-vllm-replica: <name>` and
+//! `x-mock-vllm-rank: <rank>`; a bad `x-data-parallel-rank` request header is a 400 on any route.
 
-use std::fmt::Write as _;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use axum::Json;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{HeaderName, HeaderValue, StatusCode, header};
+use axum::http::{HeaderName, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -17,6 +16,7 @@ use serde_json::{Value, json};
 
 use crate::engine::Replica;
 use crate::error::{ApiError, parse_json};
+use crate::metrics::metrics;
 use crate::openai::{
     ChatBody, CompletionBody, chat_completions, chat_prompt, completion_prompt, completions,
 };
@@ -24,6 +24,10 @@ use crate::responses::{ResponsesBody, get_response, responses, responses_prompt}
 
 /// Header naming the replica that answered.
 pub const REPLICA_HEADER: &str = "x-mock-vllm-replica";
+
+/// Header naming the data-parallel rank that served the request: the engine a generation
+/// request ran on; otherwise the pinned engine's rank, or the first engine's.
+pub const RANK_HEADER: &str = "x-mock-vllm-rank";
 
 /// vLLM sets no body limit; long agentic contexts run to megabytes.
 const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
@@ -52,11 +56,36 @@ pub fn router(replica: Arc<Replica>) -> Router {
         .with_state(replica)
 }
 
+/// Sets `x-mock-vllm-rank` on a response (the rank a generation request ran on).
+pub fn with_rank(mut resp: Response, rank: u32) -> Response {
+    resp.headers_mut().insert(
+        HeaderName::from_static(RANK_HEADER),
+        HeaderValue::from(rank),
+    );
+    resp
+}
+
+/// Refuses a bad `x-data-parallel-rank`, then tags the response with the replica and the rank.
 async fn tag_replica(State(replica): State<Arc<Replica>>, req: Request, next: Next) -> Response {
-    let mut resp = next.run(req).await;
+    let pin = replica.rank_pin(req.headers());
+    let mut resp = match &pin {
+        Ok(_) => next.run(req).await,
+        Err(e) => e.clone().into_response(),
+    };
     if let Ok(v) = HeaderValue::from_str(&replica.name) {
         resp.headers_mut()
             .insert(HeaderName::from_static(REPLICA_HEADER), v);
+    }
+    if !resp.headers().contains_key(RANK_HEADER) {
+        let engines = replica.engines();
+        let engine = pin
+            .ok()
+            .flatten()
+            .and_then(|i| engines.get(i))
+            .or(engines.first());
+        if let Some(e) = engine {
+            resp = with_rank(resp, e.rank);
+        }
     }
     resp
 }
@@ -94,110 +123,6 @@ async fn models(State(replica): State<Arc<Replica>>) -> Json<Value> {
             .map(|l| card(l, Some(root.as_str()))),
     );
     Json(json!({"object": "list", "data": data}))
-}
-
-fn metric(out: &mut String, name: &str, kind: &str, help: &str, samples: &[(String, f64)]) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-    for (labels, value) in samples {
-        let _ = writeln!(out, "{name}{{{labels}}} {value:?}");
-    }
-}
-
-async fn metrics(State(replica): State<Arc<Replica>>) -> impl IntoResponse {
-    let m = &replica.metrics;
-    let cfg = &replica.config;
-    let model = cfg.served_model_names.first().cloned().unwrap_or_default();
-    let labels = format!("engine=\"0\",model_name=\"{model}\"");
-    let one = |v: f64| [(labels.clone(), v)];
-    let g = |a: &AtomicUsize| a.load(Ordering::Relaxed) as f64;
-    let c = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
-    let capacity = cfg.num_gpu_blocks.max(1) as f64;
-    let usage = (g(&m.running_blocks) / capacity).min(1.0);
-    let mut out = String::new();
-    let o = &mut out;
-    metric(
-        o,
-        "vllm:num_requests_running",
-        "gauge",
-        "Number of requests in model execution batches.",
-        &one(g(&m.running)),
-    );
-    metric(
-        o,
-        "vllm:num_requests_waiting",
-        "gauge",
-        "Number of requests waiting to be processed.",
-        &one(g(&m.waiting)),
-    );
-    metric(
-        o,
-        "vllm:kv_cache_usage_perc",
-        "gauge",
-        "KV-cache usage. 1 means 100 percent usage.",
-        &one(usage),
-    );
-    metric(
-        o,
-        "vllm:prefix_cache_queries_total",
-        "counter",
-        "Prefix cache queries, in terms of number of queried tokens.",
-        &one(c(&m.prefix_queries)),
-    );
-    metric(
-        o,
-        "vllm:prefix_cache_hits_total",
-        "counter",
-        "Prefix cache hits, in terms of number of cached tokens.",
-        &one(c(&m.prefix_hits)),
-    );
-    metric(
-        o,
-        "vllm:prompt_tokens_total",
-        "counter",
-        "Number of prefill tokens processed.",
-        &one(c(&m.prompt_tokens)),
-    );
-    metric(
-        o,
-        "vllm:generation_tokens_total",
-        "counter",
-        "Number of generation tokens processed.",
-        &one(c(&m.generation_tokens)),
-    );
-    metric(
-        o,
-        "vllm:request_success_total",
-        "counter",
-        "Count of successfully processed requests.",
-        &[
-            (
-                format!("{labels},finished_reason=\"stop\""),
-                c(&m.finished_stop),
-            ),
-            (
-                format!("{labels},finished_reason=\"length\""),
-                c(&m.finished_length),
-            ),
-        ],
-    );
-    let info = format!(
-        "{labels},block_size=\"{}\",num_gpu_blocks=\"{}\",enable_prefix_caching=\"{}\"",
-        cfg.block_size, cfg.num_gpu_blocks, cfg.enable_prefix_caching
-    );
-    metric(
-        o,
-        "vllm:cache_config_info",
-        "gauge",
-        "Information of the LLMEngine CacheConfig",
-        &[(info, 1.0)],
-    );
-    (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        out,
-    )
 }
 
 fn tokenize_answer(replica: &Replica, ids: Vec<u32>, strs: Option<Vec<String>>) -> Json<Value> {
@@ -262,6 +187,7 @@ async fn render_responses(
     Ok(render_answer(&p.model.name, p.ids))
 }
 
+/// Resets every rank's cache, as vLLM's endpoint does.
 async fn reset_prefix_cache(State(replica): State<Arc<Replica>>) -> StatusCode {
     replica.reset_prefix_cache();
     StatusCode::OK

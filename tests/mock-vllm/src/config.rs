@@ -1,14 +1,15 @@
 //! Typed configuration of one mock replica, and the command line that builds it.
 //!
-//! [`Config`] is what [`crate::MockVllm::start`] takes; [`Cli`] is the clap surface of the binary
-//! (flag names follow `vllm serve` where vLLM has one). [`Config::validate`] names the offending
-//! field in its error.
+//! [`Config`] is what [`crate::MockVllm::start`] takes; [`Cli`] (in `cli.rs`) is the clap surface
+//! of the binary (flag names follow `vllm serve` where vLLM has one). [`Config::validate`] names
+//! the offending field in its error.
 
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
-use clap::{Parser, ValueEnum};
-use serde::Deserialize;
+use clap::ValueEnum;
 
+pub use crate::cli::Cli;
 use crate::latency::LatencyConfig;
 
 /// Which chat template the replica renders with.
@@ -62,7 +63,9 @@ pub struct KvEventsConfig {
     pub buffer_steps: usize,
     pub encoding: EventEncoding,
     pub hash_form: HashForm,
-    /// Written as the third payload element (vLLM always sets it; 0 by default).
+    /// Written as the third payload element (vLLM always sets it; 0 by default). With
+    /// [`Config::data_parallel_size`] > 1 it must be 0: the server runs ranks `0..size`, and
+    /// [`KvEventsConfig::for_rank`] derives each rank's endpoints and payload rank.
     pub data_parallel_rank: u32,
     /// Leave the rank out of the payload (`[ts, events]`), as some vLLM revisions do.
     pub omit_data_parallel_rank: bool,
@@ -84,6 +87,23 @@ impl Default for KvEventsConfig {
             omit_data_parallel_rank: false,
             batch_as_map: false,
         }
+    }
+}
+
+impl KvEventsConfig {
+    /// The publisher config of the engine `index` places after this one (vLLM's convention: both
+    /// ports + `index`, port 0 stays 0; payload rank + `index`). `for_rank(0)` is a copy.
+    pub fn for_rank(&self, index: u32) -> Result<KvEventsConfig, ConfigError> {
+        let mut ev = self.clone();
+        ev.endpoint = offset_endpoint(self.endpoint.clone(), index)?;
+        if let Some(addr) = &mut ev.replay {
+            addr.set_port(offset_port(addr.port(), index)?);
+        }
+        ev.data_parallel_rank = self
+            .data_parallel_rank
+            .checked_add(index)
+            .ok_or_else(|| invalid("data_parallel_size", "rank overflows u32"))?;
+        Ok(ev)
     }
 }
 
@@ -113,6 +133,10 @@ pub struct Config {
     pub hash_seed: Option<String>,
     pub kv_events: Option<KvEventsConfig>,
     pub latency: LatencyConfig,
+    /// Engine ranks behind the one HTTP address (vLLM `--data-parallel-size`), each with its own
+    /// prefix cache, prefill queue and KV-event publisher. 1 (the default) is one engine whose
+    /// rank is `kv_events.data_parallel_rank`.
+    pub data_parallel_size: u32,
 }
 
 impl Default for Config {
@@ -133,6 +157,7 @@ impl Default for Config {
             hash_seed: None,
             kv_events: Some(KvEventsConfig::default()),
             latency: LatencyConfig::default(),
+            data_parallel_size: 1,
         }
     }
 }
@@ -145,7 +170,7 @@ pub struct ConfigError {
     pub reason: String,
 }
 
-fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
+pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
     ConfigError {
         field,
         reason: reason.into(),
@@ -185,7 +210,60 @@ impl Config {
         {
             return Err(invalid("kv_events.buffer_steps", "must be positive"));
         }
+        if self.data_parallel_size == 0 {
+            return Err(invalid("data_parallel_size", "must be at least 1"));
+        }
+        if self.data_parallel_size > 1 && self.first_rank() != 0 {
+            return Err(invalid(
+                "data_parallel_size",
+                format!(
+                    "data_parallel_rank {} names a single-rank server; with data_parallel_size {} the server runs ranks 0..{}",
+                    self.first_rank(),
+                    self.data_parallel_size,
+                    self.data_parallel_size
+                ),
+            ));
+        }
+        self.check_event_ports()?;
         self.latency.validate()
+    }
+
+    /// Every rank's bound PUB and replay ports must differ (a fixed replay port one above the PUB
+    /// port collides with rank 1's PUB port, as it would in vLLM).
+    fn check_event_ports(&self) -> Result<(), ConfigError> {
+        let Some(ev) = &self.kv_events else {
+            return Ok(());
+        };
+        let mut seen: HashMap<SocketAddr, String> = HashMap::new();
+        for index in 0..self.data_parallel_size {
+            let ev = ev.for_rank(index)?;
+            let rank = ev.data_parallel_rank;
+            let pub_addr = match ev.endpoint {
+                EventsEndpoint::Bind(addr) => Some(addr),
+                EventsEndpoint::Connect(_) => None,
+            };
+            let socks = [(pub_addr, "PUB"), (ev.replay, "replay")];
+            for (addr, what) in socks {
+                let Some(addr) = addr.filter(|a| a.port() != 0) else {
+                    continue;
+                };
+                let this = format!("rank {rank}'s {what} port {}", addr.port());
+                if let Some(other) = seen.insert(addr, this.clone()) {
+                    return Err(invalid(
+                        "kv_events",
+                        format!(
+                            "{this} is also {other}; space the ports at least data_parallel_size apart"
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The data-parallel rank of the first engine (`kv_events.data_parallel_rank`, else 0).
+    pub fn first_rank(&self) -> u32 {
+        self.kv_events.as_ref().map_or(0, |e| e.data_parallel_rank)
     }
 
     /// All names a request's `model` may carry: served names, then LoRA adapters.
@@ -249,7 +327,7 @@ pub fn parse_replay_endpoint(endpoint: &str, bind_host: IpAddr) -> Result<Socket
 
 /// vLLM's data-parallel convention: rank `r` publishes on the configured port + `r` (port 0 stays
 /// 0: the OS picks).
-fn offset_port(port: u16, rank: u32) -> Result<u16, ConfigError> {
+pub(crate) fn offset_port(port: u16, rank: u32) -> Result<u16, ConfigError> {
     if port == 0 {
         return Ok(0);
     }
@@ -264,7 +342,10 @@ fn offset_port(port: u16, rank: u32) -> Result<u16, ConfigError> {
         })
 }
 
-fn offset_endpoint(ep: EventsEndpoint, rank: u32) -> Result<EventsEndpoint, ConfigError> {
+pub(crate) fn offset_endpoint(
+    ep: EventsEndpoint,
+    rank: u32,
+) -> Result<EventsEndpoint, ConfigError> {
     Ok(match ep {
         EventsEndpoint::Bind(mut addr) => {
             addr.set_port(offset_port(addr.port(), rank)?);
@@ -280,197 +361,6 @@ fn offset_endpoint(ep: EventsEndpoint, rank: u32) -> Result<EventsEndpoint, Conf
             None => EventsEndpoint::Connect(s),
         },
     })
-}
-
-/// vLLM's `--kv-events-config` JSON (the fields the mock uses; others are ignored).
-#[derive(Debug, Deserialize)]
-struct VllmKvEventsJson {
-    #[serde(default)]
-    enable_kv_cache_events: bool,
-    #[serde(default)]
-    endpoint: Option<String>,
-    #[serde(default)]
-    replay_endpoint: Option<String>,
-    #[serde(default)]
-    topic: Option<String>,
-    #[serde(default)]
-    buffer_steps: Option<usize>,
-}
-
-/// Command line of the `mock-vllm` binary.
-#[derive(Debug, Parser)]
-#[command(
-    name = "mock-vllm",
-    version,
-    about = "A protocol-exact simulator of a vLLM replica"
-)]
-pub struct Cli {
-    /// Address the HTTP API and admin API listen on.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: IpAddr,
-    /// HTTP API port (0 = any free port).
-    #[arg(long, default_value_t = 0)]
-    pub port: u16,
-    /// Admin (fault-control) API port (0 = any free port).
-    #[arg(long, default_value_t = 0)]
-    pub admin_port: u16,
-    /// Replica name for the `x-mock-vllm-replica` header (default: the HTTP address).
-    #[arg(long)]
-    pub name: Option<String>,
-    /// Model names this replica serves; the first is the default.
-    #[arg(long, num_args = 1.., default_values_t = vec!["mock-model".to_owned()])]
-    pub served_model_name: Vec<String>,
-    /// LoRA adapters as `name=path` (the path is ignored).
-    #[arg(long, num_args = 1..)]
-    pub lora_modules: Vec<String>,
-    #[arg(long, default_value_t = 32_768)]
-    pub max_model_len: u32,
-    #[arg(long, default_value_t = 16)]
-    pub block_size: u32,
-    /// Prefix-cache capacity in blocks.
-    #[arg(long, default_value_t = 8_192)]
-    pub num_gpu_blocks: usize,
-    /// Turn automatic prefix caching off.
-    #[arg(long)]
-    pub no_enable_prefix_caching: bool,
-    #[arg(long, value_enum, default_value_t = ChatTemplate::RoleMarkers)]
-    pub chat_template: ChatTemplate,
-    /// Output tokens when a request sets no limit.
-    #[arg(long, default_value_t = 16)]
-    pub default_max_tokens: u32,
-    /// Reasoning tokens opening each chat/Responses output (0 = none).
-    #[arg(long, default_value_t = 0)]
-    pub reasoning_tokens: u32,
-    /// Seed of the root block hash (random per start when unset).
-    #[arg(long, env = "PYTHONHASHSEED")]
-    pub hash_seed: Option<String>,
-    /// vLLM's JSON form, e.g. '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558","topic":"kv@r1@m"}'.
-    #[arg(long)]
-    pub kv_events_config: Option<String>,
-    /// PUB endpoint: `tcp://*:PORT` binds, `tcp://HOST:PORT` connects out.
-    #[arg(long, default_value = "tcp://*:0")]
-    pub kv_events_endpoint: String,
-    /// ROUTER replay endpoint (`none` disables replay).
-    #[arg(long, default_value = "tcp://*:0")]
-    pub kv_events_replay_endpoint: String,
-    #[arg(long, default_value = "")]
-    pub kv_events_topic: String,
-    #[arg(long, default_value_t = 10_000)]
-    pub kv_events_buffer_steps: usize,
-    /// Host that replaces `*` in bind endpoints.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub kv_events_bind_host: IpAddr,
-    #[arg(long, value_enum, default_value_t = EventEncoding::Tagged)]
-    pub kv_events_encoding: EventEncoding,
-    #[arg(long, value_enum, default_value_t = HashForm::Int)]
-    pub kv_events_hash: HashForm,
-    #[arg(long, default_value_t = 0)]
-    pub data_parallel_rank: u32,
-    /// Leave data_parallel_rank out of event batches.
-    #[arg(long)]
-    pub kv_events_omit_dp_rank: bool,
-    /// Encode batches as maps `{ts, events, data_parallel_rank}`.
-    #[arg(long)]
-    pub kv_events_batch_map: bool,
-    /// Disable KV events entirely.
-    #[arg(long)]
-    pub no_kv_events: bool,
-    /// Fixed part of time to first token, in ms.
-    #[arg(long, default_value_t = LatencyConfig::default().base_ms)]
-    pub ttft_base_ms: f64,
-    /// Prefill cost per uncached prompt token, in ms.
-    #[arg(long, default_value_t = LatencyConfig::default().prefill_ms_per_token)]
-    pub prefill_ms_per_token: f64,
-    /// Decode time per output token after the first, in ms.
-    #[arg(long, default_value_t = LatencyConfig::default().decode_ms_per_token)]
-    pub decode_ms_per_token: f64,
-    /// Multiplies every simulated duration (0.01 runs 100x faster; 0 never sleeps).
-    #[arg(long, default_value_t = 1.0)]
-    pub time_scale: f64,
-}
-
-impl Cli {
-    /// Builds and validates the replica config.
-    pub fn into_config(self) -> Result<Config, ConfigError> {
-        let bind_host = self.kv_events_bind_host;
-        let lora_modules = self
-            .lora_modules
-            .iter()
-            .map(|m| {
-                m.split_once('=')
-                    .map_or(m.as_str(), |(name, _)| name)
-                    .to_owned()
-            })
-            .collect();
-        let kv_events = if self.no_kv_events {
-            None
-        } else {
-            let mut endpoint = self.kv_events_endpoint.clone();
-            let mut replay = Some(self.kv_events_replay_endpoint.clone());
-            let mut topic = self.kv_events_topic.clone();
-            let mut buffer_steps = self.kv_events_buffer_steps;
-            let mut enabled = true;
-            if let Some(json) = &self.kv_events_config {
-                let v: VllmKvEventsJson = serde_json::from_str(json)
-                    .map_err(|e| invalid("kv_events_config", e.to_string()))?;
-                enabled = v.enable_kv_cache_events;
-                if let Some(e) = v.endpoint {
-                    endpoint = e;
-                }
-                replay = v.replay_endpoint;
-                topic = v.topic.unwrap_or(topic);
-                buffer_steps = v.buffer_steps.unwrap_or(buffer_steps);
-            }
-            if enabled {
-                let rank = self.data_parallel_rank;
-                let replay = match replay.as_deref() {
-                    None | Some("none") | Some("") => None,
-                    Some(r) => {
-                        let mut addr = parse_replay_endpoint(r, bind_host)?;
-                        addr.set_port(offset_port(addr.port(), rank)?);
-                        Some(addr)
-                    }
-                };
-                Some(KvEventsConfig {
-                    endpoint: offset_endpoint(parse_events_endpoint(&endpoint, bind_host)?, rank)?,
-                    replay,
-                    topic,
-                    buffer_steps,
-                    encoding: self.kv_events_encoding,
-                    hash_form: self.kv_events_hash,
-                    data_parallel_rank: self.data_parallel_rank,
-                    omit_data_parallel_rank: self.kv_events_omit_dp_rank,
-                    batch_as_map: self.kv_events_batch_map,
-                })
-            } else {
-                None
-            }
-        };
-        let config = Config {
-            name: self.name,
-            http_addr: SocketAddr::new(self.host, self.port),
-            admin_addr: SocketAddr::new(self.host, self.admin_port),
-            served_model_names: self.served_model_name,
-            lora_modules,
-            max_model_len: self.max_model_len,
-            block_size: self.block_size,
-            num_gpu_blocks: self.num_gpu_blocks,
-            enable_prefix_caching: !self.no_enable_prefix_caching,
-            chat_template: self.chat_template,
-            default_max_tokens: self.default_max_tokens,
-            reasoning_tokens: self.reasoning_tokens,
-            hash_seed: self.hash_seed,
-            kv_events,
-            latency: LatencyConfig {
-                base_ms: self.ttft_base_ms,
-                prefill_ms_per_token: self.prefill_ms_per_token,
-                decode_ms_per_token: self.decode_ms_per_token,
-                time_scale: self.time_scale,
-            },
-        };
-        config.validate()?;
-        Ok(config)
-    }
 }
 
 #[cfg(test)]
@@ -493,52 +383,6 @@ mod tests {
     }
 
     #[test]
-    fn cli_parses_vllm_json_and_lora() {
-        let cli = Cli::try_parse_from([
-            "mock-vllm",
-            "--served-model-name",
-            "a",
-            "b",
-            "--lora-modules",
-            "sql=/x",
-            "--kv-events-config",
-            r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558","topic":"kv@r@m"}"#,
-        ])
-        .unwrap();
-        let c = cli.into_config().unwrap();
-        assert_eq!(c.served_model_names, ["a", "b"]);
-        assert_eq!(c.lora_modules, ["sql"]);
-        let ev = c.kv_events.unwrap();
-        assert_eq!(ev.topic, "kv@r@m");
-        assert_eq!(ev.replay, Some("127.0.0.1:5558".parse().unwrap()));
-    }
-
-    #[test]
-    fn data_parallel_rank_offsets_ports_like_vllm() {
-        let cli = Cli::try_parse_from([
-            "mock-vllm",
-            "--data-parallel-rank",
-            "2",
-            "--kv-events-endpoint",
-            "tcp://*:5557",
-            "--kv-events-replay-endpoint",
-            "tcp://*:5558",
-        ])
-        .unwrap();
-        let ev = cli.into_config().unwrap().kv_events.unwrap();
-        assert_eq!(
-            ev.endpoint,
-            EventsEndpoint::Bind("127.0.0.1:5559".parse().unwrap())
-        );
-        assert_eq!(ev.replay, Some("127.0.0.1:5560".parse().unwrap()));
-        assert_eq!(ev.data_parallel_rank, 2);
-        let connect =
-            offset_endpoint(EventsEndpoint::Connect("tcp://indexd:6000".into()), 1).unwrap();
-        assert_eq!(connect, EventsEndpoint::Connect("tcp://indexd:6001".into()));
-        assert_eq!(offset_port(0, 3).unwrap(), 0);
-    }
-
-    #[test]
     fn validation_names_the_field() {
         let c = Config {
             num_gpu_blocks: 1,
@@ -550,5 +394,48 @@ mod tests {
             ..Config::default()
         };
         assert_eq!(c.validate().unwrap_err().field, "served_model_names");
+        let c = Config {
+            data_parallel_size: 0,
+            ..Config::default()
+        };
+        assert_eq!(c.validate().unwrap_err().field, "data_parallel_size");
+    }
+
+    fn fixed_ports(pub_port: u16, replay_port: u16, size: u32) -> Config {
+        Config {
+            kv_events: Some(KvEventsConfig {
+                endpoint: EventsEndpoint::Bind(loopback(pub_port)),
+                replay: Some(loopback(replay_port)),
+                ..KvEventsConfig::default()
+            }),
+            data_parallel_size: size,
+            ..Config::default()
+        }
+    }
+
+    #[test]
+    fn ranks_offset_ports_and_payload_rank() {
+        let c = fixed_ports(5557, 5567, 3);
+        c.validate().unwrap();
+        let ev = c.kv_events.unwrap().for_rank(2).unwrap();
+        assert_eq!(ev.endpoint, EventsEndpoint::Bind(loopback(5559)));
+        assert_eq!(ev.replay, Some(loopback(5569)));
+        assert_eq!(ev.data_parallel_rank, 2);
+        // Port 0 stays 0: every rank binds its own free port.
+        let ev = KvEventsConfig::default().for_rank(5).unwrap();
+        assert_eq!(ev.endpoint, EventsEndpoint::Bind(loopback(0)));
+    }
+
+    #[test]
+    fn colliding_rank_ports_are_refused() {
+        fixed_ports(5557, 5558, 1).validate().unwrap();
+        let e = fixed_ports(5557, 5558, 2).validate().unwrap_err();
+        assert_eq!(e.field, "kv_events");
+        assert!(e.reason.contains("rank 1's PUB port 5558"), "{e}");
+        let mut c = fixed_ports(5557, 5567, 2);
+        if let Some(ev) = &mut c.kv_events {
+            ev.data_parallel_rank = 1;
+        }
+        assert_eq!(c.validate().unwrap_err().field, "data_parallel_size");
     }
 }

@@ -1,24 +1,22 @@
-//! The simulated engine: prefix cache, prefill queue, KV events, response store and metrics of
-//! one replica, and the life of one request through them.
-//!
-//! A request is prefilled in its turn of the [`PrefillQueue`]: the cache hit is taken when the turn
-//! starts, the prefill time slept, then the prompt's full blocks are stored and one event batch
-//! (`BlockRemoved`… tail first, then `BlockStored`) is published. After decoding,
-//! [`Replica::finish`] stores the blocks filled by decoded tokens as a second batch.
+//! The server behind one HTTP address: its data-parallel engines ([`crate::rank::Engine`], one
+//! per rank), the request-to-rank assignment, and what vLLM's API server keeps outside the
+//! engines (model names, limits, the Responses store).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use crate::cache::{BlockScope, PrefixCache};
+use axum::http::HeaderMap;
+
+use crate::cache::BlockScope;
 use crate::config::Config;
 use crate::error::ApiError;
-use crate::events::KvEvent;
-use crate::latency::{PrefillQueue, pause};
 use crate::publisher::Publisher;
+use crate::rank::{Engine, RequestGuard};
 use crate::template::Message;
 use crate::tokenizer::Tokenizer;
+
+/// vLLM's request header pinning a request to a data-parallel rank (a local engine index).
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
 /// A model name a request resolved to.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,7 +35,7 @@ pub struct Job {
 }
 
 impl Job {
-    fn scope(&self) -> BlockScope<'_> {
+    pub(crate) fn scope(&self) -> BlockScope<'_> {
         BlockScope {
             cache_salt: self.cache_salt.as_deref(),
             lora_name: self.model.lora.as_ref().map(|(n, _)| n.as_str()),
@@ -53,114 +51,117 @@ pub struct StoredResponse {
     pub body: serde_json::Value,
 }
 
-/// Counters behind `/metrics`.
-#[derive(Debug, Default)]
-pub struct Metrics {
-    pub waiting: AtomicUsize,
-    pub running: AtomicUsize,
-    pub running_blocks: AtomicUsize,
-    pub prefix_queries: AtomicU64,
-    pub prefix_hits: AtomicU64,
-    pub prompt_tokens: AtomicU64,
-    pub generation_tokens: AtomicU64,
-    pub finished_stop: AtomicU64,
-    pub finished_length: AtomicU64,
-}
-
-#[derive(Debug)]
-struct State {
-    cache: PrefixCache,
-    responses: HashMap<String, StoredResponse>,
-    generation: u64,
-}
-
-/// One replica's engine state.
+/// One vLLM server: the API-server state plus its engines.
 #[derive(Debug)]
 pub struct Replica {
-    pub config: Config,
+    pub config: Arc<Config>,
     /// Shown in the `x-mock-vllm-replica` header.
     pub name: String,
     pub tokenizer: Tokenizer,
-    pub publisher: Option<Publisher>,
-    pub metrics: Metrics,
-    queue: PrefillQueue,
-    state: Mutex<State>,
+    /// Never empty; index `i` runs data-parallel rank `config.first_rank() + i`.
+    engines: Vec<Arc<Engine>>,
+    /// Makes "pick the least loaded engine, then count the request on it" atomic.
+    assigning: Mutex<()>,
+    /// The API server's response store, shared by all ranks (as vLLM's).
+    responses: Mutex<HashMap<String, StoredResponse>>,
 }
 
-/// Outcome of a prefill.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Prefilled {
-    pub cached_tokens: usize,
-    /// The engine incarnation the request ran in (a restart bumps it).
-    pub generation: u64,
-}
-
-/// Counts a request as waiting, then running, until dropped.
-#[derive(Debug)]
-pub struct RequestGuard<'a> {
-    metrics: &'a Metrics,
-    running: bool,
-    blocks: usize,
-}
-
-impl RequestGuard<'_> {
-    fn admit(&mut self, blocks: usize) {
-        if !self.running {
-            self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
-            self.metrics.running.fetch_add(1, Ordering::Relaxed);
-            self.metrics
-                .running_blocks
-                .fetch_add(blocks, Ordering::Relaxed);
-            self.running = true;
-            self.blocks = blocks;
-        }
-    }
-}
-
-impl Drop for RequestGuard<'_> {
-    fn drop(&mut self) {
-        if self.running {
-            self.metrics.running.fetch_sub(1, Ordering::Relaxed);
-            self.metrics
-                .running_blocks
-                .fetch_sub(self.blocks, Ordering::Relaxed);
-        } else {
-            self.metrics.waiting.fetch_sub(1, Ordering::Relaxed);
-        }
-    }
-}
-
-fn fresh_seed(config: &Config) -> String {
-    config
-        .hash_seed
-        .clone()
-        .unwrap_or_else(|| format!("{:032x}", rand::random::<u128>()))
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Replica {
-    pub fn new(config: Config, name: String, publisher: Option<Publisher>) -> Self {
-        let cache = PrefixCache::new(
-            config.block_size as usize,
-            config.num_gpu_blocks,
-            &fresh_seed(&config),
-        );
+    /// One engine per rank of `config.data_parallel_size` (at least one), taking the publishers
+    /// in rank order (missing ones: events off).
+    pub fn new(config: Config, name: String, publishers: Vec<Option<Publisher>>) -> Self {
+        let config = Arc::new(config);
+        let first = config.first_rank();
+        let mut publishers = publishers.into_iter();
+        let engines = (0..config.data_parallel_size.max(1))
+            .map(|i| {
+                Arc::new(Engine::new(
+                    first.saturating_add(i),
+                    config.clone(),
+                    publishers.next().flatten(),
+                ))
+            })
+            .collect();
         Self {
+            config,
             name,
             tokenizer: Tokenizer,
-            publisher,
-            metrics: Metrics::default(),
-            queue: PrefillQueue::default(),
-            state: Mutex::new(State {
-                cache,
-                responses: HashMap::new(),
-                generation: 0,
-            }),
-            config,
+            engines,
+            assigning: Mutex::new(()),
+            responses: Mutex::new(HashMap::new()),
         }
     }
 
-    fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    /// The engines in rank order (never empty).
+    pub fn engines(&self) -> &[Arc<Engine>] {
+        &self.engines
+    }
+
+    /// The first engine (rank 0 unless a single-rank server was given another rank).
+    pub fn first_engine(&self) -> Result<&Arc<Engine>, ApiError> {
+        self.engines
+            .first()
+            .ok_or_else(|| ApiError::internal("the server has no engine"))
+    }
+
+    /// The engine running data-parallel `rank` (admin API and the in-process handle).
+    pub fn engine_by_rank(&self, rank: u32) -> Result<&Arc<Engine>, ApiError> {
+        self.engines.iter().find(|e| e.rank == rank).ok_or_else(|| {
+            let ranks: Vec<String> = self.engines.iter().map(|e| e.rank.to_string()).collect();
+            ApiError::bad_request(format!(
+                "data_parallel_rank {rank} is not served here; ranks: [{}].",
+                ranks.join(", ")
+            ))
+            .with_param("rank")
+        })
+    }
+
+    /// The `x-data-parallel-rank` header as an engine index: `None` without the header; 400 for
+    /// a value that is not an integer or is outside `[0, engines)` (vLLM's message).
+    pub fn rank_pin(&self, headers: &HeaderMap) -> Result<Option<usize>, ApiError> {
+        let Some(value) = headers.get(DP_RANK_HEADER) else {
+            return Ok(None);
+        };
+        let n = self.engines.len();
+        let text = value.to_str().unwrap_or("<non-ASCII>").trim();
+        let rank: i64 = text.parse().map_err(|_| {
+            ApiError::bad_request(format!(
+                "Invalid {DP_RANK_HEADER} header `{text}`: expected an integer data-parallel rank in [0, {n})."
+            ))
+        })?;
+        usize::try_from(rank)
+            .ok()
+            .filter(|r| *r < n)
+            .map(Some)
+            .ok_or_else(|| {
+                ApiError::bad_request(format!(
+                    "data_parallel_rank {rank} is out of range [0, {n})."
+                ))
+            })
+    }
+
+    /// Assigns a request: to the pinned engine index, else to the engine with the fewest
+    /// requests in flight (ties to the lowest rank). The guard counts it until dropped.
+    pub fn assign(&self, pin: Option<usize>) -> Result<RequestGuard, ApiError> {
+        let _picking = lock(&self.assigning);
+        let engine = match pin {
+            Some(i) => self.engines.get(i).ok_or_else(|| {
+                ApiError::bad_request(format!(
+                    "data_parallel_rank {i} is out of range [0, {}).",
+                    self.engines.len()
+                ))
+            })?,
+            None => self
+                .engines
+                .iter()
+                .min_by_key(|e| (e.in_flight(), e.rank))
+                .ok_or_else(|| ApiError::internal("the server has no engine"))?,
+        };
+        Ok(engine.enter())
     }
 
     /// Resolves a request's `model` (absent: the first served name); 404 as vLLM otherwise.
@@ -221,295 +222,58 @@ impl Replica {
         })
     }
 
-    /// A guard counting the request as waiting.
-    pub fn enter(&self) -> RequestGuard<'_> {
-        self.metrics.waiting.fetch_add(1, Ordering::Relaxed);
-        RequestGuard {
-            metrics: &self.metrics,
-            running: false,
-            blocks: 0,
-        }
-    }
-
-    /// Waits for the prefill turn, takes the cache hit, sleeps the prefill time, stores the
-    /// prompt's blocks and publishes the batch.
-    pub async fn prefill(&self, job: &Job, guard: &mut RequestGuard<'_>) -> Prefilled {
-        let turn = self.queue.turn().await;
-        let block_size = self.config.block_size as usize;
-        guard.admit(job.prompt.len().div_ceil(block_size));
-        let (cached_tokens, generation, blocks) = {
-            let st = self.state();
-            let blocks = st.cache.blocks(&job.prompt, job.scope());
-            let cached = if self.config.enable_prefix_caching {
-                st.cache
-                    .hit_tokens(job.prompt.len(), st.cache.cached_run(&blocks))
-            } else {
-                0
-            };
-            (cached, st.generation, blocks)
-        };
-        let m = &self.metrics;
-        m.prefix_queries
-            .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
-        m.prefix_hits
-            .fetch_add(cached_tokens as u64, Ordering::Relaxed);
-        m.prompt_tokens
-            .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
-        let latency = &self.config.latency;
-        pause(latency.scaled(latency.prefill_ms(job.prompt.len(), cached_tokens))).await;
-        self.store(job, &job.prompt, &blocks, generation);
-        drop(turn);
-        Prefilled {
-            cached_tokens,
-            generation,
-        }
-    }
-
-    /// Time to sleep between two decoded tokens.
-    pub fn decode_step(&self) -> Duration {
-        let l = &self.config.latency;
-        l.scaled(l.decode_ms_per_token)
-    }
-
-    /// Sleeps the whole decode of `n` tokens (non-streaming responses).
-    pub async fn decode_all(&self, n: usize) {
-        let l = &self.config.latency;
-        pause(l.scaled(l.decode_ms(n))).await;
-    }
-
-    /// Stores blocks filled by decoded tokens (the last sampled token is never in the cache) and
-    /// counts the request finished.
-    pub fn finish(&self, job: &Job, pre: Prefilled, output: &[u32], finish_reason: &str) {
-        let m = &self.metrics;
-        m.generation_tokens
-            .fetch_add(output.len() as u64, Ordering::Relaxed);
-        match finish_reason {
-            "length" => m.finished_length.fetch_add(1, Ordering::Relaxed),
-            _ => m.finished_stop.fetch_add(1, Ordering::Relaxed),
-        };
-        let mut all = job.prompt.clone();
-        all.extend_from_slice(&output[..output.len().saturating_sub(1)]);
-        let block_size = self.config.block_size as usize;
-        if all.len() / block_size <= job.prompt.len() / block_size {
-            return;
-        }
-        let blocks = self.state().cache.blocks(&all, job.scope());
-        self.store(job, &all, &blocks, pre.generation);
-    }
-
-    fn store(&self, job: &Job, tokens: &[u32], blocks: &[crate::cache::Block], generation: u64) {
-        if !self.config.enable_prefix_caching || blocks.is_empty() {
-            return;
-        }
-        let mut st = self.state();
-        if st.generation != generation {
-            return; // the replica "restarted" meanwhile
-        }
-        let outcome = st.cache.store(blocks);
-        let stored = blocks.len().min(st.cache.capacity());
-        let Some(publisher) = &self.publisher else {
-            return;
-        };
-        let mut events: Vec<KvEvent> = outcome
-            .evicted
-            .iter()
-            .map(|h| KvEvent::BlockRemoved {
-                block_hashes: vec![*h],
-            })
-            .collect();
-        if outcome.first_new < stored {
-            let new = blocks.get(outcome.first_new..stored).unwrap_or_default();
-            let block_size = self.config.block_size as usize;
-            let token_ids = tokens
-                .get(outcome.first_new * block_size..stored * block_size)
-                .unwrap_or_default()
-                .to_vec();
-            events.push(KvEvent::BlockStored {
-                block_hashes: new.iter().map(|b| b.hash).collect(),
-                parent_block_hash: outcome
-                    .first_new
-                    .checked_sub(1)
-                    .and_then(|i| blocks.get(i))
-                    .map(|b| b.hash),
-                token_ids,
-                block_size: self.config.block_size,
-                lora_id: job.model.lora.as_ref().map(|(_, id)| *id),
-                lora_name: job.model.lora.as_ref().map(|(n, _)| n.clone()),
-                extra_keys: new.iter().map(|b| b.extra_keys.clone()).collect(),
-            });
-        }
-        // Published under the state lock so batches follow the cache's order of changes.
-        publisher.publish(events);
-    }
-
-    /// Prefix tokens this replica holds now for `job` (whole cached blocks, not capped).
-    pub fn probe(&self, job: &Job) -> (usize, usize) {
-        let st = self.state();
-        let blocks = st.cache.blocks(&job.prompt, job.scope());
-        let run = st.cache.cached_run(&blocks);
-        (
-            run * st.cache.block_size(),
-            st.cache.hit_tokens(job.prompt.len(), run),
-        )
-    }
-
-    /// Blocks cached now.
-    pub fn cached_blocks(&self) -> usize {
-        self.state().cache.len()
-    }
-
-    /// Empties the prefix cache and announces `AllBlocksCleared`.
+    /// Empties every engine's prefix cache (vLLM's `/reset_prefix_cache` resets all ranks).
     pub fn reset_prefix_cache(&self) {
-        let mut st = self.state();
-        st.cache.clear();
-        if let Some(p) = &self.publisher {
-            p.publish(vec![KvEvent::AllBlocksCleared]);
+        for e in &self.engines {
+            e.reset_prefix_cache();
         }
     }
 
-    /// Simulates a process restart: empty cache (new hash root unless seeded), responses
-    /// forgotten, event seq back to 0.
+    /// Simulates a process restart: every engine restarts, stored responses are forgotten.
     pub fn restart(&self) {
-        let mut st = self.state();
-        st.generation += 1;
-        st.cache = PrefixCache::new(
-            self.config.block_size as usize,
-            self.config.num_gpu_blocks,
-            &fresh_seed(&self.config),
-        );
-        st.responses.clear();
-        if let Some(p) = &self.publisher {
-            p.restart();
+        for e in &self.engines {
+            e.restart();
         }
+        lock(&self.responses).clear();
     }
 
     pub fn store_response(&self, id: String, response: StoredResponse) {
-        self.state().responses.insert(id, response);
+        lock(&self.responses).insert(id, response);
     }
 
     pub fn response(&self, id: &str) -> Option<StoredResponse> {
-        self.state().responses.get(id).cloned()
+        lock(&self.responses).get(id).cloned()
     }
 
     pub fn stored_responses(&self) -> usize {
-        self.state().responses.len()
+        lock(&self.responses).len()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::http::HeaderValue;
 
-    fn replica(blocks: usize) -> Replica {
+    fn replica(size: u32) -> Replica {
         let config = Config {
             block_size: 4,
-            num_gpu_blocks: blocks,
+            num_gpu_blocks: 64,
             max_model_len: 16,
             lora_modules: vec!["sql".to_owned()],
+            data_parallel_size: size,
             latency: crate::latency::LatencyConfig {
                 time_scale: 0.0,
                 ..Default::default()
             },
             ..Config::default()
         };
-        Replica::new(config, "r".to_owned(), None)
-    }
-
-    fn job(r: &Replica, prompt: Vec<u32>, salt: Option<&str>) -> Job {
-        Job {
-            model: r.resolve_model(None).unwrap(),
-            prompt,
-            cache_salt: salt.map(str::to_owned),
-        }
-    }
-
-    #[tokio::test]
-    async fn repeat_hits_and_salts_isolate() {
-        let r = replica(64);
-        let p: Vec<u32> = (100..110).collect();
-        for (salt, expect) in [
-            (None, 0),
-            (None, 8),
-            (Some("A"), 0),
-            (Some("B"), 0),
-            (Some("B"), 8),
-            (None, 8),
-        ] {
-            let j = job(&r, p.clone(), salt);
-            let mut g = r.enter();
-            assert_eq!(
-                r.prefill(&j, &mut g).await.cached_tokens,
-                expect,
-                "salt {salt:?}"
-            );
-        }
-        assert_eq!(r.metrics.waiting.load(Ordering::Relaxed), 0);
-        assert_eq!(r.metrics.running.load(Ordering::Relaxed), 0);
-    }
-
-    #[tokio::test]
-    async fn decode_filled_blocks_are_cached() {
-        let r = replica(64);
-        let j = job(&r, (100..106).collect(), None);
-        let mut g = r.enter();
-        let pre = r.prefill(&j, &mut g).await;
-        r.finish(&j, pre, &[1, 2, 3, 4, 5], "length");
-        // prompt(6) + 4 decoded = 10 tokens → 2 full blocks.
-        assert_eq!(
-            r.probe(&job(&r, vec![100, 101, 102, 103, 104, 105, 1, 2, 3], None))
-                .0,
-            8
-        );
-    }
-
-    /// Virtual time (tokio's paused clock): exact, not wall-clock timing.
-    #[tokio::test(start_paused = true)]
-    async fn concurrent_prefills_wait_their_turn() {
-        let mut r = replica(2048);
-        r.config.max_model_len = 4096;
-        r.config.latency.time_scale = 1.0;
-        let r = std::sync::Arc::new(r);
-        let one = r
-            .config
-            .latency
-            .scaled(r.config.latency.prefill_ms(1000, 0));
-        let t0 = tokio::time::Instant::now();
-        let run = |offset: u32| {
-            let r = r.clone();
-            tokio::spawn(async move {
-                let j = job(&r, (offset..offset + 1000).collect(), None);
-                let mut g = r.enter();
-                r.prefill(&j, &mut g).await;
-                tokio::time::Instant::now() - t0
-            })
-        };
-        let first = run(0);
-        tokio::task::yield_now().await;
-        let second = run(5000);
-        tokio::task::yield_now().await;
-        assert_eq!(r.metrics.running.load(Ordering::Relaxed), 1);
-        assert_eq!(r.metrics.waiting.load(Ordering::Relaxed), 1);
-        // tokio's timer has 1 ms resolution.
-        let close = |a: Duration, b: Duration| a.abs_diff(b) <= Duration::from_millis(2);
-        let (t1, t2) = (first.await.unwrap(), second.await.unwrap());
-        assert!(close(t1, one), "{t1:?} vs {one:?}");
-        assert!(close(t2, one * 2), "the second waits for the first: {t2:?}");
-        // A cached repeat only pays the base cost.
-        let j = job(&r, (0..1000).collect(), None);
-        let start = tokio::time::Instant::now();
-        let mut g = r.enter();
-        let pre = r.prefill(&j, &mut g).await;
-        assert_eq!(pre.cached_tokens, 996, "(1000 - 1) / 4 * 4");
-        let warm = r
-            .config
-            .latency
-            .scaled(r.config.latency.prefill_ms(1000, 996));
-        assert!(close(tokio::time::Instant::now() - start, warm));
+        Replica::new(config, "r".to_owned(), Vec::new())
     }
 
     #[test]
     fn models_resolve_and_limits_apply() {
-        let r = replica(64);
+        let r = replica(1);
         assert_eq!(
             r.resolve_model(Some("sql")).unwrap().lora,
             Some(("sql".to_owned(), 1))
@@ -526,7 +290,7 @@ mod tests {
 
     #[test]
     fn restart_forgets() {
-        let r = replica(64);
+        let r = replica(1);
         r.store_response(
             "resp_1".to_owned(),
             StoredResponse {
@@ -536,5 +300,51 @@ mod tests {
         );
         r.restart();
         assert!(r.response("resp_1").is_none());
+    }
+
+    #[test]
+    fn unpinned_requests_go_to_the_least_loaded_rank() {
+        let r = replica(3);
+        let ranks: Vec<u32> = r.engines().iter().map(|e| e.rank).collect();
+        assert_eq!(ranks, [0, 1, 2]);
+        let a = r.assign(None).unwrap();
+        let b = r.assign(None).unwrap();
+        let c = r.assign(Some(0)).unwrap();
+        assert_eq!(
+            [a.engine().rank, b.engine().rank, c.engine().rank],
+            [0, 1, 0]
+        );
+        // Loads 2, 1, 0 → rank 2; then 2, 1, 1 → rank 1 (lowest of the tie).
+        let d = r.assign(None).unwrap();
+        assert_eq!(d.engine().rank, 2);
+        assert_eq!(r.assign(None).unwrap().engine().rank, 1);
+        drop((a, c));
+        assert_eq!(r.engines()[0].in_flight(), 0);
+        assert_eq!(r.assign(None).unwrap().engine().rank, 0);
+    }
+
+    #[test]
+    fn rank_header_is_validated_like_vllm() {
+        let r = replica(2);
+        let pin = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(DP_RANK_HEADER, HeaderValue::from_str(v).unwrap());
+            r.rank_pin(&h)
+        };
+        assert_eq!(r.rank_pin(&HeaderMap::new()).unwrap(), None);
+        assert_eq!(pin("1").unwrap(), Some(1));
+        assert_eq!(
+            pin("2").unwrap_err().message,
+            "data_parallel_rank 2 is out of range [0, 2)."
+        );
+        assert_eq!(
+            pin("-1").unwrap_err().message,
+            "data_parallel_rank -1 is out of range [0, 2)."
+        );
+        let e = pin("one").unwrap_err();
+        assert_eq!(e.status.as_u16(), 400);
+        assert!(e.message.contains("x-data-parallel-rank"), "{}", e.message);
+        assert!(r.engine_by_rank(1).is_ok());
+        assert!(r.engine_by_rank(2).is_err());
     }
 }

@@ -31,6 +31,15 @@ impl ApiError {
         }
     }
 
+    /// A failure of the mock itself (never expected).
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            message: message.into(),
+            param: None,
+        }
+    }
+
     pub fn with_param(mut self, param: &str) -> Self {
         self.param = Some(param.to_owned());
         self

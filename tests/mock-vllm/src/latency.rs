@@ -4,7 +4,7 @@
 //! TTFT  = queue wait + base + uncached_prompt_tokens × prefill_cost
 //! total = TTFT + (output_tokens − 1) × decode_cost
 //! ```
-//! Prefills run one at a time through a per-replica FIFO queue ([`PrefillQueue`]): a request waits
+//! Prefills run one at a time through a per-rank FIFO queue ([`PrefillQueue`]): a request waits
 //! for the prefills admitted before it. Decodes overlap freely. Every duration is multiplied by
 //! `time_scale` (0.01 runs 100× faster, 0 never sleeps).
 //!
@@ -88,7 +88,7 @@ impl LatencyConfig {
     }
 }
 
-/// The per-replica prefill queue: one prefill at a time, first come first served
+/// The per-rank prefill queue: one prefill at a time, first come first served
 /// (tokio's mutex is fair).
 #[derive(Debug, Default)]
 pub struct PrefillQueue {

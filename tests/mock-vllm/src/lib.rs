@@ -1,4 +1,5 @@
-//! mock-vllm: a protocol-exact, compute-simple simulator of one vLLM replica.
+//! mock-vllm: a protocol-exact, compute-simple simulator of one vLLM server: one replica, or
+//! several data-parallel engine ranks behind one HTTP address.
 //!
 //! What the router can see is byte-exact with vLLM 0.32 (HTTP shapes, tokenizer endpoints, KV
 //! events and replay); what it cannot see (the model) is simulated cheaply:
@@ -11,34 +12,41 @@
 //! - [`events`]: the KV-event msgpack wire format (tagged maps or legacy arrays; u64 or bin hashes).
 //! - [`publisher`]: ZMQ PUB plus ROUTER replay with a bounded buffer and fault controls.
 //! - [`latency`]: the TTFT/decode model and the per-replica prefill queue.
-//! - `engine`, `runner`, `generate`: one request's life (prefill, decode, events, output text).
-//! - `api`, `openai`, `responses`: the HTTP routes; `admin`: fault controls and the oracle probe.
+//! - `engine`: the server (model names, limits, Responses store) and request-to-rank assignment;
+//!   `rank`: one data-parallel rank's engine (cache, prefill queue, publisher, metrics).
+//! - `runner`, `generate`: one request's life (prefill, decode, events, output text).
+//! - `api`, `openai`, `responses`, `metrics`: the HTTP routes; `admin`: fault controls and the
+//!   oracle probe; `cli`: the binary's flags.
 //! - [`server`]: [`MockVllm::start`] and the [`Handle`] that owns a running replica.
 
 mod admin;
 mod api;
 pub mod cache;
+mod cli;
 pub mod config;
 mod engine;
 mod error;
 pub mod events;
 mod generate;
 pub mod latency;
+mod metrics;
 mod openai;
 pub mod publisher;
+mod rank;
 mod responses;
 mod runner;
 pub mod server;
 pub mod template;
 pub mod tokenizer;
 
-pub use api::REPLICA_HEADER;
+pub use api::{RANK_HEADER, REPLICA_HEADER};
 pub use cache::{BlockHash, PrefixCache};
 pub use config::{
     ChatTemplate, Cli, Config, EventEncoding, EventsEndpoint, HashForm, KvEventsConfig,
 };
+pub use engine::DP_RANK_HEADER;
 pub use error::ApiError;
 pub use events::KvEvent;
 pub use latency::LatencyConfig;
-pub use server::{BoundAddresses, Handle, MockVllm, StartError};
+pub use server::{BoundAddresses, Handle, MockVllm, RankAddresses, StartError};
 pub use tokenizer::Tokenizer;

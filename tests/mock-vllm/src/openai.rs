@@ -8,12 +8,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use crate::api::with_rank;
 use crate::engine::{Job, ModelRef, Replica};
 use crate::error::{ApiError, parse_json, validate_cache_salt};
 use crate::generate::{Output, TokenKind, generate};
@@ -191,8 +193,10 @@ fn sse_json(v: &Value) -> Event {
 /// POST /v1/completions
 pub async fn completions(
     State(replica): State<Arc<Replica>>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    let pin = replica.rank_pin(&headers)?;
     let body: CompletionBody = parse_json(&body)?;
     single_choice(body.n)?;
     let prompt = completion_prompt(&replica, &body, false)?;
@@ -207,9 +211,11 @@ pub async fn completions(
         prompt: prompt.ids,
         cache_salt: body.cache_salt.clone(),
     };
+    let guard = replica.assign(pin)?;
+    let rank = guard.engine().rank;
     if !body.stream {
-        let cached = run_to_end(&replica, &job, &output).await;
-        return Ok(Json(json!({
+        let cached = run_to_end(guard, &job, &output).await;
+        let resp = Json(json!({
             "id": id,
             "object": "text_completion",
             "created": created,
@@ -224,7 +230,8 @@ pub async fn completions(
             }],
             "usage": usage(prompt_len, output.ids.len(), cached),
         }))
-        .into_response());
+        .into_response();
+        return Ok(with_rank(resp, rank));
     }
     let include_usage = body.stream_options.unwrap_or_default().include_usage;
     let chunk = move |text: &str, finish: Value| {
@@ -235,7 +242,7 @@ pub async fn completions(
     };
     let out = output.clone();
     let mut cached = 0;
-    let events = steps(run_streaming(replica.clone(), job, output)).flat_map(move |step| {
+    let events = steps(run_streaming(guard, job, output)).flat_map(move |step| {
         let mut evs = Vec::new();
         match step {
             Step::Prefilled { cached_tokens } => cached = cached_tokens,
@@ -261,14 +268,16 @@ pub async fn completions(
         }
         futures::stream::iter(evs.into_iter().map(Ok::<_, Infallible>))
     });
-    Ok(Sse::new(events).into_response())
+    Ok(with_rank(Sse::new(events).into_response(), rank))
 }
 
 /// POST /v1/chat/completions
 pub async fn chat_completions(
     State(replica): State<Arc<Replica>>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    let pin = replica.rank_pin(&headers)?;
     let body: ChatBody = parse_json(&body)?;
     single_choice(body.n)?;
     let prompt = chat_prompt(&replica, &body, false)?;
@@ -290,9 +299,11 @@ pub async fn chat_completions(
         prompt: prompt.ids,
         cache_salt: body.cache_salt.clone(),
     };
+    let guard = replica.assign(pin)?;
+    let rank = guard.engine().rank;
     if !body.stream {
-        let cached = run_to_end(&replica, &job, &output).await;
-        return Ok(Json(json!({
+        let cached = run_to_end(guard, &job, &output).await;
+        let resp = Json(json!({
             "id": id,
             "object": "chat.completion",
             "created": created,
@@ -312,7 +323,8 @@ pub async fn chat_completions(
             "usage": usage(prompt_len, output.ids.len(), cached),
             "prompt_logprobs": null,
         }))
-        .into_response());
+        .into_response();
+        return Ok(with_rank(resp, rank));
     }
     let include_usage = body.stream_options.unwrap_or_default().include_usage;
     let chunk = move |delta: Value, finish: Value| {
@@ -323,7 +335,7 @@ pub async fn chat_completions(
     };
     let out = output.clone();
     let mut cached = 0;
-    let events = steps(run_streaming(replica.clone(), job, output)).flat_map(move |step| {
+    let events = steps(run_streaming(guard, job, output)).flat_map(move |step| {
         let mut evs = Vec::new();
         match step {
             Step::Prefilled { cached_tokens } => {
@@ -363,7 +375,7 @@ pub async fn chat_completions(
         }
         futures::stream::iter(evs.into_iter().map(Ok::<_, Infallible>))
     });
-    Ok(Sse::new(events).into_response())
+    Ok(with_rank(Sse::new(events).into_response(), rank))
 }
 
 /// Output for a prompt that was already checked (shared with Responses).

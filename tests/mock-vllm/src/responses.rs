@@ -1,7 +1,8 @@
 //! `/v1/responses` (streaming and not), `GET /v1/responses/{id}`, and the Responses prompt.
 //!
-//! The store is per replica, as vLLM's: `previous_response_id` naming a response this replica did
-//! not store (or forgot in a restart) is a 404.
+//! The store is per replica, shared by its data-parallel ranks (vLLM's API server keeps it):
+//! `previous_response_id` naming a response this replica did not store (or forgot in a restart)
+//! is a 404.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -10,12 +11,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::{Path, State};
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use crate::api::with_rank;
 use crate::engine::{Job, ModelRef, Replica, StoredResponse};
 use crate::error::{ApiError, parse_json, validate_cache_salt};
 use crate::generate::{Output, TokenKind};
@@ -286,8 +289,10 @@ fn store(replica: &Replica, meta: &Meta, conversation: Vec<Message>, output: &Ou
 /// POST /v1/responses
 pub async fn responses(
     State(replica): State<Arc<Replica>>,
+    headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, ApiError> {
+    let pin = replica.rank_pin(&headers)?;
     let body: ResponsesBody = parse_json(&body)?;
     let prompt = responses_prompt(&replica, &body)?;
     let output = plan(
@@ -316,11 +321,13 @@ pub async fn responses(
         cache_salt: body.cache_salt.clone(),
     };
     let conversation = prompt.conversation;
+    let guard = replica.assign(pin)?;
+    let rank = guard.engine().rank;
     if !body.stream {
-        let cached = run_to_end(&replica, &job, &output).await;
+        let cached = run_to_end(guard, &job, &output).await;
         let obj = meta.object("completed", Some(&output), cached);
         store(&replica, &meta, conversation, &output, obj.clone());
-        return Ok(Json(obj).into_response());
+        return Ok(with_rank(Json(obj).into_response(), rank));
     }
     let mut writer = StreamWriter {
         meta,
@@ -331,7 +338,7 @@ pub async fn responses(
         message_started: false,
     };
     let mut seq = 0u64;
-    let events = steps(run_streaming(replica.clone(), job, output)).flat_map(move |step| {
+    let events = steps(run_streaming(guard, job, output)).flat_map(move |step| {
         let events: Vec<Result<Event, Infallible>> = writer
             .events(step)
             .into_iter()
@@ -344,7 +351,7 @@ pub async fn responses(
             .collect();
         futures::stream::iter(events)
     });
-    Ok(Sse::new(events).into_response())
+    Ok(with_rank(Sse::new(events).into_response(), rank))
 }
 
 /// GET /v1/responses/{id}

@@ -1,13 +1,12 @@
-//! Drives one request through the engine, either to the end (non-streaming) or step by step for
+//! Drives one request through its engine, either to the end (non-streaming) or step by step for
 //! a streaming response.
-
-use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
-use crate::engine::{Job, Replica};
+use crate::engine::Job;
 use crate::generate::Output;
 use crate::latency::pause;
+use crate::rank::RequestGuard;
 
 /// What a streaming request has reached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,22 +19,22 @@ pub enum Step {
     Finished,
 }
 
-/// Runs a request to completion; returns the cached prompt tokens.
-pub async fn run_to_end(replica: &Replica, job: &Job, output: &Output) -> usize {
-    let mut guard = replica.enter();
-    let pre = replica.prefill(job, &mut guard).await;
-    replica.decode_all(output.ids.len()).await;
-    replica.finish(job, pre, &output.ids, output.finish_reason);
+/// Runs an assigned request to completion; returns the cached prompt tokens.
+pub async fn run_to_end(mut guard: RequestGuard, job: &Job, output: &Output) -> usize {
+    let engine = guard.engine().clone();
+    let pre = engine.prefill(job, &mut guard).await;
+    engine.decode_all(output.ids.len()).await;
+    engine.finish(job, pre, &output.ids, output.finish_reason);
     pre.cached_tokens
 }
 
-/// Runs a request in a task, reporting each step. Dropping the receiver (client gone) stops the
-/// request at its next step.
-pub fn run_streaming(replica: Arc<Replica>, job: Job, output: Output) -> mpsc::Receiver<Step> {
+/// Runs an assigned request in a task, reporting each step. Dropping the receiver (client gone)
+/// stops the request at its next step.
+pub fn run_streaming(mut guard: RequestGuard, job: Job, output: Output) -> mpsc::Receiver<Step> {
     let (tx, rx) = mpsc::channel(16);
     tokio::spawn(async move {
-        let mut guard = replica.enter();
-        let pre = replica.prefill(&job, &mut guard).await;
+        let engine = guard.engine().clone();
+        let pre = engine.prefill(&job, &mut guard).await;
         if tx
             .send(Step::Prefilled {
                 cached_tokens: pre.cached_tokens,
@@ -45,7 +44,7 @@ pub fn run_streaming(replica: Arc<Replica>, job: Job, output: Output) -> mpsc::R
         {
             return;
         }
-        let step = replica.decode_step();
+        let step = engine.decode_step();
         for i in 0..output.ids.len() {
             if i > 0 {
                 pause(step).await;
@@ -54,7 +53,7 @@ pub fn run_streaming(replica: Arc<Replica>, job: Job, output: Output) -> mpsc::R
                 return;
             }
         }
-        replica.finish(&job, pre, &output.ids, output.finish_reason);
+        engine.finish(&job, pre, &output.ids, output.finish_reason);
         drop(guard);
         let _ = tx.send(Step::Finished).await;
     });

@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Config, ConfigError, EventsEndpoint};
 use crate::engine::{Job, Replica};
 use crate::publisher::{Publisher, PublisherError};
+use crate::rank::Engine;
 
 /// A replica could not start.
 #[derive(Debug, thiserror::Error)]
@@ -33,10 +34,22 @@ pub struct BoundAddresses {
     pub name: String,
     pub http: SocketAddr,
     pub admin: SocketAddr,
-    /// `tcp://ip:port` of the PUB socket (bound, or the one it connects to).
+    /// `tcp://ip:port` of the first rank's PUB socket (bound, or the one it connects to).
     pub kv_events: Option<String>,
     /// `bind` or `connect`.
     pub kv_events_mode: Option<&'static str>,
+    /// The first rank's replay socket.
+    pub replay: Option<String>,
+    pub data_parallel_size: u32,
+    /// Every rank's event sockets, in rank order.
+    pub ranks: Vec<RankAddresses>,
+}
+
+/// One data-parallel rank's event sockets.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RankAddresses {
+    pub rank: u32,
+    pub kv_events: Option<String>,
     pub replay: Option<String>,
 }
 
@@ -71,29 +84,45 @@ impl MockVllm {
         let cancel = CancellationToken::new();
         let (http, http_addr) = bind("HTTP API", config.http_addr).await?;
         let (admin, admin_addr) = bind("admin API", config.admin_addr).await?;
+        // Tasks started before a failure stop with the token.
+        let stop_on_error = cancel.clone().drop_guard();
         let mut tasks = Vec::new();
-        let publisher = match &config.kv_events {
-            Some(ev) => {
-                let (p, t) = Publisher::start(ev, cancel.child_token()).await?;
-                tasks.extend(t);
-                Some(p)
-            }
-            None => None,
-        };
+        let mut publishers = Vec::new();
+        let mut ranks = Vec::new();
+        for index in 0..config.data_parallel_size {
+            let publisher = match &config.kv_events {
+                Some(ev) => {
+                    let (p, t) =
+                        Publisher::start(&ev.for_rank(index)?, cancel.child_token()).await?;
+                    tasks.extend(t);
+                    Some(p)
+                }
+                None => None,
+            };
+            ranks.push(RankAddresses {
+                rank: config.first_rank().saturating_add(index),
+                kv_events: publisher.as_ref().map(|p| p.endpoint().to_owned()),
+                replay: publisher
+                    .as_ref()
+                    .and_then(|p| p.replay_endpoint().map(str::to_owned)),
+            });
+            publishers.push(publisher);
+        }
+        let first = ranks.first();
         let addresses = BoundAddresses {
             name: config.name.clone().unwrap_or_else(|| http_addr.to_string()),
             http: http_addr,
             admin: admin_addr,
-            kv_events: publisher.as_ref().map(|p| p.endpoint().to_owned()),
+            kv_events: first.and_then(|r| r.kv_events.clone()),
             kv_events_mode: config.kv_events.as_ref().map(|e| match e.endpoint {
                 EventsEndpoint::Bind(_) => "bind",
                 EventsEndpoint::Connect(_) => "connect",
             }),
-            replay: publisher
-                .as_ref()
-                .and_then(|p| p.replay_endpoint().map(str::to_owned)),
+            replay: first.and_then(|r| r.replay.clone()),
+            data_parallel_size: config.data_parallel_size,
+            ranks,
         };
-        let replica = Arc::new(Replica::new(config, addresses.name.clone(), publisher));
+        let replica = Arc::new(Replica::new(config, addresses.name.clone(), publishers));
         for (listener, app) in [
             (http, crate::api::router(replica.clone())),
             (admin, crate::admin::router(replica.clone())),
@@ -108,6 +137,7 @@ impl MockVllm {
                 }
             }));
         }
+        stop_on_error.disarm();
         tracing::info!(?addresses, "mock-vllm ready");
         Ok(Handle {
             addresses,
@@ -135,19 +165,66 @@ impl Handle {
         self.addresses.admin
     }
 
-    /// `tcp://ip:port` of the PUB socket, when events are on.
+    /// `tcp://ip:port` of the first rank's PUB socket, when events are on.
     pub fn events_endpoint(&self) -> Option<&str> {
         self.addresses.kv_events.as_deref()
     }
 
-    /// `tcp://ip:port` of the ROUTER replay socket, when on.
+    /// `tcp://ip:port` of the first rank's ROUTER replay socket, when on.
     pub fn replay_endpoint(&self) -> Option<&str> {
         self.addresses.replay.as_deref()
     }
 
-    /// Oracle: prefix tokens (whole blocks) this replica holds now for `token_ids`.
+    /// The data-parallel ranks this server runs, in order.
+    pub fn ranks(&self) -> Vec<u32> {
+        self.addresses.ranks.iter().map(|r| r.rank).collect()
+    }
+
+    /// `(rank, tcp://ip:port)` of every rank's PUB socket, when events are on.
+    pub fn events_endpoints(&self) -> Vec<(u32, String)> {
+        let ranks = self.addresses.ranks.iter();
+        ranks
+            .filter_map(|r| Some((r.rank, r.kv_events.clone()?)))
+            .collect()
+    }
+
+    /// `(rank, tcp://ip:port)` of every rank's ROUTER replay socket, when on.
+    pub fn replay_endpoints(&self) -> Vec<(u32, String)> {
+        let ranks = self.addresses.ranks.iter();
+        ranks
+            .filter_map(|r| Some((r.rank, r.replay.clone()?)))
+            .collect()
+    }
+
+    /// Oracle: prefix tokens (whole blocks) the first rank holds now for `token_ids` (0 for an
+    /// unknown model).
     pub fn cached_prefix_tokens(
         &self,
+        model: Option<&str>,
+        cache_salt: Option<&str>,
+        token_ids: &[u32],
+    ) -> usize {
+        self.replica
+            .first_engine()
+            .map_or(0, |e| self.probe(e, model, cache_salt, token_ids))
+    }
+
+    /// Oracle: prefix tokens (whole blocks) data-parallel `rank` holds now for `token_ids`;
+    /// `None` when this server does not run `rank`.
+    pub fn cached_prefix_tokens_on_rank(
+        &self,
+        rank: u32,
+        model: Option<&str>,
+        cache_salt: Option<&str>,
+        token_ids: &[u32],
+    ) -> Option<usize> {
+        let engine = self.replica.engine_by_rank(rank).ok()?;
+        Some(self.probe(engine, model, cache_salt, token_ids))
+    }
+
+    fn probe(
+        &self,
+        engine: &Engine,
         model: Option<&str>,
         cache_salt: Option<&str>,
         token_ids: &[u32],
@@ -160,18 +237,20 @@ impl Handle {
             prompt: token_ids.to_vec(),
             cache_salt: cache_salt.map(str::to_owned),
         };
-        self.replica.probe(&job).0
+        engine.probe(&job).0
     }
 
-    /// Waits until every KV-event batch produced so far is published (or dropped by a fault
-    /// control), so a replay sees it. Blocks while events are paused.
+    /// Waits until every KV-event batch produced so far, on every rank, is published (or
+    /// dropped by a fault control), so a replay sees it. Blocks while events are paused.
     pub async fn flush_events(&self) {
-        if let Some(p) = &self.replica.publisher {
-            p.flushed().await;
+        for e in self.replica.engines() {
+            if let Some(p) = &e.publisher {
+                p.flushed().await;
+            }
         }
     }
 
-    /// Same as `POST /admin/restart`.
+    /// Same as `POST /admin/restart` (every rank; stored responses forgotten).
     pub fn restart(&self) {
         self.replica.restart();
     }

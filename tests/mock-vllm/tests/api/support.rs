@@ -105,20 +105,56 @@ pub async fn request(
     path: &str,
     body: Option<&Value>,
 ) -> HttpResponse {
+    request_with(addr, method, path, &[], body).await
+}
+
+/// The raw request `request_with` sends.
+pub fn raw_request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&Value>,
+) -> String {
+    let payload = body.map(|b| b.to_string()).unwrap_or_default();
+    let extra: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
+    format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\n\r\n{payload}",
+        payload.len()
+    )
+}
+
+/// A request with extra headers.
+pub async fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&Value>,
+) -> HttpResponse {
     tokio::time::timeout(STEP, async {
         let mut stream = TcpStream::connect(addr).await.unwrap();
-        let payload = body.map(|b| b.to_string()).unwrap_or_default();
-        let req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{payload}",
-            payload.len()
-        );
+        let req = raw_request(addr, method, path, headers, body);
         stream.write_all(req.as_bytes()).await.unwrap();
         let mut raw = Vec::new();
         stream.read_to_end(&mut raw).await.unwrap();
-        let split = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("header end");
+        let split = raw
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("header end");
         let head = std::str::from_utf8(&raw[..split]).unwrap();
         let mut lines = head.split("\r\n");
-        let status = lines.next().unwrap().split(' ').nth(1).unwrap().parse().unwrap();
+        let status = lines
+            .next()
+            .unwrap()
+            .split(' ')
+            .nth(1)
+            .unwrap()
+            .parse()
+            .unwrap();
         let headers: Vec<(String, String)> = lines
             .filter_map(|l| l.split_once(':'))
             .map(|(k, v)| (k.trim().to_owned(), v.trim().to_owned()))
@@ -130,7 +166,11 @@ pub async fn request(
         {
             body = dechunk(&body);
         }
-        HttpResponse { status, headers, body }
+        HttpResponse {
+            status,
+            headers,
+            body,
+        }
     })
     .await
     .expect("HTTP request timed out")

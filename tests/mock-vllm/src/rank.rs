@@ -1,0 +1,425 @@
+//! One data-parallel rank's engine: its prefix cache, prefill queue, KV-event publisher and
+//! metrics, and the life of one request through them.
+//!
+//! A request is prefilled in its turn of the [`PrefillQueue`]: the cache hit is taken when the turn
+//! starts, the prefill time slept, then the prompt's full blocks are stored and one event batch
+//! (`BlockRemoved`… tail first, then `BlockStored`) is published. After decoding,
+//! [`Engine::finish`] stores the blocks filled by decoded tokens as a second batch.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use crate::cache::{Block, PrefixCache};
+use crate::config::Config;
+use crate::engine::Job;
+use crate::events::KvEvent;
+use crate::latency::{PrefillQueue, pause};
+use crate::publisher::Publisher;
+
+/// Counters behind `/metrics` (one set per rank, labelled `engine="<rank>"`).
+#[derive(Debug, Default)]
+pub struct Metrics {
+    pub waiting: AtomicUsize,
+    pub running: AtomicUsize,
+    pub running_blocks: AtomicUsize,
+    pub prefix_queries: AtomicU64,
+    pub prefix_hits: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub generation_tokens: AtomicU64,
+    pub finished_stop: AtomicU64,
+    pub finished_length: AtomicU64,
+    /// Requests assigned and not yet finished (waiting + running), for internal balancing.
+    pub in_flight: AtomicUsize,
+}
+
+#[derive(Debug)]
+struct State {
+    cache: PrefixCache,
+    /// The engine incarnation; a restart bumps it so in-flight requests store nothing.
+    generation: u64,
+}
+
+/// One rank's engine.
+#[derive(Debug)]
+pub struct Engine {
+    /// The data-parallel rank: payload rank, `engine` metric label, `x-mock-vllm-rank`.
+    pub rank: u32,
+    pub config: Arc<Config>,
+    pub publisher: Option<Publisher>,
+    pub metrics: Metrics,
+    queue: PrefillQueue,
+    state: Mutex<State>,
+}
+
+/// Outcome of a prefill.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prefilled {
+    pub cached_tokens: usize,
+    /// The engine incarnation the request ran in (a restart bumps it).
+    pub generation: u64,
+}
+
+/// A request assigned to an engine: counted in flight and waiting, then running, until dropped.
+#[derive(Debug)]
+pub struct RequestGuard {
+    engine: Arc<Engine>,
+    running: bool,
+    blocks: usize,
+}
+
+impl RequestGuard {
+    /// The engine the request runs on.
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    fn admit(&mut self, blocks: usize) {
+        if !self.running {
+            let m = &self.engine.metrics;
+            m.waiting.fetch_sub(1, Ordering::Relaxed);
+            m.running.fetch_add(1, Ordering::Relaxed);
+            m.running_blocks.fetch_add(blocks, Ordering::Relaxed);
+            self.running = true;
+            self.blocks = blocks;
+        }
+    }
+}
+
+impl Drop for RequestGuard {
+    fn drop(&mut self) {
+        let m = &self.engine.metrics;
+        if self.running {
+            m.running.fetch_sub(1, Ordering::Relaxed);
+            m.running_blocks.fetch_sub(self.blocks, Ordering::Relaxed);
+        } else {
+            m.waiting.fetch_sub(1, Ordering::Relaxed);
+        }
+        m.in_flight.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn fresh_cache(config: &Config) -> PrefixCache {
+    let seed = config
+        .hash_seed
+        .clone()
+        .unwrap_or_else(|| format!("{:032x}", rand::random::<u128>()));
+    PrefixCache::new(config.block_size as usize, config.num_gpu_blocks, &seed)
+}
+
+impl Engine {
+    pub fn new(rank: u32, config: Arc<Config>, publisher: Option<Publisher>) -> Self {
+        Self {
+            rank,
+            publisher,
+            metrics: Metrics::default(),
+            queue: PrefillQueue::default(),
+            state: Mutex::new(State {
+                cache: fresh_cache(&config),
+                generation: 0,
+            }),
+            config,
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Assigns a request to this engine: counted in flight and waiting until the guard drops.
+    pub fn enter(self: &Arc<Self>) -> RequestGuard {
+        self.metrics.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.metrics.waiting.fetch_add(1, Ordering::Relaxed);
+        RequestGuard {
+            engine: self.clone(),
+            running: false,
+            blocks: 0,
+        }
+    }
+
+    /// Requests assigned and not finished.
+    pub fn in_flight(&self) -> usize {
+        self.metrics.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Waits for the prefill turn, takes the cache hit, sleeps the prefill time, stores the
+    /// prompt's blocks and publishes the batch.
+    pub async fn prefill(&self, job: &Job, guard: &mut RequestGuard) -> Prefilled {
+        let turn = self.queue.turn().await;
+        let block_size = self.config.block_size as usize;
+        guard.admit(job.prompt.len().div_ceil(block_size));
+        let (cached_tokens, generation, blocks) = {
+            let st = self.state();
+            let blocks = st.cache.blocks(&job.prompt, job.scope());
+            let cached = if self.config.enable_prefix_caching {
+                st.cache
+                    .hit_tokens(job.prompt.len(), st.cache.cached_run(&blocks))
+            } else {
+                0
+            };
+            (cached, st.generation, blocks)
+        };
+        let m = &self.metrics;
+        m.prefix_queries
+            .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+        m.prefix_hits
+            .fetch_add(cached_tokens as u64, Ordering::Relaxed);
+        m.prompt_tokens
+            .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+        let latency = &self.config.latency;
+        pause(latency.scaled(latency.prefill_ms(job.prompt.len(), cached_tokens))).await;
+        self.store(job, &job.prompt, &blocks, generation);
+        drop(turn);
+        Prefilled {
+            cached_tokens,
+            generation,
+        }
+    }
+
+    /// Time to sleep between two decoded tokens.
+    pub fn decode_step(&self) -> Duration {
+        let l = &self.config.latency;
+        l.scaled(l.decode_ms_per_token)
+    }
+
+    /// Sleeps the whole decode of `n` tokens (non-streaming responses).
+    pub async fn decode_all(&self, n: usize) {
+        let l = &self.config.latency;
+        pause(l.scaled(l.decode_ms(n))).await;
+    }
+
+    /// Stores blocks filled by decoded tokens (the last sampled token is never in the cache) and
+    /// counts the request finished.
+    pub fn finish(&self, job: &Job, pre: Prefilled, output: &[u32], finish_reason: &str) {
+        let m = &self.metrics;
+        m.generation_tokens
+            .fetch_add(output.len() as u64, Ordering::Relaxed);
+        match finish_reason {
+            "length" => m.finished_length.fetch_add(1, Ordering::Relaxed),
+            _ => m.finished_stop.fetch_add(1, Ordering::Relaxed),
+        };
+        let mut all = job.prompt.clone();
+        all.extend_from_slice(&output[..output.len().saturating_sub(1)]);
+        let block_size = self.config.block_size as usize;
+        if all.len() / block_size <= job.prompt.len() / block_size {
+            return;
+        }
+        let blocks = self.state().cache.blocks(&all, job.scope());
+        self.store(job, &all, &blocks, pre.generation);
+    }
+
+    fn store(&self, job: &Job, tokens: &[u32], blocks: &[Block], generation: u64) {
+        if !self.config.enable_prefix_caching || blocks.is_empty() {
+            return;
+        }
+        let mut st = self.state();
+        if st.generation != generation {
+            return; // the engine "restarted" meanwhile
+        }
+        let outcome = st.cache.store(blocks);
+        let stored = blocks.len().min(st.cache.capacity());
+        let Some(publisher) = &self.publisher else {
+            return;
+        };
+        let mut events: Vec<KvEvent> = outcome
+            .evicted
+            .iter()
+            .map(|h| KvEvent::BlockRemoved {
+                block_hashes: vec![*h],
+            })
+            .collect();
+        if outcome.first_new < stored {
+            let new = blocks.get(outcome.first_new..stored).unwrap_or_default();
+            let block_size = self.config.block_size as usize;
+            let token_ids = tokens
+                .get(outcome.first_new * block_size..stored * block_size)
+                .unwrap_or_default()
+                .to_vec();
+            events.push(KvEvent::BlockStored {
+                block_hashes: new.iter().map(|b| b.hash).collect(),
+                parent_block_hash: outcome
+                    .first_new
+                    .checked_sub(1)
+                    .and_then(|i| blocks.get(i))
+                    .map(|b| b.hash),
+                token_ids,
+                block_size: self.config.block_size,
+                lora_id: job.model.lora.as_ref().map(|(_, id)| *id),
+                lora_name: job.model.lora.as_ref().map(|(n, _)| n.clone()),
+                extra_keys: new.iter().map(|b| b.extra_keys.clone()).collect(),
+            });
+        }
+        // Published under the state lock so batches follow the cache's order of changes.
+        publisher.publish(events);
+    }
+
+    /// `(held, hit)`: prefix tokens this engine holds now for `job` (whole cached blocks, not
+    /// capped), and what a request would be served from the cache.
+    pub fn probe(&self, job: &Job) -> (usize, usize) {
+        let st = self.state();
+        let blocks = st.cache.blocks(&job.prompt, job.scope());
+        let run = st.cache.cached_run(&blocks);
+        (
+            run * st.cache.block_size(),
+            st.cache.hit_tokens(job.prompt.len(), run),
+        )
+    }
+
+    /// Blocks cached now.
+    pub fn cached_blocks(&self) -> usize {
+        self.state().cache.len()
+    }
+
+    /// Empties the prefix cache and announces `AllBlocksCleared`.
+    pub fn reset_prefix_cache(&self) {
+        let mut st = self.state();
+        st.cache.clear();
+        if let Some(p) = &self.publisher {
+            p.publish(vec![KvEvent::AllBlocksCleared]);
+        }
+    }
+
+    /// Simulates an engine restart: empty cache (new hash root unless seeded), event seq back
+    /// to 0; requests in flight store nothing.
+    pub fn restart(&self) {
+        let mut st = self.state();
+        st.generation += 1;
+        st.cache = fresh_cache(&self.config);
+        if let Some(p) = &self.publisher {
+            p.restart();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::ModelRef;
+
+    fn config(blocks: usize) -> Config {
+        Config {
+            block_size: 4,
+            num_gpu_blocks: blocks,
+            max_model_len: 16,
+            latency: crate::latency::LatencyConfig {
+                time_scale: 0.0,
+                ..Default::default()
+            },
+            ..Config::default()
+        }
+    }
+
+    fn engine(config: Config) -> Arc<Engine> {
+        Arc::new(Engine::new(0, Arc::new(config), None))
+    }
+
+    fn job(prompt: Vec<u32>, salt: Option<&str>) -> Job {
+        Job {
+            model: ModelRef {
+                name: "mock-model".to_owned(),
+                lora: None,
+            },
+            prompt,
+            cache_salt: salt.map(str::to_owned),
+        }
+    }
+
+    #[tokio::test]
+    async fn repeat_hits_and_salts_isolate() {
+        let e = engine(config(64));
+        let p: Vec<u32> = (100..110).collect();
+        for (salt, expect) in [
+            (None, 0),
+            (None, 8),
+            (Some("A"), 0),
+            (Some("B"), 0),
+            (Some("B"), 8),
+            (None, 8),
+        ] {
+            let j = job(p.clone(), salt);
+            let mut g = e.enter();
+            assert_eq!(
+                e.prefill(&j, &mut g).await.cached_tokens,
+                expect,
+                "salt {salt:?}"
+            );
+        }
+        assert_eq!(e.metrics.waiting.load(Ordering::Relaxed), 0);
+        assert_eq!(e.metrics.running.load(Ordering::Relaxed), 0);
+        assert_eq!(e.in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn decode_filled_blocks_are_cached() {
+        let e = engine(config(64));
+        let j = job((100..106).collect(), None);
+        let mut g = e.enter();
+        let pre = e.prefill(&j, &mut g).await;
+        e.finish(&j, pre, &[1, 2, 3, 4, 5], "length");
+        // prompt(6) + 4 decoded = 10 tokens → 2 full blocks.
+        assert_eq!(
+            e.probe(&job(vec![100, 101, 102, 103, 104, 105, 1, 2, 3], None))
+                .0,
+            8
+        );
+    }
+
+    #[tokio::test]
+    async fn restart_empties_the_cache_and_discards_in_flight_stores() {
+        let e = engine(config(64));
+        let j = job((100..110).collect(), None);
+        let mut g = e.enter();
+        let pre = e.prefill(&j, &mut g).await;
+        assert_eq!(e.cached_blocks(), 2);
+        e.restart();
+        assert_eq!(e.cached_blocks(), 0);
+        e.finish(&j, pre, &[1, 2, 3, 4, 5, 6, 7], "length");
+        assert_eq!(e.cached_blocks(), 0, "stored by the previous incarnation");
+    }
+
+    /// Virtual time (tokio's paused clock): exact, not wall-clock timing.
+    #[tokio::test(start_paused = true)]
+    async fn concurrent_prefills_wait_their_turn() {
+        let mut c = config(2048);
+        c.max_model_len = 4096;
+        c.latency.time_scale = 1.0;
+        let e = engine(c);
+        let one = e
+            .config
+            .latency
+            .scaled(e.config.latency.prefill_ms(1000, 0));
+        let t0 = tokio::time::Instant::now();
+        let run = |offset: u32| {
+            let e = e.clone();
+            tokio::spawn(async move {
+                let j = job((offset..offset + 1000).collect(), None);
+                let mut g = e.enter();
+                e.prefill(&j, &mut g).await;
+                tokio::time::Instant::now() - t0
+            })
+        };
+        let first = run(0);
+        tokio::task::yield_now().await;
+        let second = run(5000);
+        tokio::task::yield_now().await;
+        assert_eq!(e.metrics.running.load(Ordering::Relaxed), 1);
+        assert_eq!(e.metrics.waiting.load(Ordering::Relaxed), 1);
+        assert_eq!(e.in_flight(), 2);
+        // tokio's timer has 1 ms resolution.
+        let close = |a: Duration, b: Duration| a.abs_diff(b) <= Duration::from_millis(2);
+        let (t1, t2) = (first.await.unwrap(), second.await.unwrap());
+        assert!(close(t1, one), "{t1:?} vs {one:?}");
+        assert!(close(t2, one * 2), "the second waits for the first: {t2:?}");
+        // A cached repeat only pays the base cost.
+        let j = job((0..1000).collect(), None);
+        let start = tokio::time::Instant::now();
+        let mut g = e.enter();
+        let pre = e.prefill(&j, &mut g).await;
+        assert_eq!(pre.cached_tokens, 996, "(1000 - 1) / 4 * 4");
+        let warm = e
+            .config
+            .latency
+            .scaled(e.config.latency.prefill_ms(1000, 996));
+        assert!(close(tokio::time::Instant::now() - start, warm));
+    }
+}
