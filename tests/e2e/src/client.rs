@@ -9,6 +9,8 @@ use crate::{HarnessError, http};
 
 /// The mock replica's name header (its `ip:port`).
 pub const REPLICA_HEADER: &str = "x-mock-vllm-replica";
+/// The mock's header naming the data-parallel rank that served.
+pub const RANK_HEADER: &str = "x-mock-vllm-rank";
 
 /// One request's outcome.
 #[derive(Debug, Clone)]
@@ -19,6 +21,8 @@ pub struct Outcome {
     pub replica: Option<String>,
     /// The filter's reason label, when the decision header is on.
     pub decision: Option<String>,
+    /// The data-parallel rank that served (mock only).
+    pub rank: Option<String>,
     /// `usage.prompt_tokens` (`input_tokens` for Responses).
     pub prompt_tokens: u64,
     /// `…tokens_details.cached_tokens`.
@@ -81,6 +85,7 @@ pub fn post_raw(
             .or_else(|| response.header(crate::envoy::UPSTREAM_HEADER))
             .map(str::to_owned),
         decision: response.header(DECISION_HEADER).map(str::to_owned),
+        rank: response.header(RANK_HEADER).map(str::to_owned),
         prompt_tokens,
         cached_tokens,
         response_id: doc["id"]

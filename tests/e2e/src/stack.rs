@@ -66,6 +66,13 @@ pub struct StackOptions {
     /// Put a relay between Envoy and indexd that [`Stack::set_indexd_delay`]
     /// can slow down.
     pub slow_indexd_link: bool,
+    /// Data-parallel ranks per mock server (indexd sees one endpoint per
+    /// rank; the filter pins requests with `x-data-parallel-rank`).
+    pub data_parallel_size: u32,
+    /// The mock replicas' chat template.
+    pub chat_template: mock_vllm::ChatTemplate,
+    /// Reasoning tokens opening each chat/Responses output of the mock (0: none).
+    pub reasoning_tokens: u32,
 }
 
 impl Default for StackOptions {
@@ -84,6 +91,9 @@ impl Default for StackOptions {
             filter_overrides: json!({ "index_timeout_ms": 1_000, "tokenizer_timeout_ms": 2_000 }),
             seed: 7,
             slow_indexd_link: false,
+            data_parallel_size: 1,
+            chat_template: mock_vllm::ChatTemplate::RoleMarkers,
+            reasoning_tokens: 0,
         }
     }
 }
@@ -140,17 +150,29 @@ impl Stack {
                 .map_err(|e| setup("mock vLLM replica", e))?;
             replicas.push(replica);
         }
-        let endpoints = replicas
-            .iter()
-            .map(|r| {
-                endpoint(
+        let mut endpoints = Vec::new();
+        for r in &replicas {
+            if options.data_parallel_size > 1 {
+                // One endpoint per rank: same address, its own event stream.
+                let replays = r.replay_endpoints();
+                for (rank, events) in r.events_endpoints() {
+                    let replay = replays
+                        .iter()
+                        .find(|(k, _)| *k == rank)
+                        .map(|(_, e)| e.clone());
+                    let mut e = endpoint(&options, r.http_addr(), Some((events, false)), replay);
+                    e.id.rank = Some(rank);
+                    endpoints.push(e);
+                }
+            } else {
+                endpoints.push(endpoint(
                     &options,
                     r.http_addr(),
                     r.events_endpoint().map(|e| (e.to_owned(), false)),
                     r.replay_endpoint().map(str::to_owned),
-                )
-            })
-            .collect();
+                ));
+            }
+        }
         Self::assemble(options, runtime, endpoints, replicas, Vec::new())
     }
 
@@ -201,7 +223,8 @@ impl Stack {
         replicas: Vec<mock_vllm::Handle>,
         real: Vec<RealVllm>,
     ) -> Result<Self, HarnessError> {
-        let addresses: Vec<SocketAddr> = endpoints.iter().map(|e| e.id.address).collect();
+        let mut addresses: Vec<SocketAddr> = endpoints.iter().map(|e| e.id.address).collect();
+        addresses.dedup();
         let (indexd, indexd_grpc, indexd_link) = if options.routing == Routing::LeastRequest {
             (None, SocketAddr::from(([127, 0, 0, 1], 9)), None)
         } else {
@@ -269,10 +292,14 @@ impl Stack {
     /// `ip:port` of every replica, in cluster order (for the mock, the names
     /// in `x-mock-vllm-replica`).
     pub fn replica_addresses(&self) -> Vec<String> {
-        self.endpoints
+        let mut addresses: Vec<String> = self
+            .endpoints
             .iter()
             .map(|e| e.id.address.to_string())
-            .collect()
+            .collect();
+        // Data-parallel ranks share their server's address.
+        addresses.dedup();
+        addresses
     }
 
     /// The options the stack was started with.
@@ -356,25 +383,38 @@ impl Stack {
         })
     }
 
-    /// Waits until indexd holds at least `entries` blocks for replica `i`.
+    /// Waits until indexd holds at least `entries` blocks for replica `i`
+    /// (all its data-parallel ranks together).
     pub fn wait_indexed(
         &self,
         i: usize,
         entries: usize,
         timeout: Duration,
     ) -> Result<(), HarnessError> {
-        let (Some(indexd), Some(endpoint)) = (&self.indexd, self.endpoints.get(i)) else {
+        let Some(indexd) = &self.indexd else {
+            return Ok(());
+        };
+        let addresses = self.replica_addresses();
+        let Some(address) = addresses.get(i) else {
             return Ok(());
         };
         if let Some(replica) = self.replicas.get(i) {
             self.runtime.block_on(replica.flush_events());
         }
-        let id = endpoint.id.clone();
+        // Every rank of the server counts.
+        let ids: Vec<indexd::EndpointId> = self
+            .endpoints
+            .iter()
+            .filter(|e| e.id.address.to_string() == *address)
+            .map(|e| e.id.clone())
+            .collect();
         wait_until("indexd ingests the replica's events", timeout, || {
-            indexd
-                .handle
-                .replica(&id)
-                .is_some_and(|s| s.entries >= entries)
+            let held: usize = ids
+                .iter()
+                .filter_map(|id| indexd.handle.replica(id))
+                .map(|s| s.entries)
+                .sum();
+            held >= entries
         })
     }
 }
@@ -406,9 +446,12 @@ fn mock_config(options: &StackOptions) -> mock_vllm::Config {
         block_size: options.block_size,
         num_gpu_blocks: options.num_gpu_blocks,
         default_max_tokens: options.default_max_tokens,
+        chat_template: options.chat_template,
+        reasoning_tokens: options.reasoning_tokens,
         // One hash seed for all replicas, as a fleet started with one
         // PYTHONHASHSEED would have; indexd must not depend on it either way.
         hash_seed: Some("kvroute-e2e".into()),
+        data_parallel_size: options.data_parallel_size,
         ..mock_vllm::Config::default()
     };
     config.latency.time_scale = options.time_scale;

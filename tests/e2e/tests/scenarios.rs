@@ -406,6 +406,48 @@ fn lora_adapters_are_kept_apart() {
 }
 
 #[test]
+fn data_parallel_ranks_are_pinned_by_header() {
+    let stack = Stack::start(StackOptions {
+        replicas: 2,
+        data_parallel_size: 2,
+        ..StackOptions::default()
+    })
+    .unwrap();
+    let url = stack.url().unwrap();
+    let model = stack.options().model.clone();
+    for conversation in 0..4u64 {
+        // The first turn goes straight to one engine of one server; left to
+        // itself the server would put an unpinned request on its idle rank 0.
+        let server = (conversation % 2) as usize;
+        let rank = ((conversation / 2) % 2 + 1) % 2;
+        let direct = format!("http://{}", stack.replica_addresses()[server]);
+        let mut messages = unshared(70 + conversation);
+        let body = chat_body(&model, &messages, None);
+        let rank_header = rank.to_string();
+        let first = post_json(
+            &direct,
+            "/v1/chat/completions",
+            &body,
+            &[("x-data-parallel-rank", &rank_header)],
+        )
+        .unwrap();
+        assert_eq!(first.rank.as_deref(), Some(rank_header.as_str()));
+        let blocks = (first.prompt_tokens / u64::from(stack.options().block_size)) as usize;
+        stack.wait_indexed(server, blocks, WAIT).unwrap();
+
+        messages.push(message("user", "and the next step?"));
+        let body = chat_body(&model, &messages, None);
+        let next = post_json(&url, "/v1/chat/completions", &body, &[]).unwrap();
+        assert_eq!(next.status, 200, "{}", next.body);
+        assert_eq!(next.decision.as_deref(), Some("precise"));
+        assert_eq!(next.replica, first.replica, "conversation {conversation}");
+        // The filter pinned the rank indexd named: the warm engine served.
+        assert_eq!(next.rank, first.rank, "conversation {conversation}");
+        assert!(next.cached_tokens > 0);
+    }
+}
+
+#[test]
 fn bad_bodies_still_reach_a_replica() {
     let stack = Stack::start(StackOptions::default()).unwrap();
     let url = stack.url().unwrap();
