@@ -1,7 +1,11 @@
-//! A bounded msgpack reader over one frame: every read checks bounds, no
-//! length prefix allocates by itself, unknown values are skipped up to
-//! [`MAX_DEPTH`] levels deep.
+//! A bounded msgpack reader over one frame, on the `rmp` crate's low-level
+//! decoder: every read checks bounds, no length prefix allocates by itself
+//! (strings and binaries are borrowed from the frame), and unknown values are
+//! skipped up to [`MAX_DEPTH`] levels deep.
 #![deny(clippy::indexing_slicing)]
+
+use rmp::Marker;
+use rmp::decode::{self, NumValueReadError, ValueReadError};
 
 use super::{DecodeError, MAX_DEPTH};
 
@@ -19,17 +23,45 @@ pub(super) enum Kind {
     Ext,
 }
 
-pub(super) fn kind(marker: u8) -> Kind {
+fn kind(marker: Marker) -> Kind {
     match marker {
-        0x00..=0x7f | 0xcc..=0xd3 | 0xe0..=0xff => Kind::Int,
-        0x80..=0x8f | 0xde | 0xdf => Kind::Map,
-        0x90..=0x9f | 0xdc | 0xdd => Kind::Array,
-        0xa0..=0xbf | 0xd9..=0xdb => Kind::Str,
-        0xc0 | 0xc1 => Kind::Nil,
-        0xc2 | 0xc3 => Kind::Bool,
-        0xc4..=0xc6 => Kind::Bin,
-        0xca | 0xcb => Kind::Float,
-        0xc7..=0xc9 | 0xd4..=0xd8 => Kind::Ext,
+        Marker::FixPos(_)
+        | Marker::FixNeg(_)
+        | Marker::U8
+        | Marker::U16
+        | Marker::U32
+        | Marker::U64
+        | Marker::I8
+        | Marker::I16
+        | Marker::I32
+        | Marker::I64 => Kind::Int,
+        Marker::FixMap(_) | Marker::Map16 | Marker::Map32 => Kind::Map,
+        Marker::FixArray(_) | Marker::Array16 | Marker::Array32 => Kind::Array,
+        Marker::FixStr(_) | Marker::Str8 | Marker::Str16 | Marker::Str32 => Kind::Str,
+        // 0xc1 is never used; treat it like nil, as the decoder always has.
+        Marker::Null | Marker::Reserved => Kind::Nil,
+        Marker::True | Marker::False => Kind::Bool,
+        Marker::Bin8 | Marker::Bin16 | Marker::Bin32 => Kind::Bin,
+        Marker::F32 | Marker::F64 => Kind::Float,
+        Marker::FixExt1
+        | Marker::FixExt2
+        | Marker::FixExt4
+        | Marker::FixExt8
+        | Marker::FixExt16
+        | Marker::Ext8
+        | Marker::Ext16
+        | Marker::Ext32 => Kind::Ext,
+    }
+}
+
+/// Reading past the frame is truncation; a marker of another family is a
+/// type error for `field`.
+fn value_error(field: &'static str) -> impl Fn(ValueReadError<std::io::Error>) -> DecodeError {
+    move |e| match e {
+        ValueReadError::TypeMismatch(_) => DecodeError::UnexpectedType(field),
+        ValueReadError::InvalidMarkerRead(_) | ValueReadError::InvalidDataRead(_) => {
+            DecodeError::Truncated
+        }
     }
 }
 
@@ -42,7 +74,7 @@ impl<'a> Reader<'a> {
     pub(super) fn peek(&self) -> Result<Kind, DecodeError> {
         self.buf
             .first()
-            .map(|m| kind(*m))
+            .map(|m| kind(Marker::from_u8(*m)))
             .ok_or(DecodeError::Truncated)
     }
 
@@ -58,57 +90,26 @@ impl<'a> Reader<'a> {
         Ok(head)
     }
 
-    pub(super) fn be<const N: usize>(&mut self) -> Result<[u8; N], DecodeError> {
-        let bytes = self.take(N)?;
-        bytes.try_into().map_err(|_| DecodeError::Truncated)
-    }
-
-    pub(super) fn len_n(&mut self, n: usize) -> Result<usize, DecodeError> {
-        Ok(match n {
-            1 => usize::from(self.byte()?),
-            2 => usize::from(u16::from_be_bytes(self.be()?)),
-            _ => usize::try_from(u32::from_be_bytes(self.be()?))
-                .map_err(|_| DecodeError::Truncated)?,
-        })
+    fn len(n: u32) -> Result<usize, DecodeError> {
+        usize::try_from(n).map_err(|_| DecodeError::Truncated)
     }
 
     pub(super) fn array_len(&mut self) -> Result<usize, DecodeError> {
-        match self.byte()? {
-            m @ 0x90..=0x9f => Ok(usize::from(m & 0x0f)),
-            0xdc => self.len_n(2),
-            0xdd => self.len_n(4),
-            _ => Err(DecodeError::UnexpectedType("array")),
-        }
+        Self::len(decode::read_array_len(&mut self.buf).map_err(value_error("array"))?)
     }
 
     pub(super) fn map_len(&mut self) -> Result<usize, DecodeError> {
-        match self.byte()? {
-            m @ 0x80..=0x8f => Ok(usize::from(m & 0x0f)),
-            0xde => self.len_n(2),
-            0xdf => self.len_n(4),
-            _ => Err(DecodeError::UnexpectedType("map")),
-        }
+        Self::len(decode::read_map_len(&mut self.buf).map_err(value_error("map"))?)
     }
 
     pub(super) fn str_bytes(&mut self, field: &'static str) -> Result<&'a [u8], DecodeError> {
-        let len = match self.byte()? {
-            m @ 0xa0..=0xbf => usize::from(m & 0x1f),
-            0xd9 => self.len_n(1)?,
-            0xda => self.len_n(2)?,
-            0xdb => self.len_n(4)?,
-            _ => return Err(DecodeError::UnexpectedType(field)),
-        };
-        self.take(len)
+        let len = decode::read_str_len(&mut self.buf).map_err(value_error(field))?;
+        self.take(Self::len(len)?)
     }
 
     pub(super) fn bin_bytes(&mut self, field: &'static str) -> Result<&'a [u8], DecodeError> {
-        let len = match self.byte()? {
-            0xc4 => self.len_n(1)?,
-            0xc5 => self.len_n(2)?,
-            0xc6 => self.len_n(4)?,
-            _ => return Err(DecodeError::UnexpectedType(field)),
-        };
-        self.take(len)
+        let len = decode::read_bin_len(&mut self.buf).map_err(value_error(field))?;
+        self.take(Self::len(len)?)
     }
 
     /// A map key: the bytes of a string key, `None` for a non-string key
@@ -133,20 +134,20 @@ impl<'a> Reader<'a> {
 
     /// Any msgpack int, as the u64 with the same two's-complement bits.
     pub(super) fn int(&mut self, field: &'static str) -> Result<u64, DecodeError> {
-        let m = self.byte()?;
-        Ok(match m {
-            0x00..=0x7f => u64::from(m),
-            0xe0..=0xff => i64::from(i8::from_be_bytes([m])) as u64,
-            0xcc => u64::from(self.byte()?),
-            0xcd => u64::from(u16::from_be_bytes(self.be()?)),
-            0xce => u64::from(u32::from_be_bytes(self.be()?)),
-            0xcf => u64::from_be_bytes(self.be()?),
-            0xd0 => i64::from(i8::from_be_bytes(self.be()?)) as u64,
-            0xd1 => i64::from(i16::from_be_bytes(self.be()?)) as u64,
-            0xd2 => i64::from(i32::from_be_bytes(self.be()?)) as u64,
-            0xd3 => i64::from_be_bytes(self.be()?) as u64,
-            _ => return Err(DecodeError::UnexpectedType(field)),
-        })
+        let value: i128 = decode::read_int(&mut self.buf).map_err(|e| match e {
+            NumValueReadError::InvalidMarkerRead(_) | NumValueReadError::InvalidDataRead(_) => {
+                DecodeError::Truncated
+            }
+            NumValueReadError::TypeMismatch(_) | NumValueReadError::OutOfRange => {
+                DecodeError::UnexpectedType(field)
+            }
+        })?;
+        match u64::try_from(value) {
+            Ok(v) => Ok(v),
+            Err(_) => i64::try_from(value)
+                .map(|v| v as u64)
+                .map_err(|_| DecodeError::UnexpectedType(field)),
+        }
     }
 
     pub(super) fn u32(&mut self, field: &'static str) -> Result<u32, DecodeError> {
@@ -162,18 +163,21 @@ impl<'a> Reader<'a> {
     }
 
     pub(super) fn f64(&mut self, field: &'static str) -> Result<f64, DecodeError> {
-        match self.peek()? {
-            Kind::Float => match self.byte()? {
-                0xca => Ok(f64::from(f32::from_be_bytes(self.be()?))),
-                _ => Ok(f64::from_be_bytes(self.be()?)),
+        match self.buf.first().map(|m| Marker::from_u8(*m)) {
+            None => Err(DecodeError::Truncated),
+            Some(Marker::F32) => decode::read_f32(&mut self.buf)
+                .map(f64::from)
+                .map_err(value_error(field)),
+            Some(Marker::F64) => decode::read_f64(&mut self.buf).map_err(value_error(field)),
+            Some(m) => match kind(m) {
+                #[allow(clippy::cast_precision_loss)]
+                Kind::Int => Ok(self.int(field)? as f64),
+                Kind::Nil => {
+                    self.byte()?;
+                    Ok(0.0)
+                }
+                _ => Err(DecodeError::UnexpectedType(field)),
             },
-            #[allow(clippy::cast_precision_loss)]
-            Kind::Int => Ok(self.int(field)? as f64),
-            Kind::Nil => {
-                self.byte()?;
-                Ok(0.0)
-            }
-            _ => Err(DecodeError::UnexpectedType(field)),
         }
     }
 
@@ -194,49 +198,29 @@ impl<'a> Reader<'a> {
         if depth > MAX_DEPTH {
             return Err(DecodeError::TooDeep);
         }
-        let m = self.byte()?;
-        let n = match m {
-            0x00..=0x7f | 0xe0..=0xff | 0xc0..=0xc3 => 0,
-            0x80..=0x8f => return self.skip_n(2 * usize::from(m & 0x0f), depth),
-            0x90..=0x9f => return self.skip_n(usize::from(m & 0x0f), depth),
-            0xa0..=0xbf => usize::from(m & 0x1f),
-            0xc4 | 0xd9 => self.len_n(1)?,
-            0xc5 | 0xda => self.len_n(2)?,
-            0xc6 | 0xdb => self.len_n(4)?,
-            0xc7 => self.len_n(1)? + 1,
-            0xc8 => self.len_n(2)? + 1,
-            0xc9 => self.len_n(4)? + 1,
-            0xca => 4,
-            0xcb => 8,
-            0xcc | 0xd0 => 1,
-            0xcd | 0xd1 => 2,
-            0xce | 0xd2 => 4,
-            0xcf | 0xd3 => 8,
-            0xd4 => 2,
-            0xd5 => 3,
-            0xd6 => 5,
-            0xd7 => 9,
-            0xd8 => 17,
-            0xdc => {
-                let len = self.len_n(2)?;
-                return self.skip_n(len, depth);
+        match self.peek()? {
+            Kind::Nil | Kind::Bool => self.byte().map(|_| ()),
+            Kind::Int => self.int("skipped").map(|_| ()),
+            Kind::Float => self.f64("skipped").map(|_| ()),
+            Kind::Str => self.str_bytes("skipped").map(|_| ()),
+            Kind::Bin => self.bin_bytes("skipped").map(|_| ()),
+            Kind::Array => {
+                let len = self.array_len()?;
+                self.skip_n(len, depth)
             }
-            0xdd => {
-                let len = self.len_n(4)?;
-                return self.skip_n(len, depth);
+            Kind::Map => {
+                let len = self.map_len()?;
+                self.skip_n(len.saturating_mul(2), depth)
             }
-            0xde => {
-                let len = self.len_n(2)?;
-                return self.skip_n(2 * len, depth);
+            Kind::Ext => {
+                let meta = decode::read_ext_meta(&mut self.buf).map_err(value_error("ext"))?;
+                self.take(Self::len(meta.size)?).map(|_| ())
             }
-            0xdf => {
-                let len = self.len_n(4)?;
-                return self.skip_n(len.saturating_mul(2), depth);
-            }
-        };
-        self.take(n).map(|_| ())
+        }
     }
 
+    /// Skips `count` values one level below `depth`. Every value takes at
+    /// least one byte, so a count larger than the frame fails as truncation.
     pub(super) fn skip_n(&mut self, count: usize, depth: usize) -> Result<(), DecodeError> {
         for _ in 0..count {
             self.skip(depth + 1)?;
