@@ -128,6 +128,13 @@ impl MockVllm {
             (admin, crate::admin::router(replica.clone())),
         ] {
             let stop = cancel.clone();
+            // Streamed chunks go out at once, as from vLLM's uvicorn: with
+            // Nagle on, a chunk can wait ~40 ms for a delayed ACK.
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!(error = %e, "TCP_NODELAY not set");
+                }
+            });
             tasks.push(tokio::spawn(async move {
                 let served = axum::serve(listener, app)
                     .with_graceful_shutdown(async move { stop.cancelled().await })
