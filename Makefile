@@ -4,7 +4,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/kvroute_filter.wasm
 WASM_TEST_RUNNER := CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner
 
-.PHONY: help deps build wasm lint test test-native test-wasm test-vllm run up clean
+.PHONY: help deps build wasm lint test test-native test-wasm test-vllm run up bench clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -48,6 +48,13 @@ up: ## A kvroute stack (Envoy + filter + indexd + mock replicas) running until C
 	$(MAKE) wasm
 	$(CARGO) build -p kvroute-e2e --bin kvroute-demo
 	target/debug/kvroute-demo --up $(DEMO_ARGS)
+
+bench: ## Benchmark W1 + W2: least-request, kvroute approximate/precise, vllm-router, sglang-router → tests/bench/results/
+	bash .ci/deps.sh run
+	bash tests/bench/install-peers.sh
+	$(MAKE) wasm
+	$(CARGO) build -p kvroute-bench
+	$${CARGO_TARGET_DIR:-target}/debug/kvroute-bench run --out tests/bench/results $(BENCH_ARGS)
 
 clean: ## Remove build output
 	$(CARGO) clean

@@ -1,0 +1,35 @@
+//! kvroute-bench: routing profiles measured side by side on mock vLLM fleets
+//! behind a real Envoy (issue 7; DESIGN §9).
+//!
+//! - [`workload`]: seeded conversation scripts (W1 the published pairs, W2
+//!   concurrent agentic traffic) and the [`Scale`]s.
+//! - [`runner`]: one workload under one [`Profile`] on a fresh stack, one
+//!   [`Sample`] per request.
+//! - [`client`]: streamed requests (TTFT, usage, serving replica, decision)
+//!   and the oracle (tokenize, then every replica's `/admin/probe`).
+//! - [`sample`]: the per-request record and `samples.csv`.
+//! - [`stats`]: mean, percentiles, the t-based 95% CI.
+//! - [`summary`]: per workload × profile figures, `summary.json` and
+//!   `summary.md`, recomputable from `samples.csv` alone.
+//! - [`charts`]: SVG latency CDFs and hit ratios (plotters).
+//! - [`output`]: what a run or `summarize` writes into its directory.
+//! - [`peers`]: vllm-router and sglang-router from PyPI as extra profiles.
+//! - [`rng`]: the seeded generator behind every workload.
+
+pub mod charts;
+pub mod client;
+mod error;
+pub mod output;
+pub mod peers;
+pub mod rng;
+pub mod runner;
+pub mod sample;
+pub mod stats;
+pub mod summary;
+pub mod workload;
+
+pub use error::BenchError;
+pub use runner::{Profile, RunOptions};
+pub use sample::Sample;
+pub use summary::{Summary, summarize};
+pub use workload::{Scale, Workload, WorkloadKind};

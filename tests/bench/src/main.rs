@@ -1,0 +1,172 @@
+//! `kvroute-bench`: run workloads under routing profiles, or recompute a
+//! summary from a `samples.csv`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvroute_bench::{
+    BenchError, Profile, RunOptions, Scale, WorkloadKind, output, runner, workload,
+};
+
+const WORKLOADS_HELP: &str = "\
+Workloads (seeded, reproducible):
+  w1  the published pairs: 2 replicas, 12 salted two-turn pairs, ~6.6k-token continuation,
+      run once over Chat Completions (w1-chat) and once over Responses (w1-responses)
+  w2  concurrent agentic traffic: 8 replicas, 64 conversations (16 in flight), shared system
+      prompt and tools, tool-call loops growing toward 26k tokens, user turns under the
+      reasoning-dropping template, branching retries, mixed salts
+Profiles (each on fresh replicas):
+  least-request              Envoy least-request alone (no filter)
+  approximate                kvroute, approximate mode (text-chunk keys)
+  precise                    kvroute, precise mode (token-block keys from KV events)
+  vllm-router-cache-aware    vllm-router 0.1.17 --policy cache_aware   (peers: a bench venv,
+  vllm-router-kv-aware       vllm-router 0.1.17 --policy kv_aware       see tests/bench/
+  sglang-router-cache-aware  sglang-router 0.3.2 --policy cache_aware   install-peers.sh)
+Scales:
+  full   the shapes above (make bench)
+  smoke  a few requests per workload";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kvroute-bench",
+    about = "kvroute routing benchmark: profiles side by side on mock vLLM fleets behind real Envoy",
+    after_help = WORKLOADS_HELP
+)]
+struct Args {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run workloads under profiles; write samples.csv, summary.json, summary.md and SVG charts.
+    #[command(after_help = WORKLOADS_HELP)]
+    Run {
+        /// Workloads to run.
+        #[arg(long = "workload", value_enum, value_delimiter = ',', default_values_t = [WorkloadKind::W1, WorkloadKind::W2])]
+        workloads: Vec<WorkloadKind>,
+        /// Profiles to compare.
+        #[arg(long = "profile", value_enum, value_delimiter = ',', default_values_t = [
+            Profile::LeastRequest,
+            Profile::Approximate,
+            Profile::Precise,
+            Profile::VllmRouterCacheAware,
+            Profile::VllmRouterKvAware,
+            Profile::SglangRouterCacheAware,
+        ])]
+        profiles: Vec<Profile>,
+        /// Size of each workload.
+        #[arg(long, value_enum, default_value_t = Scale::Full)]
+        scale: Scale,
+        /// Seed of every workload script (and of indexd's tie-breaks).
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// Override every workload's latency-model speed (1.0 = GPU-calibrated real time;
+        /// default: W1 1.0, W2 0.5).
+        #[arg(long)]
+        time_scale: Option<f64>,
+        /// No new request starts after this many seconds within one workload × profile.
+        #[arg(long, default_value_t = 300)]
+        budget_secs: u64,
+        /// Output directory.
+        #[arg(long, default_value = "tests/bench/results")]
+        out: PathBuf,
+    },
+    /// Recompute summary.json, summary.md and the charts from a samples.csv alone.
+    Summarize {
+        /// The samples.csv of a run.
+        samples: PathBuf,
+        /// Output directory (default: the directory of samples.csv).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let result = match args.command {
+        Command::Run {
+            workloads,
+            profiles,
+            scale,
+            seed,
+            time_scale,
+            budget_secs,
+            out,
+        } => run(
+            &workloads,
+            &profiles,
+            scale,
+            RunOptions {
+                time_scale,
+                budget: Duration::from_secs(budget_secs),
+                seed,
+            },
+            &out,
+        ),
+        Command::Summarize { samples, out } => {
+            let dir = out.unwrap_or_else(|| {
+                samples
+                    .parent()
+                    .map(PathBuf::from)
+                    .unwrap_or_else(|| PathBuf::from("."))
+            });
+            output::summarize_file(&samples, &dir).map(|s| print!("{}", s.to_markdown()))
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvroute-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(
+    kinds: &[WorkloadKind],
+    profiles: &[Profile],
+    scale: Scale,
+    options: RunOptions,
+    out: &std::path::Path,
+) -> Result<(), BenchError> {
+    let started = Instant::now();
+    let workloads: Vec<_> = kinds
+        .iter()
+        .flat_map(|k| workload::build(*k, scale, options.seed))
+        .collect();
+    let total: usize = workloads.iter().map(|w| w.requests()).sum::<usize>() * profiles.len();
+    let progress = ProgressBar::new(total as u64);
+    if let Ok(style) =
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}")
+    {
+        progress.set_style(style.progress_chars("=> "));
+    }
+    let mut samples = Vec::new();
+    let mut failure = None;
+    'all: for w in &workloads {
+        for p in profiles {
+            match runner::run(w, *p, options, &progress) {
+                Ok(mut s) => samples.append(&mut s),
+                Err(e) => {
+                    failure = Some(e);
+                    break 'all;
+                }
+            }
+        }
+    }
+    progress.finish_and_clear();
+    // Whatever was measured is written, even when a profile failed to start.
+    let summary = output::write_run(out, &mut samples)?;
+    print!("{}", summary.to_markdown());
+    println!(
+        "\n{} requests in {:.0} s; results in {}",
+        samples.len(),
+        started.elapsed().as_secs_f64(),
+        out.display()
+    );
+    failure.map_or(Ok(()), Err)
+}

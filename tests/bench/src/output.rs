@@ -1,0 +1,43 @@
+//! What a run (or `summarize`) writes: `samples.csv`, `summary.json`,
+//! `summary.md` and the SVG charts. The summary and charts are always
+//! computed from the samples as read back from `samples.csv`, so
+//! `kvroute-bench summarize samples.csv` reproduces them byte for byte.
+
+use std::path::{Path, PathBuf};
+
+use crate::sample::{self, Sample};
+use crate::summary::{Summary, summarize};
+use crate::{BenchError, charts};
+
+/// Writes `samples.csv` (canonical order) and everything derived from it.
+pub fn write_run(dir: &Path, samples: &mut [Sample]) -> Result<Summary, BenchError> {
+    std::fs::create_dir_all(dir).map_err(|e| BenchError::io(dir, e))?;
+    sample::sort(samples);
+    let csv = dir.join("samples.csv");
+    sample::write_csv(&csv, samples)?;
+    summarize_file(&csv, dir)
+}
+
+/// Reads `csv` and writes `summary.json`, `summary.md` and the charts into `dir`.
+pub fn summarize_file(csv: &Path, dir: &Path) -> Result<Summary, BenchError> {
+    let samples = sample::read_csv(csv)?;
+    std::fs::create_dir_all(dir).map_err(|e| BenchError::io(dir, e))?;
+    let summary = summarize(&samples);
+    write(&dir.join("summary.json"), &summary.to_json()?)?;
+    write(&dir.join("summary.md"), &summary.to_markdown())?;
+    charts::write_all(dir, &samples, &summary)?;
+    Ok(summary)
+}
+
+/// The files a run leaves besides the charts.
+pub fn files(dir: &Path) -> [PathBuf; 3] {
+    [
+        dir.join("samples.csv"),
+        dir.join("summary.json"),
+        dir.join("summary.md"),
+    ]
+}
+
+fn write(path: &Path, text: &str) -> Result<(), BenchError> {
+    std::fs::write(path, text).map_err(|e| BenchError::io(path, e))
+}

@@ -1,0 +1,235 @@
+//! `summary.json` and `summary.md`: per workload × profile, computed from
+//! samples alone (`kvroute-bench summarize samples.csv` gives the same bytes).
+//!
+//! Continuations (turn ≥ 1) carry the routing question, so the hit ratios and
+//! the latency/TTFT figures are over the continuations that answered; the
+//! latency over every answered request is in `all_latency_ms`.
+//!
+//! - warm returns: continuations served by the replica that served the
+//!   request they continue;
+//! - hit ratio: Σ cached / Σ prompt tokens;
+//! - oracle ratio: Σ cached / Σ oracle cached tokens, the oracle being the
+//!   best prefix any replica held when the request was sent;
+//! - missed oracle: continuations whose cached tokens fell short of the
+//!   oracle's (a wrong-replica miss or an eviction in flight).
+
+use std::fmt::Write as _;
+
+use serde::{Deserialize, Serialize};
+
+use crate::sample::Sample;
+use crate::stats::{Dist, ratio};
+
+/// One workload × profile.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Group {
+    /// Workload name.
+    pub workload: String,
+    /// Profile name.
+    pub profile: String,
+    /// Requests sent.
+    pub requests: usize,
+    /// Requests that failed (status ≠ 200 or an error).
+    pub errors: usize,
+    /// Continuations that answered.
+    pub continuations: usize,
+    /// Of those, served by the replica of the request they continue.
+    pub warm_returns: usize,
+    /// Of those, cached fewer tokens than the oracle.
+    pub missed_oracle: usize,
+    /// Σ prompt tokens of the continuations.
+    pub prompt_tokens: u64,
+    /// Σ cached tokens of the continuations.
+    pub cached_tokens: u64,
+    /// Σ oracle cached tokens of the continuations.
+    pub oracle_cached_tokens: u64,
+    /// cached / prompt.
+    pub hit_ratio: Option<f64>,
+    /// cached / oracle.
+    pub oracle_ratio: Option<f64>,
+    /// Total latency of the continuations, ms.
+    pub latency_ms: Dist,
+    /// TTFT of the continuations, ms.
+    pub ttft_ms: Dist,
+    /// Total latency of every answered request, ms.
+    pub all_latency_ms: Dist,
+}
+
+/// Every group, in order of first appearance in the samples.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    /// The groups.
+    pub groups: Vec<Group>,
+}
+
+/// Groups `samples` by workload × profile (order of first appearance).
+pub fn grouped(samples: &[Sample]) -> Vec<((String, String), Vec<&Sample>)> {
+    let mut out: Vec<((String, String), Vec<&Sample>)> = Vec::new();
+    for s in samples {
+        let key = (s.workload.clone(), s.profile.clone());
+        match out.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => v.push(s),
+            None => out.push((key, vec![s])),
+        }
+    }
+    out
+}
+
+/// Summarises samples.
+pub fn summarize(samples: &[Sample]) -> Summary {
+    let groups = grouped(samples)
+        .into_iter()
+        .map(|((workload, profile), rows)| group(workload, profile, &rows))
+        .collect();
+    Summary { groups }
+}
+
+fn group(workload: String, profile: String, rows: &[&Sample]) -> Group {
+    let ok: Vec<&Sample> = rows.iter().copied().filter(|s| s.ok()).collect();
+    let cont: Vec<&Sample> = ok.iter().copied().filter(|s| s.is_continuation()).collect();
+    let prompt_tokens = cont.iter().map(|s| s.prompt_tokens).sum();
+    let cached_tokens = cont.iter().map(|s| s.cached_tokens).sum();
+    let oracle_cached_tokens = cont.iter().map(|s| s.oracle_cached_tokens).sum();
+    let latency: Vec<f64> = cont.iter().map(|s| s.latency_ms).collect();
+    let ttft: Vec<f64> = cont.iter().map(|s| s.ttft_ms).collect();
+    let all: Vec<f64> = ok.iter().map(|s| s.latency_ms).collect();
+    Group {
+        workload,
+        profile,
+        requests: rows.len(),
+        errors: rows.len() - ok.len(),
+        continuations: cont.len(),
+        warm_returns: cont.iter().filter(|s| s.warm_return()).count(),
+        missed_oracle: cont
+            .iter()
+            .filter(|s| s.cached_tokens < s.oracle_cached_tokens)
+            .count(),
+        prompt_tokens,
+        cached_tokens,
+        oracle_cached_tokens,
+        hit_ratio: ratio(cached_tokens, prompt_tokens),
+        oracle_ratio: ratio(cached_tokens, oracle_cached_tokens),
+        latency_ms: Dist::of(&latency),
+        ttft_ms: Dist::of(&ttft),
+        all_latency_ms: Dist::of(&all),
+    }
+}
+
+impl Summary {
+    /// Pretty JSON with a trailing newline.
+    pub fn to_json(&self) -> Result<String, serde_json::Error> {
+        serde_json::to_string_pretty(self).map(|s| s + "\n")
+    }
+
+    /// The Markdown tables, one per workload.
+    pub fn to_markdown(&self) -> String {
+        let mut out = String::from(
+            "# kvroute-bench summary\n\n\
+             Continuations (turn ≥ 1) that answered; latency and TTFT in ms as mean ± 95% CI \
+             (t), p50, p99. Warm: served by the replica of the request it continues. Hit: cached / \
+             prompt tokens. vs oracle: cached / the best prefix any replica held at arrival. \
+             Missed: continuations that cached less than the oracle.\n",
+        );
+        let mut workloads: Vec<&str> = Vec::new();
+        for g in &self.groups {
+            if !workloads.contains(&g.workload.as_str()) {
+                workloads.push(&g.workload);
+            }
+        }
+        for w in workloads {
+            let _ = write!(
+                out,
+                "\n## {w}\n\n\
+                 | profile | requests | errors | warm returns | hit | vs oracle | missed | latency mean ± CI95 | p50 | p99 | TTFT mean ± CI95 | p50 | p99 |\n\
+                 |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+            );
+            for g in self.groups.iter().filter(|g| g.workload == w) {
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {}/{} ({}) | {} | {} | {} | {:.1} ± {:.1} | {:.1} | {:.1} | {:.1} ± {:.1} | {:.1} | {:.1} |",
+                    g.profile,
+                    g.requests,
+                    g.errors,
+                    g.warm_returns,
+                    g.continuations,
+                    percent(ratio(g.warm_returns as u64, g.continuations as u64)),
+                    percent(g.hit_ratio),
+                    percent(g.oracle_ratio),
+                    g.missed_oracle,
+                    g.latency_ms.mean,
+                    g.latency_ms.ci95,
+                    g.latency_ms.p50,
+                    g.latency_ms.p99,
+                    g.ttft_ms.mean,
+                    g.ttft_ms.ci95,
+                    g.ttft_ms.p50,
+                    g.ttft_ms.p99,
+                );
+            }
+        }
+        out
+    }
+}
+
+/// `49.54%`, or `n/a`.
+pub fn percent(r: Option<f64>) -> String {
+    r.map_or_else(|| "n/a".to_owned(), |r| format!("{:.2}%", 100.0 * r))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sample::example;
+
+    fn pair(
+        profile: &str,
+        c: u32,
+        first: &str,
+        second: &str,
+        cached: u64,
+        oracle: u64,
+    ) -> [Sample; 2] {
+        let a = example(profile, c, 0, first);
+        let mut b = example(profile, c, 1, second);
+        b.prev_replica = first.into();
+        b.cached_tokens = cached;
+        b.oracle_cached_tokens = oracle;
+        b.latency_ms = 10.0 + f64::from(c);
+        [a, b]
+    }
+
+    #[test]
+    fn warm_returns_hits_and_oracle() {
+        let mut samples = Vec::new();
+        samples.extend(pair("lr", 0, "r0", "r0", 90, 90));
+        samples.extend(pair("lr", 1, "r0", "r1", 0, 90));
+        let mut failed = example("lr", 2, 1, "");
+        failed.status = 502;
+        samples.push(failed);
+        samples.extend(pair("precise", 0, "r1", "r1", 96, 96));
+        let s = summarize(&samples);
+        assert_eq!(s.groups.len(), 2);
+        let lr = &s.groups[0];
+        assert_eq!((lr.requests, lr.errors, lr.continuations), (5, 1, 2));
+        assert_eq!((lr.warm_returns, lr.missed_oracle), (1, 1));
+        assert_eq!(lr.hit_ratio, Some(0.45));
+        assert_eq!(lr.oracle_ratio, Some(0.5));
+        assert_eq!(lr.latency_ms.n, 2);
+        assert_eq!(lr.latency_ms.mean, 10.5);
+        assert_eq!(lr.all_latency_ms.n, 4);
+        let p = &s.groups[1];
+        assert_eq!(p.oracle_ratio, Some(1.0));
+        let md = s.to_markdown();
+        assert!(
+            md.contains("| lr | 5 | 1 | 1/2 (50.00%) | 45.00% | 50.00% | 1 |"),
+            "{md}"
+        );
+    }
+
+    #[test]
+    fn no_oracle_tokens_is_not_a_ratio() {
+        let s = summarize(&pair("lr", 0, "r0", "r1", 0, 0));
+        assert_eq!(s.groups[0].oracle_ratio, None);
+        assert!(s.to_markdown().contains("n/a"));
+    }
+}

@@ -1,0 +1,364 @@
+//! Workloads as seeded scripts: every conversation's inputs are fixed by the
+//! seed before the run; only the model's replies come from the replicas (the
+//! mock's output is a function of the prompt, so they are the same under every
+//! profile).
+//!
+//! - W1, the published pairs: two replicas, 12 sequential two-turn pairs, a
+//!   fresh `cache_salt` per pair, a ≈ 6.6k-token continuation; once over Chat
+//!   Completions (`w1-chat`) and once over Responses (`w1-responses`).
+//! - W2, concurrent agentic traffic: 8 replicas, 64 conversations, 16 in
+//!   flight; a shared system prompt and tool list, tool-call loops whose
+//!   results grow the context toward 26k tokens, user turns (which make the
+//!   reasoning-dropping template rewrite earlier turns), branching retries
+//!   (the last tool result replaced and the request sent again) and mixed
+//!   salts (four tenants, one of them unsalted).
+
+use clap::ValueEnum;
+use serde_json::{Value, json};
+
+use crate::rng::Rng;
+
+/// A workload family on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WorkloadKind {
+    /// The published pairs: 2 replicas, 12 salted two-turn pairs, ≈ 6.6k-token continuation,
+    /// Chat and Responses.
+    W1,
+    /// Concurrent agentic traffic: 8 replicas, 64 conversations, tool loops, growing contexts,
+    /// retries, mixed salts, reasoning-dropping template.
+    W2,
+}
+
+/// How big a run is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Scale {
+    /// The published shape (`make bench`).
+    Full,
+    /// A few requests per workload, for tests and quick checks.
+    Smoke,
+}
+
+/// The API a conversation speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/responses` with the full history as input items.
+    Responses,
+}
+
+/// What the client adds after a reply before the next request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    /// The reply called a tool: keep it (with the call) and add the tool's result.
+    Tool {
+        /// Tool name.
+        name: String,
+        /// Call arguments (JSON text).
+        arguments: String,
+        /// The tool's output.
+        result: String,
+    },
+    /// Keep the reply and add a user message.
+    User(String),
+    /// Drop the last request's reply and replace its last input (tool result
+    /// or user message) by this text: a branch from the same prefix.
+    Retry(String),
+}
+
+impl Step {
+    /// The label recorded in samples.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Tool { .. } => "tool",
+            Self::User(_) => "user",
+            Self::Retry(_) => "retry",
+        }
+    }
+}
+
+/// One conversation's script.
+#[derive(Debug, Clone)]
+pub struct Conversation {
+    /// Index within the workload.
+    pub id: u32,
+    /// API used for every request.
+    pub api: Api,
+    /// `cache_salt`, if any.
+    pub salt: Option<String>,
+    /// Shared system prompt, if any.
+    pub system: Option<String>,
+    /// Shared tool list, if any.
+    pub tools: Option<Value>,
+    /// The opening user message.
+    pub first: String,
+    /// Inputs after each reply; one request each.
+    pub steps: Vec<Step>,
+    /// `max_tokens` of every request.
+    pub max_tokens: u32,
+}
+
+impl Conversation {
+    /// Requests this conversation sends.
+    pub fn requests(&self) -> usize {
+        1 + self.steps.len()
+    }
+}
+
+/// A workload instance: what to start and what to send.
+#[derive(Debug, Clone)]
+pub struct Workload {
+    /// Name in samples (`w1-chat`, `w1-responses`, `w2`).
+    pub name: String,
+    /// Mock replicas.
+    pub replicas: usize,
+    /// Conversations in flight at once.
+    pub concurrency: usize,
+    /// The mock's latency model speed (1.0 = GPU-calibrated real time).
+    pub time_scale: f64,
+    /// vLLM block size.
+    pub block_size: u32,
+    /// Drop-reasoning chat template with this many reasoning tokens per reply (0: role markers, no reasoning).
+    pub reasoning_tokens: u32,
+    /// The scripts.
+    pub conversations: Vec<Conversation>,
+}
+
+impl Workload {
+    /// Requests the workload sends.
+    pub fn requests(&self) -> usize {
+        self.conversations.iter().map(Conversation::requests).sum()
+    }
+}
+
+/// Builds the workloads of `kind` at `scale` from `seed`.
+pub fn build(kind: WorkloadKind, scale: Scale, seed: u64) -> Vec<Workload> {
+    match kind {
+        WorkloadKind::W1 => vec![w1(Api::Chat, scale, seed), w1(Api::Responses, scale, seed)],
+        WorkloadKind::W2 => vec![w2(scale, seed)],
+    }
+}
+
+/// Words of W1's document: with markers and the follow-up, the continuation
+/// prompt is ≈ 6,650 tokens, as in the published figure (6,653).
+const W1_DOCUMENT_WORDS: usize = 6_560;
+
+fn w1(api: Api, scale: Scale, seed: u64) -> Workload {
+    let (pairs, doc_words) = match scale {
+        Scale::Full => (12, W1_DOCUMENT_WORDS),
+        Scale::Smoke => (3, 600),
+    };
+    let api_tag: u64 = if api == Api::Chat { 1 } else { 2 };
+    let conversations = (0..pairs)
+        .map(|i| {
+            let mut rng = Rng::new(seed, (api_tag << 32) | i as u64);
+            Conversation {
+                id: i as u32,
+                api,
+                // A fresh salt per pair: nothing is shared across pairs.
+                salt: Some(format!("w1-pair{i}-{}", rng.tag())),
+                system: None,
+                tools: None,
+                first: format!("Read this document. {}", rng.words(doc_words)),
+                steps: vec![Step::User(format!(
+                    "Now answer the follow-up question. {}",
+                    rng.words(60)
+                ))],
+                max_tokens: 4,
+            }
+        })
+        .collect();
+    Workload {
+        name: if api == Api::Chat {
+            "w1-chat".into()
+        } else {
+            "w1-responses".into()
+        },
+        replicas: 2,
+        concurrency: 1,
+        time_scale: 1.0,
+        block_size: 16,
+        reasoning_tokens: 0,
+        conversations,
+    }
+}
+
+/// W2's size at a scale.
+struct W2Shape {
+    replicas: usize,
+    conversations: usize,
+    concurrency: usize,
+    max_context: usize,
+    result_words: (usize, usize),
+    steps: (usize, usize),
+}
+
+fn w2(scale: Scale, seed: u64) -> Workload {
+    let shape = match scale {
+        Scale::Full => W2Shape {
+            replicas: 8,
+            conversations: 64,
+            concurrency: 16,
+            max_context: 26_000,
+            result_words: (800, 4_000),
+            steps: (5, 9),
+        },
+        Scale::Smoke => W2Shape {
+            replicas: 3,
+            conversations: 6,
+            concurrency: 3,
+            max_context: 4_000,
+            result_words: (100, 400),
+            steps: (2, 4),
+        },
+    };
+    let mut shared = Rng::new(seed, 0x5eed_0002);
+    let system = format!(
+        "You are a coding agent working in a large repository. Follow the policy. {}",
+        shared.words(800)
+    );
+    let tool_names = [
+        "read_file",
+        "search",
+        "run_tests",
+        "edit_file",
+        "list_dir",
+        "git_diff",
+        "build",
+        "web_fetch",
+    ];
+    let tools: Vec<Value> = tool_names
+        .iter()
+        .map(|name| {
+            json!({"type": "function", "function": {
+                "name": name,
+                "description": shared.words(100),
+                "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}},
+            }})
+        })
+        .collect();
+    let tools = Value::Array(tools);
+    // Shared prefix ≈ 800 system + ≈ 1,500 tool tokens; each reply ≈ 16.
+    let base_tokens = 2_300;
+    let reply_tokens = 24;
+    let conversations = (0..shape.conversations)
+        .map(|c| {
+            let mut rng = Rng::new(seed, (3u64 << 32) | c as u64);
+            // Four tenants: three salted, one not.
+            let tenant = c % 4;
+            let salt = (tenant != 0).then(|| format!("tenant-{tenant}"));
+            let first_words = rng.range(150, 400);
+            let first = format!("Task {c}: {}", rng.words(first_words));
+            let mut context = base_tokens + first_words;
+            let mut steps = Vec::new();
+            let wanted = rng.range(shape.steps.0, shape.steps.1);
+            let mut last_was_retry = true;
+            for _ in 0..wanted {
+                let roll = rng.unit();
+                let step = if roll < 0.12 && !last_was_retry {
+                    let words = rng.range(shape.result_words.0, shape.result_words.1);
+                    Step::Retry(format!("retried output: {}", rng.words(words)))
+                } else if roll < 0.32 {
+                    let words = rng.range(30, 150);
+                    Step::User(rng.words(words))
+                } else {
+                    let name = tool_names
+                        .get(rng.range(0, tool_names.len() - 1))
+                        .copied()
+                        .unwrap_or("search");
+                    let words = rng.range(shape.result_words.0, shape.result_words.1);
+                    Step::Tool {
+                        name: name.to_owned(),
+                        arguments: json!({"arg": rng.words(3)}).to_string(),
+                        result: rng.words(words),
+                    }
+                };
+                let added = match &step {
+                    Step::Tool { result, .. } => result.split(' ').count() + reply_tokens + 20,
+                    Step::User(text) => text.split(' ').count() + reply_tokens,
+                    // A retry replaces an input of about the same size.
+                    Step::Retry(text) => text.split(' ').count() / 4,
+                };
+                if context + added > shape.max_context {
+                    break;
+                }
+                context += added;
+                last_was_retry = matches!(step, Step::Retry(_));
+                steps.push(step);
+            }
+            Conversation {
+                id: c as u32,
+                api: Api::Chat,
+                salt,
+                system: Some(system.clone()),
+                tools: Some(tools.clone()),
+                first,
+                steps,
+                max_tokens: 16,
+            }
+        })
+        .collect();
+    Workload {
+        name: "w2".into(),
+        replicas: shape.replicas,
+        concurrency: shape.concurrency,
+        time_scale: 0.5,
+        block_size: 16,
+        reasoning_tokens: 6,
+        conversations,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workloads_are_reproducible_from_the_seed() {
+        let a = build(WorkloadKind::W2, Scale::Full, 42);
+        let b = build(WorkloadKind::W2, Scale::Full, 42);
+        let c = build(WorkloadKind::W2, Scale::Full, 43);
+        let script = |w: &[Workload]| {
+            w.iter()
+                .flat_map(|w| w.conversations.iter())
+                .map(|c| format!("{:?}{}{:?}", c.salt, c.first, c.steps))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(script(&a), script(&b));
+        assert_ne!(script(&a), script(&c));
+    }
+
+    #[test]
+    fn w1_has_the_published_shape() {
+        let w = build(WorkloadKind::W1, Scale::Full, 1);
+        assert_eq!(w.len(), 2);
+        for w in &w {
+            assert_eq!(w.replicas, 2);
+            assert_eq!(w.conversations.len(), 12);
+            assert_eq!(w.requests(), 24);
+            let salts: std::collections::HashSet<_> =
+                w.conversations.iter().map(|c| c.salt.clone()).collect();
+            assert_eq!(salts.len(), 12, "a fresh salt per pair");
+        }
+    }
+
+    #[test]
+    fn w2_is_concurrent_agentic_traffic() {
+        let w = build(WorkloadKind::W2, Scale::Full, 1);
+        let w = &w[0];
+        assert!(w.replicas >= 8 && w.conversations.len() >= 64);
+        let steps: Vec<&Step> = w.conversations.iter().flat_map(|c| &c.steps).collect();
+        assert!(steps.iter().any(|s| matches!(s, Step::Retry(_))));
+        assert!(steps.iter().any(|s| matches!(s, Step::User(_))));
+        assert!(
+            steps
+                .iter()
+                .filter(|s| matches!(s, Step::Tool { .. }))
+                .count()
+                > 100
+        );
+        assert!(w.conversations.iter().any(|c| c.salt.is_none()));
+        assert!(w.conversations.iter().any(|c| c.salt.is_some()));
+        assert!(w.reasoning_tokens > 0);
+    }
+}

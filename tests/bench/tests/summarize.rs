@@ -1,0 +1,89 @@
+//! A real (smoke-scale) run through Envoy, then `kvroute-bench summarize` on
+//! its samples.csv alone: every derived file must come out byte for byte.
+//! Needs the built filter and Envoy, as the e2e tests do (`make wasm`).
+
+#![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
+
+use std::path::Path;
+use std::process::Command;
+
+fn bench(args: &[&str]) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute-bench"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "kvroute-bench {args:?}: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn derived(dir: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().is_some_and(|n| n != "samples.csv"))
+        .map(|p| {
+            (
+                p.file_name().unwrap().to_string_lossy().into_owned(),
+                std::fs::read(&p).unwrap(),
+            )
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn summarize_reproduces_the_run_exactly() {
+    let run = tempfile::tempdir().unwrap();
+    let again = tempfile::tempdir().unwrap();
+    let run_dir = run.path().to_str().unwrap();
+    bench(&[
+        "run",
+        "--scale",
+        "smoke",
+        "--workload",
+        "w1",
+        "--profile",
+        "least-request,precise",
+        "--time-scale",
+        "0",
+        "--out",
+        run_dir,
+    ]);
+    let csv = run.path().join("samples.csv");
+    let samples = kvroute_bench::sample::read_csv(&csv).unwrap();
+    // Smoke W1: 3 pairs per API, two profiles.
+    assert_eq!(samples.len(), 2 * 2 * 6);
+    assert!(samples.iter().all(|s| s.ok()), "{samples:#?}");
+    let precise: Vec<_> = samples
+        .iter()
+        .filter(|s| s.profile == "kvroute-precise" && s.turn == 1)
+        .collect();
+    assert!(precise.iter().all(|s| s.warm_return()));
+    assert!(
+        precise
+            .iter()
+            .all(|s| s.cached_tokens == s.oracle_cached_tokens && s.cached_tokens > 0)
+    );
+
+    bench(&[
+        "summarize",
+        csv.to_str().unwrap(),
+        "--out",
+        again.path().to_str().unwrap(),
+    ]);
+    let first = derived(run.path());
+    let second = derived(again.path());
+    let names: Vec<&str> = first.iter().map(|(n, _)| n.as_str()).collect();
+    assert!(names.contains(&"summary.json") && names.contains(&"summary.md"));
+    assert!(
+        names.contains(&"latency_cdf_w1-chat.svg") && names.contains(&"hit_ratio_w1-responses.svg")
+    );
+    assert_eq!(first, second, "summarize must reproduce every derived file");
+    let json = std::fs::read_to_string(run.path().join("summary.json")).unwrap();
+    assert_eq!(json, kvroute_bench::summarize(&samples).to_json().unwrap());
+}
