@@ -18,6 +18,8 @@ Workloads (seeded, reproducible):
   w2  concurrent agentic traffic: 8 replicas, 64 conversations (16 in flight), shared system
       prompt and tools, tool-call loops growing toward 26k tokens, user turns under the
       reasoning-dropping template, branching retries, mixed salts
+  w3  cache pressure: w2's conversations with each replica's prefix cache at 2,048 blocks,
+      far below the working set (by flag: --workload w3)
 Profiles (each on fresh replicas):
   least-request              Envoy least-request alone (no filter)
   approximate                kvroute, approximate mode (text-chunk keys)

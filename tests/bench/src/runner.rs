@@ -83,9 +83,6 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
 /// The mock's model name.
 const MODEL: &str = "tiny";
 
-/// Prefix-cache blocks per replica: enough that W2 fits with affinity.
-const GPU_BLOCKS: usize = 32_768;
-
 struct Ctx<'a> {
     workload: &'a Workload,
     profile: Profile,
@@ -112,7 +109,7 @@ pub fn run(
         replicas: workload.replicas,
         model: MODEL.into(),
         block_size: workload.block_size,
-        num_gpu_blocks: GPU_BLOCKS,
+        num_gpu_blocks: workload.gpu_blocks,
         time_scale: options.time_scale.unwrap_or(workload.time_scale),
         routing: profile.routing(),
         seed: options.seed,

@@ -27,6 +27,9 @@ pub enum WorkloadKind {
     /// Concurrent agentic traffic: 8 replicas, 64 conversations, tool loops, growing contexts,
     /// retries, mixed salts, reasoning-dropping template.
     W2,
+    /// Cache pressure: W2's conversations on replicas whose prefix caches hold a fraction of the
+    /// working set (evictions all the time).
+    W3,
 }
 
 /// How big a run is.
@@ -118,6 +121,8 @@ pub struct Workload {
     pub time_scale: f64,
     /// vLLM block size.
     pub block_size: u32,
+    /// Prefix-cache capacity of each replica, in blocks.
+    pub gpu_blocks: usize,
     /// Drop-reasoning chat template with this many reasoning tokens per reply (0: role markers, no reasoning).
     pub reasoning_tokens: u32,
     /// The scripts.
@@ -136,7 +141,24 @@ pub fn build(kind: WorkloadKind, scale: Scale, seed: u64) -> Vec<Workload> {
     match kind {
         WorkloadKind::W1 => vec![w1(Api::Chat, scale, seed), w1(Api::Responses, scale, seed)],
         WorkloadKind::W2 => vec![w2(scale, seed)],
+        WorkloadKind::W3 => vec![w3(scale, seed)],
     }
+}
+
+/// Prefix-cache blocks per replica for W1 and W2: enough that W2's working set fits with affinity.
+const ROOMY_GPU_BLOCKS: usize = 32_768;
+
+/// W3: W2's scripts with each replica's cache at 2,048 blocks (32k tokens at block size 16), far
+/// below W2's working set (64 conversations of up to 26k tokens over 8 replicas): blocks are evicted
+/// all the time, so a router that pins conversations to a few replicas evicts its own history.
+fn w3(scale: Scale, seed: u64) -> Workload {
+    let mut w = w2(scale, seed);
+    w.name = "w3".into();
+    w.gpu_blocks = match scale {
+        Scale::Full => 2_048,
+        Scale::Smoke => 256,
+    };
+    w
 }
 
 /// Words of W1's document: with markers and the follow-up, the continuation
@@ -177,6 +199,7 @@ fn w1(api: Api, scale: Scale, seed: u64) -> Workload {
         replicas: 2,
         concurrency: 1,
         time_scale: 1.0,
+        gpu_blocks: ROOMY_GPU_BLOCKS,
         block_size: 16,
         reasoning_tokens: 0,
         conversations,
@@ -303,6 +326,7 @@ fn w2(scale: Scale, seed: u64) -> Workload {
         replicas: shape.replicas,
         concurrency: shape.concurrency,
         time_scale: 0.5,
+        gpu_blocks: ROOMY_GPU_BLOCKS,
         block_size: 16,
         reasoning_tokens: 6,
         conversations,
