@@ -75,6 +75,21 @@ pub struct Prompt {
     pub strs: Option<Vec<String>>,
 }
 
+impl Prompt {
+    /// The engine job for this prompt, with the served model's name and the
+    /// prompt length that the response reports.
+    fn into_job(self, cache_salt: Option<String>) -> (String, usize, Job) {
+        let name = self.model.name.clone();
+        let len = self.ids.len();
+        let job = Job {
+            model: self.model,
+            prompt: self.ids,
+            cache_salt,
+        };
+        (name, len, job)
+    }
+}
+
 fn now_secs() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -204,13 +219,7 @@ pub async fn completions(
     let output = generate(&prompt.ids, n, true, finish, 0);
     let id = random_id("cmpl-");
     let created = now_secs();
-    let model = prompt.model.name.clone();
-    let prompt_len = prompt.ids.len();
-    let job = Job {
-        model: prompt.model,
-        prompt: prompt.ids,
-        cache_salt: body.cache_salt.clone(),
-    };
+    let (model, prompt_len, job) = prompt.into_job(body.cache_salt.clone());
     let guard = replica.assign(pin)?;
     let rank = guard.engine().rank;
     if !body.stream {
@@ -292,13 +301,7 @@ pub async fn chat_completions(
     );
     let id = random_id("chatcmpl-");
     let created = now_secs();
-    let model = prompt.model.name.clone();
-    let prompt_len = prompt.ids.len();
-    let job = Job {
-        model: prompt.model,
-        prompt: prompt.ids,
-        cache_salt: body.cache_salt.clone(),
-    };
+    let (model, prompt_len, job) = prompt.into_job(body.cache_salt.clone());
     let guard = replica.assign(pin)?;
     let rank = guard.engine().rank;
     if !body.stream {
