@@ -14,6 +14,14 @@ cd "$(dirname "$0")/.."
 
 say() { printf '==> %s\n' "$*"; }
 
+# A clean build of every tier needs a few GB under target/ (and ~3.5 GB more
+# for the real-vLLM venv on its first run); say so before the linker does.
+free_kb=$(df -Pk . | awk 'NR == 2 { print $4 }')
+if [ "${free_kb:-0}" -lt 4000000 ]; then
+  printf '==> warning: only %s MB free on %s; a clean build needs ~4 GB\n' \
+    "$((free_kb / 1024))" "$(pwd)" >&2
+fi
+
 toolchain=$(sed -n 's/^channel *= *"\(.*\)"/\1/p' rust-toolchain.toml)
 say "rust $toolchain with wasm32-wasip1, wasm32-unknown-unknown"
 rustup toolchain install "$toolchain" --profile minimal \
