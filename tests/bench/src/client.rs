@@ -23,6 +23,8 @@ pub struct Reply {
     pub replica: Option<String>,
     /// The filter's decision label.
     pub decision: Option<String>,
+    /// The mock's digest of the prompt and salt it ran.
+    pub digest: Option<String>,
     /// Prompt tokens from the usage.
     pub prompt_tokens: u64,
     /// Cached prompt tokens from the usage.
@@ -84,6 +86,7 @@ pub fn stream(agent: &ureq::Agent, base: &str, api: Api, body: &Value) -> Reply 
     };
     reply.replica = header(REPLICA_HEADER);
     reply.decision = header(DECISION_HEADER);
+    reply.digest = header(mock_vllm::PROMPT_DIGEST_HEADER);
     if reply.status != 200 {
         let text = response
             .body_mut()
@@ -239,7 +242,8 @@ pub fn probe(
         .ok_or_else(|| format!("probe answered without hit_tokens: {doc}"))
 }
 
-fn post_json(agent: &ureq::Agent, url: &str, body: &Value) -> Result<Value, String> {
+/// POSTs JSON and parses a 200 answer's JSON body.
+pub fn post_json(agent: &ureq::Agent, url: &str, body: &Value) -> Result<Value, String> {
     let mut response = agent
         .post(url)
         .header("content-type", "application/json")

@@ -32,6 +32,9 @@ pub enum BenchError {
     /// A chart could not be drawn.
     #[error("chart: {0}")]
     Plot(String),
+    /// A scripted fault could not be injected (the run's figures would not mean what they say).
+    #[error("fault injection failed: {0}")]
+    Fault(String),
 }
 
 impl BenchError {

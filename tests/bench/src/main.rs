@@ -20,6 +20,12 @@ Workloads (seeded, reproducible):
       reasoning-dropping template, branching retries, mixed salts
   w3  cache pressure: w2's conversations with each replica's prefix cache at 2,048 blocks,
       far below the working set (by flag: --workload w3)
+  w4  active-active: w2's conversations through three gateways, each an Envoy with its own
+      indexd (peers: three router processes), every request sent to a gateway drawn from the
+      seed (by flag: --workload w4)
+  w5  faults mid-run: w2's conversations with a replica restart (15% of requests sent), KV
+      events 1.5 s late (35%), lost event batches on two replicas (55%) and an indexd restart
+      with 2 s down (75%; kvroute only) (by flag: --workload w5)
 Profiles (each on fresh replicas):
   least-request              Envoy least-request alone (no filter)
   approximate                kvroute, approximate mode (text-chunk keys)

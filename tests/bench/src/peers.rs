@@ -62,12 +62,14 @@ fn harness(context: &str, message: impl std::fmt::Display) -> BenchError {
     })
 }
 
-/// Starts `peer` in front of `stack`'s replicas and waits until it answers.
+/// Starts instance `instance` of `peer` in front of `stack`'s replicas and
+/// waits until it answers.
 pub fn start(
     peer: Peer,
     stack: &Stack,
     block_size: u32,
     model: &str,
+    instance: usize,
 ) -> Result<PeerRouter, BenchError> {
     let (binary, policy) = match peer {
         Peer::VllmCacheAware => ("vllm-router", "cache_aware"),
@@ -116,7 +118,7 @@ pub fn start(
             .args(["--kv-event-model", model]);
     }
     let log = std::env::temp_dir().join(format!(
-        "kvroute-bench-{}-{binary}-{policy}.log",
+        "kvroute-bench-{}-{binary}-{policy}-{instance}.log",
         std::process::id()
     ));
     let mut process = Spawned::start(binary, command, &log)?;

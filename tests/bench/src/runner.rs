@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::ValueEnum;
@@ -15,7 +16,7 @@ use crate::BenchError;
 use crate::client::{self, Reply};
 use crate::peers::{self, Peer};
 use crate::sample::{Sample, millis};
-use crate::workload::{Api, Conversation, Step, Workload};
+use crate::workload::{Api, Conversation, Fault, FaultKind, Step, Workload};
 
 /// A routing profile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -86,7 +87,9 @@ const MODEL: &str = "tiny";
 struct Ctx<'a> {
     workload: &'a Workload,
     profile: Profile,
-    url: String,
+    seed: u64,
+    /// One per gateway (Envoy, or a peer router process).
+    urls: Vec<String>,
     /// `ip:port` → `r{i}`.
     names: HashMap<String, String>,
     /// `(name, http, admin)` per replica.
@@ -95,6 +98,14 @@ struct Ctx<'a> {
     deadline: Instant,
     agent: ureq::Agent,
     progress: &'a ProgressBar,
+    /// Requests sent so far (the clock of the fault script).
+    sent: AtomicUsize,
+    /// The label of the last fault injected.
+    phase: Mutex<&'static str>,
+    /// The stack, for faults that stop and start its parts.
+    stack: &'a Mutex<Stack>,
+    /// Faults that could not be injected.
+    fault_errors: Mutex<Vec<String>>,
 }
 
 /// Runs `workload` under `profile` on a fresh stack.
@@ -119,15 +130,20 @@ pub fn run(
             mock_vllm::ChatTemplate::RoleMarkers
         },
         reasoning_tokens: workload.reasoning_tokens,
+        gateways: workload.gateways.max(1),
         ..StackOptions::default()
     })?;
-    let peer = match profile.peer() {
-        Some(p) => Some(peers::start(p, &stack, workload.block_size, MODEL)?),
-        None => None,
-    };
-    let url = match &peer {
-        Some(p) => p.url().to_owned(),
-        None => stack.url()?,
+    // Peers: one router process per gateway, each with its own state.
+    let mut routers = Vec::new();
+    if let Some(p) = profile.peer() {
+        for i in 0..workload.gateways.max(1) {
+            routers.push(peers::start(p, &stack, workload.block_size, MODEL, i)?);
+        }
+    }
+    let urls = if routers.is_empty() {
+        stack.gateway_urls()?
+    } else {
+        routers.iter().map(|r| r.url().to_owned()).collect()
     };
     let replicas: Vec<(String, String, String)> = stack
         .replicas()
@@ -141,11 +157,13 @@ pub fn run(
             )
         })
         .collect();
+    let stack = Mutex::new(stack);
     let started = Instant::now();
     let ctx = Ctx {
         workload,
         profile,
-        url,
+        seed: options.seed,
+        urls,
         names: replicas
             .iter()
             .map(|(name, http, _)| (http.clone(), name.clone()))
@@ -155,6 +173,10 @@ pub fn run(
         deadline: started + options.budget,
         agent: client::agent(REQUEST_TIMEOUT),
         progress,
+        sent: AtomicUsize::new(0),
+        phase: Mutex::new(""),
+        stack: &stack,
+        fault_errors: Mutex::new(Vec::new()),
     };
     progress.set_message(format!("{} / {}", workload.name, profile.name()));
     let next = Mutex::new(0usize);
@@ -186,9 +208,18 @@ pub fn run(
             });
         }
     });
-    drop(peer);
+    let fault_errors = ctx.fault_errors.into_inner().unwrap_or_default();
+    drop(routers);
     drop(stack);
     let samples = samples.into_inner().unwrap_or_default();
+    if !fault_errors.is_empty() {
+        return Err(BenchError::Fault(format!(
+            "{} / {}: {}",
+            workload.name,
+            profile.name(),
+            fault_errors.join("; ")
+        )));
+    }
     if samples.len() < workload.requests() {
         progress.println(format!(
             "{} / {}: {} of {} requests sent (budget of {:?} reached or a conversation failed)",
@@ -399,12 +430,36 @@ fn send(
 ) -> (Sample, Reply) {
     let body = request_body(conversation, history);
     let salt = conversation.salt.as_deref();
-    let (oracle, oracle_replica, oracle_error) = match oracle(ctx, conversation.api, &body, salt) {
-        Ok((tokens, replica)) => (tokens, replica, None),
-        Err(e) => (0, String::new(), Some(format!("oracle: {e}"))),
-    };
+    let index = ctx.sent.fetch_add(1, Ordering::SeqCst);
+    for fault in ctx.workload.faults.iter().filter(|f| f.at_request == index) {
+        inject(ctx, fault);
+    }
+    let phase = ctx.phase.lock().map(|p| *p).unwrap_or_default();
+    let (oracle, oracle_replica, expected, oracle_error) =
+        match oracle(ctx, conversation.api, &body, salt) {
+            Ok((tokens, replica, ids)) => (
+                tokens,
+                replica,
+                Some(mock_vllm::prompt_digest(salt, &ids)),
+                None,
+            ),
+            Err(e) => (0, String::new(), None, Some(format!("oracle: {e}"))),
+        };
+    let gateway = ctx.workload.gateway(ctx.seed, conversation.id, turn);
+    let url = ctx.urls.get(gateway).or(ctx.urls.first());
     let start = ctx.started.elapsed();
-    let reply = client::stream(&ctx.agent, &ctx.url, conversation.api, &body);
+    let reply = match url {
+        Some(url) => client::stream(&ctx.agent, url, conversation.api, &body),
+        None => Reply {
+            error: Some("no gateway".into()),
+            ..Reply::default()
+        },
+    };
+    let intact = match (&expected, &reply.digest) {
+        (Some(sent), Some(ran)) if sent == ran => "yes",
+        (Some(_), Some(_)) => "no",
+        _ => "",
+    };
     let replica = reply
         .replica
         .as_ref()
@@ -433,18 +488,79 @@ fn send(
         decision: reply.decision.clone().unwrap_or_default(),
         status: reply.status,
         error: reply.error.clone().or(oracle_error).unwrap_or_default(),
+        gateway: gateway as u32,
+        phase: phase.to_owned(),
+        intact: intact.to_owned(),
     };
     (sample, reply)
 }
 
+/// Injects `fault` (on the sending client's thread: its own conversation
+/// waits, the others go on). Failures are collected and fail the run.
+fn inject(ctx: &Ctx<'_>, fault: &Fault) {
+    let admin = |replica: &(String, String, String), path: &str, body: Value| {
+        let url = format!("http://{}{path}", replica.2);
+        client::post_json(&ctx.agent, &url, &body).map(|_| ())
+    };
+    let result: Result<(), String> = match fault.kind {
+        FaultKind::ReplicaRestart { replica } => ctx
+            .replicas
+            .get(replica)
+            .ok_or_else(|| format!("no replica {replica}"))
+            .and_then(|r| admin(r, "/admin/restart", json!({}))),
+        FaultKind::EventDelay { ms } => ctx
+            .replicas
+            .iter()
+            .try_for_each(|r| admin(r, "/admin/events/delay", json!({ "ms": ms }))),
+        FaultKind::LostBatches {
+            first,
+            replicas,
+            batches,
+        } => ctx
+            .replicas
+            .iter()
+            .try_for_each(|r| admin(r, "/admin/events/delay", json!({ "ms": 0 })))
+            .and_then(|()| {
+                ctx.replicas
+                    .iter()
+                    .skip(first)
+                    .take(replicas)
+                    .try_for_each(|r| admin(r, "/admin/events/drop", json!({ "batches": batches })))
+            }),
+        FaultKind::IndexdRestart { down_ms } => match ctx.stack.lock() {
+            Ok(mut stack) => {
+                stack.stop_indexd();
+                std::thread::sleep(Duration::from_millis(down_ms));
+                stack.start_indexd().map_err(|e| e.to_string())
+            }
+            Err(_) => Err("stack lock poisoned".into()),
+        },
+    };
+    if let Ok(mut phase) = ctx.phase.lock() {
+        *phase = fault.kind.label();
+    }
+    ctx.progress.println(format!(
+        "{} / {}: {} at request {}",
+        ctx.workload.name,
+        ctx.profile.name(),
+        fault.kind.label(),
+        fault.at_request
+    ));
+    if let Err(e) = result
+        && let Ok(mut errors) = ctx.fault_errors.lock()
+    {
+        errors.push(format!("{}: {e}", fault.kind.label()));
+    }
+}
+
 /// The best prefix any replica holds for this request now: tokens and replica
-/// (empty when none holds any).
+/// (empty when none holds any), and the request's prompt token ids.
 fn oracle(
     ctx: &Ctx<'_>,
     api: Api,
     body: &Value,
     salt: Option<&str>,
-) -> Result<(u64, String), String> {
+) -> Result<(u64, String, Vec<u32>), String> {
     let (_, http, _) = ctx
         .replicas
         .first()
@@ -457,7 +573,7 @@ fn oracle(
             best = (hit, name.clone());
         }
     }
-    Ok(best)
+    Ok((best.0, best.1, ids))
 }
 
 #[cfg(test)]

@@ -46,6 +46,16 @@ pub struct Sample {
     pub status: u16,
     /// Transport or protocol error (empty: none).
     pub error: String,
+    /// The gateway (or router process) it was sent to, from 0.
+    #[serde(default)]
+    pub gateway: u32,
+    /// The last fault injected before it was sent (empty: none yet).
+    #[serde(default)]
+    pub phase: String,
+    /// `yes` when the replica ran exactly the prompt and `cache_salt` that were sent (by the
+    /// mock's prompt digest), `no` when a router changed them, empty when unknown.
+    #[serde(default)]
+    pub intact: String,
 }
 
 impl Sample {
@@ -57,6 +67,11 @@ impl Sample {
     /// A request continuing an earlier one of its conversation.
     pub fn is_continuation(&self) -> bool {
         self.turn > 0
+    }
+
+    /// The replica ran something else than the client sent (prompt or salt).
+    pub fn rewritten(&self) -> bool {
+        self.intact == "no"
     }
 
     /// A continuation served by the replica that served the request it continues.
@@ -138,6 +153,9 @@ pub(crate) fn example(profile: &str, conversation: u32, turn: u32, replica: &str
         decision: String::new(),
         status: 200,
         error: String::new(),
+        gateway: 0,
+        phase: String::new(),
+        intact: "yes".into(),
     }
 }
 

@@ -11,7 +11,11 @@
 //! - oracle ratio: Σ cached / Σ oracle cached tokens, the oracle being the
 //!   best prefix any replica held when the request was sent;
 //! - missed oracle: continuations whose cached tokens fell short of the
-//!   oracle's (a wrong-replica miss or an eviction in flight).
+//!   oracle's (a wrong-replica miss or an eviction in flight);
+//! - rewritten: requests whose replica ran another prompt or `cache_salt`
+//!   than the client sent (by the mock's prompt digest);
+//! - with faults (W5), the same figures per phase: the requests sent after
+//!   each fault, until the next.
 
 use std::fmt::Write as _;
 
@@ -31,6 +35,8 @@ pub struct Group {
     pub requests: usize,
     /// Requests that failed (status ≠ 200 or an error).
     pub errors: usize,
+    /// Answered requests whose replica ran another prompt or salt than was sent.
+    pub rewritten: usize,
     /// Continuations that answered.
     pub continuations: usize,
     /// Of those, served by the replica of the request they continue.
@@ -55,12 +61,28 @@ pub struct Group {
     pub all_latency_ms: Dist,
 }
 
+/// One workload × profile × fault phase.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PhaseGroup {
+    /// The last fault before these requests were sent (`before faults` for none).
+    pub phase: String,
+    /// The figures of those requests.
+    #[serde(flatten)]
+    pub group: Group,
+}
+
 /// Every group, in order of first appearance in the samples.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
     /// The groups.
     pub groups: Vec<Group>,
+    /// Per fault phase, for workloads with faults.
+    #[serde(default)]
+    pub phases: Vec<PhaseGroup>,
 }
+
+/// The phase label of requests sent before any fault.
+const BEFORE_FAULTS: &str = "before faults";
 
 /// Groups `samples` by workload × profile (order of first appearance).
 pub fn grouped(samples: &[Sample]) -> Vec<((String, String), Vec<&Sample>)> {
@@ -81,7 +103,33 @@ pub fn summarize(samples: &[Sample]) -> Summary {
         .into_iter()
         .map(|((workload, profile), rows)| group(workload, profile, &rows))
         .collect();
-    Summary { groups }
+    let mut phases = Vec::new();
+    for ((workload, profile), rows) in grouped(samples) {
+        if rows.iter().all(|s| s.phase.is_empty()) {
+            continue;
+        }
+        // Phases in the order they began: by their earliest send time.
+        let mut labels: Vec<(f64, &str)> = Vec::new();
+        for s in &rows {
+            match labels.iter_mut().find(|(_, l)| *l == s.phase) {
+                Some((first, _)) => *first = first.min(s.start_ms),
+                None => labels.push((s.start_ms, &s.phase)),
+            }
+        }
+        labels.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for (_, label) in labels {
+            let these: Vec<&Sample> = rows.iter().copied().filter(|s| s.phase == label).collect();
+            phases.push(PhaseGroup {
+                phase: if label.is_empty() {
+                    BEFORE_FAULTS.to_owned()
+                } else {
+                    label.to_owned()
+                },
+                group: group(workload.clone(), profile.clone(), &these),
+            });
+        }
+    }
+    Summary { groups, phases }
 }
 
 fn group(workload: String, profile: String, rows: &[&Sample]) -> Group {
@@ -98,6 +146,7 @@ fn group(workload: String, profile: String, rows: &[&Sample]) -> Group {
         profile,
         requests: rows.len(),
         errors: rows.len() - ok.len(),
+        rewritten: ok.iter().filter(|s| s.rewritten()).count(),
         continuations: cont.len(),
         warm_returns: cont.iter().filter(|s| s.warm_return()).count(),
         missed_oracle: cont
@@ -128,7 +177,8 @@ impl Summary {
              Continuations (turn ≥ 1) that answered; latency and TTFT in ms as mean ± 95% CI \
              (t), p50, p99. Warm: served by the replica of the request it continues. Hit: cached / \
              prompt tokens. vs oracle: cached / the best prefix any replica held at arrival. \
-             Missed: continuations that cached less than the oracle.\n",
+             Missed: continuations that cached less than the oracle. Rewritten: answered requests \
+             whose replica ran another prompt or `cache_salt` than the client sent.\n",
         );
         let mut workloads: Vec<&str> = Vec::new();
         for g in &self.groups {
@@ -140,16 +190,17 @@ impl Summary {
             let _ = write!(
                 out,
                 "\n## {w}\n\n\
-                 | profile | requests | errors | warm returns | hit | vs oracle | missed | latency mean ± CI95 | p50 | p99 | TTFT mean ± CI95 | p50 | p99 |\n\
-                 |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+                 | profile | requests | errors | rewritten | warm returns | hit | vs oracle | missed | latency mean ± CI95 | p50 | p99 | TTFT mean ± CI95 | p50 | p99 |\n\
+                 |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
             );
             for g in self.groups.iter().filter(|g| g.workload == w) {
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {} | {}/{} ({}) | {} | {} | {} | {:.1} ± {:.1} | {:.1} | {:.1} | {:.1} ± {:.1} | {:.1} | {:.1} |",
+                    "| {} | {} | {} | {} | {}/{} ({}) | {} | {} | {} | {:.1} ± {:.1} | {:.1} | {:.1} | {:.1} ± {:.1} | {:.1} | {:.1} |",
                     g.profile,
                     g.requests,
                     g.errors,
+                    g.rewritten,
                     g.warm_returns,
                     g.continuations,
                     percent(ratio(g.warm_returns as u64, g.continuations as u64)),
@@ -164,6 +215,41 @@ impl Summary {
                     g.ttft_ms.ci95,
                     g.ttft_ms.p50,
                     g.ttft_ms.p99,
+                );
+            }
+            let phases: Vec<&PhaseGroup> = self
+                .phases
+                .iter()
+                .filter(|p| p.group.workload == w)
+                .collect();
+            if phases.is_empty() {
+                continue;
+            }
+            let _ = write!(
+                out,
+                "\n### {w} by fault phase\n\n\
+                 Requests sent after each fault, until the next (every request, first turns too, \
+                 for errors; continuations for the rest).\n\n\
+                 | profile | phase | requests | errors | warm returns | vs oracle | missed | latency mean ± CI95 | p99 |\n\
+                 |---|---|---:|---:|---:|---:|---:|---:|---:|\n"
+            );
+            for p in phases {
+                let g = &p.group;
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {}/{} ({}) | {} | {} | {:.1} ± {:.1} | {:.1} |",
+                    g.profile,
+                    p.phase,
+                    g.requests,
+                    g.errors,
+                    g.warm_returns,
+                    g.continuations,
+                    percent(ratio(g.warm_returns as u64, g.continuations as u64)),
+                    percent(g.oracle_ratio),
+                    g.missed_oracle,
+                    g.latency_ms.mean,
+                    g.latency_ms.ci95,
+                    g.latency_ms.p99,
                 );
             }
         }
@@ -221,9 +307,37 @@ mod tests {
         assert_eq!(p.oracle_ratio, Some(1.0));
         let md = s.to_markdown();
         assert!(
-            md.contains("| lr | 5 | 1 | 1/2 (50.00%) | 45.00% | 50.00% | 1 |"),
+            md.contains("| lr | 5 | 1 | 0 | 1/2 (50.00%) | 45.00% | 50.00% | 1 |"),
             "{md}"
         );
+    }
+
+    #[test]
+    fn rewritten_requests_and_fault_phases_are_counted() {
+        let mut samples = Vec::new();
+        samples.extend(pair("sg", 0, "r0", "r0", 90, 0));
+        samples[1].intact = "no".into();
+        let mut later = pair("sg", 1, "r1", "r0", 0, 90);
+        for s in &mut later {
+            s.phase = "replica-restart".into();
+        }
+        samples.extend(later);
+        let s = summarize(&samples);
+        assert_eq!(s.groups[0].rewritten, 1);
+        assert_eq!(s.phases.len(), 2);
+        assert_eq!(s.phases[0].phase, BEFORE_FAULTS);
+        assert_eq!(
+            (s.phases[1].group.requests, s.phases[1].group.warm_returns),
+            (2, 0)
+        );
+        let md = s.to_markdown();
+        assert!(md.contains("### w by fault phase"), "{md}");
+        assert!(
+            md.contains("| sg | replica-restart | 2 | 0 | 0/1 (0.00%) | 0.00% | 1 |"),
+            "{md}"
+        );
+        // Without phases there is no phase table.
+        assert!(summarize(&samples[..2]).phases.is_empty());
     }
 
     #[test]

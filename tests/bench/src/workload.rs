@@ -12,6 +12,13 @@
 //!   reasoning-dropping template rewrite earlier turns), branching retries
 //!   (the last tool result replaced and the request sent again) and mixed
 //!   salts (four tenants, one of them unsalted).
+//! - W3, cache pressure: W2 with each replica's cache far below the working set.
+//! - W4, active-active: W2 through three gateways (Envoy + its own indexd
+//!   each; peers: three router processes), every request of a conversation
+//!   sent to a gateway drawn from the seed, as behind a plain L4 balancer.
+//! - W5, faults mid-run: W2 with a replica restart, lagging KV events, lost
+//!   event batches and an indexd restart, each injected when a fixed share
+//!   of the requests has been sent.
 
 use clap::ValueEnum;
 use serde_json::{Value, json};
@@ -30,6 +37,62 @@ pub enum WorkloadKind {
     /// Cache pressure: W2's conversations on replicas whose prefix caches hold a fraction of the
     /// working set (evictions all the time).
     W3,
+    /// Active-active: W2 through three gateways (Envoy + indexd each), clients spread across them.
+    W4,
+    /// Faults mid-run: W2 with a replica restart, event delay, lost batches and an indexd restart.
+    W5,
+}
+
+/// A fault injected during a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    /// `POST /admin/restart` on one replica: empty cache, event seq from 0.
+    ReplicaRestart {
+        /// Replica index.
+        replica: usize,
+    },
+    /// Every replica publishes its KV events this late from now on (0: on time again).
+    EventDelay {
+        /// Milliseconds.
+        ms: u64,
+    },
+    /// Events on time again, and these replicas each lose their next batches live
+    /// (numbered, not sent: the subscriber sees a gap and must replay).
+    LostBatches {
+        /// First replica index.
+        first: usize,
+        /// How many replicas, from `first`.
+        replicas: usize,
+        /// Batches lost per replica.
+        batches: u32,
+    },
+    /// indexd stops, stays down this long, and starts again with an empty index
+    /// (kvroute profiles only; peers keep running).
+    IndexdRestart {
+        /// Downtime in milliseconds.
+        down_ms: u64,
+    },
+}
+
+impl FaultKind {
+    /// The phase label in samples for requests sent after this fault.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::ReplicaRestart { .. } => "replica-restart",
+            Self::EventDelay { .. } => "event-delay",
+            Self::LostBatches { .. } => "lost-batches",
+            Self::IndexdRestart { .. } => "indexd-restart",
+        }
+    }
+}
+
+/// A fault and when it strikes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fault {
+    /// Injected just before the request with this index (in send order, from 0) is sent.
+    pub at_request: usize,
+    /// What happens.
+    pub kind: FaultKind,
 }
 
 /// How big a run is.
@@ -127,12 +190,29 @@ pub struct Workload {
     pub reasoning_tokens: u32,
     /// The scripts.
     pub conversations: Vec<Conversation>,
+    /// Gateways the clients spread their requests over (1: one Envoy or router).
+    pub gateways: usize,
+    /// Faults, in order of `at_request`.
+    pub faults: Vec<Fault>,
 }
 
 impl Workload {
     /// Requests the workload sends.
     pub fn requests(&self) -> usize {
         self.conversations.iter().map(Conversation::requests).sum()
+    }
+
+    /// The gateway (index into the run's gateways) of request `turn` of
+    /// `conversation`: drawn from the seed, independent of the profile.
+    pub fn gateway(&self, seed: u64, conversation: u32, turn: usize) -> usize {
+        if self.gateways <= 1 {
+            return 0;
+        }
+        let mut rng = Rng::new(
+            seed,
+            (5u64 << 40) | (u64::from(conversation) << 16) | turn as u64,
+        );
+        rng.range(0, self.gateways - 1)
     }
 }
 
@@ -142,7 +222,51 @@ pub fn build(kind: WorkloadKind, scale: Scale, seed: u64) -> Vec<Workload> {
         WorkloadKind::W1 => vec![w1(Api::Chat, scale, seed), w1(Api::Responses, scale, seed)],
         WorkloadKind::W2 => vec![w2(scale, seed)],
         WorkloadKind::W3 => vec![w3(scale, seed)],
+        WorkloadKind::W4 => vec![w4(scale, seed)],
+        WorkloadKind::W5 => vec![w5(scale, seed)],
     }
+}
+
+/// W4: W2's scripts through three gateways.
+fn w4(scale: Scale, seed: u64) -> Workload {
+    let mut w = w2(scale, seed);
+    w.name = "w4".into();
+    w.gateways = 3;
+    w
+}
+
+/// W5: W2's scripts with four faults, at 15%, 35%, 55% and 75% of the requests.
+fn w5(scale: Scale, seed: u64) -> Workload {
+    let mut w = w2(scale, seed);
+    w.name = "w5".into();
+    let n = w.requests();
+    let at = |percent: usize| n * percent / 100;
+    let last = w.replicas.saturating_sub(1);
+    w.faults = vec![
+        Fault {
+            at_request: at(15),
+            kind: FaultKind::ReplicaRestart {
+                replica: 1.min(last),
+            },
+        },
+        Fault {
+            at_request: at(35),
+            kind: FaultKind::EventDelay { ms: 1_500 },
+        },
+        Fault {
+            at_request: at(55),
+            kind: FaultKind::LostBatches {
+                first: 2.min(last),
+                replicas: 2,
+                batches: 4,
+            },
+        },
+        Fault {
+            at_request: at(75),
+            kind: FaultKind::IndexdRestart { down_ms: 2_000 },
+        },
+    ];
+    w
 }
 
 /// Prefix-cache blocks per replica for W1 and W2: enough that W2's working set fits with affinity.
@@ -203,6 +327,8 @@ fn w1(api: Api, scale: Scale, seed: u64) -> Workload {
         block_size: 16,
         reasoning_tokens: 0,
         conversations,
+        gateways: 1,
+        faults: Vec::new(),
     }
 }
 
@@ -330,6 +456,8 @@ fn w2(scale: Scale, seed: u64) -> Workload {
         block_size: 16,
         reasoning_tokens: 6,
         conversations,
+        gateways: 1,
+        faults: Vec::new(),
     }
 }
 
@@ -364,6 +492,58 @@ mod tests {
                 w.conversations.iter().map(|c| c.salt.clone()).collect();
             assert_eq!(salts.len(), 12, "a fresh salt per pair");
         }
+    }
+
+    #[test]
+    fn w4_spreads_each_conversation_over_the_gateways() {
+        let w = &build(WorkloadKind::W4, Scale::Full, 42)[0];
+        assert_eq!(w.gateways, 3);
+        let mut used = [0usize; 3];
+        let mut moved = 0;
+        for c in &w.conversations {
+            let gateways: Vec<usize> = (0..c.requests()).map(|t| w.gateway(42, c.id, t)).collect();
+            for g in &gateways {
+                used[*g] += 1;
+            }
+            moved += usize::from(gateways.windows(2).any(|p| p[0] != p[1]));
+            assert_eq!(
+                gateways,
+                (0..c.requests())
+                    .map(|t| w.gateway(42, c.id, t))
+                    .collect::<Vec<_>>()
+            );
+        }
+        assert!(used.iter().all(|&n| n > w.requests() / 5), "{used:?}");
+        assert!(moved > w.conversations.len() / 2);
+        assert_eq!(
+            build(WorkloadKind::W2, Scale::Full, 42)[0].gateway(42, 3, 2),
+            0
+        );
+    }
+
+    #[test]
+    fn w5_injects_every_fault_kind_in_order() {
+        let w = &build(WorkloadKind::W5, Scale::Full, 42)[0];
+        let labels: Vec<&str> = w.faults.iter().map(|f| f.kind.label()).collect();
+        assert_eq!(
+            labels,
+            [
+                "replica-restart",
+                "event-delay",
+                "lost-batches",
+                "indexd-restart"
+            ]
+        );
+        assert!(
+            w.faults
+                .windows(2)
+                .all(|p| p[0].at_request < p[1].at_request)
+        );
+        assert!(
+            w.faults
+                .iter()
+                .all(|f| f.at_request > 0 && f.at_request < w.requests())
+        );
     }
 
     #[test]

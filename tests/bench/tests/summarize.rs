@@ -87,3 +87,53 @@ fn summarize_reproduces_the_run_exactly() {
     let json = std::fs::read_to_string(run.path().join("summary.json")).unwrap();
     assert_eq!(json, kvroute_bench::summarize(&samples).to_json().unwrap());
 }
+
+#[test]
+fn gateways_and_faults_keep_every_request_answered() {
+    let run = tempfile::tempdir().unwrap();
+    bench(&[
+        "run",
+        "--scale",
+        "smoke",
+        "--workload",
+        "w4,w5",
+        "--profile",
+        "least-request,precise",
+        "--time-scale",
+        "0",
+        "--out",
+        run.path().to_str().unwrap(),
+    ]);
+    let samples = kvroute_bench::sample::read_csv(&run.path().join("samples.csv")).unwrap();
+    assert!(samples.iter().all(|s| s.ok()), "{samples:#?}");
+    // The mock ran exactly what was sent: Envoy and the filter rewrite nothing.
+    assert!(samples.iter().all(|s| s.intact == "yes"), "{samples:#?}");
+    for profile in ["least-request", "kvroute-precise"] {
+        let w4: Vec<_> = samples
+            .iter()
+            .filter(|s| s.workload == "w4" && s.profile == profile)
+            .collect();
+        let gateways: std::collections::BTreeSet<u32> = w4.iter().map(|s| s.gateway).collect();
+        assert_eq!(gateways.len(), 3, "{profile}: {gateways:?}");
+        let phases: Vec<&str> = samples
+            .iter()
+            .filter(|s| s.workload == "w5" && s.profile == profile)
+            .map(|s| s.phase.as_str())
+            .fold(Vec::new(), |mut seen, p| {
+                if !seen.contains(&p) {
+                    seen.push(p);
+                }
+                seen
+            });
+        for fault in [
+            "replica-restart",
+            "event-delay",
+            "lost-batches",
+            "indexd-restart",
+        ] {
+            assert!(phases.contains(&fault), "{profile}: {phases:?}");
+        }
+    }
+    let summary = std::fs::read_to_string(run.path().join("summary.md")).unwrap();
+    assert!(summary.contains("### w5 by fault phase"), "{summary}");
+}

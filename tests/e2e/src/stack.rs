@@ -6,6 +6,9 @@
 //! `override_host` policy (least-request fallback). With
 //! [`Routing::LeastRequest`] the filter is left out: that is the baseline.
 //! indexd can be stopped and started again on the same port mid-test.
+//! With [`StackOptions::gateways`] > 1 the stack is active-active: each
+//! gateway is its own Envoy with its own indexd, all in front of (and
+//! subscribed to) the same replicas.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -73,6 +76,8 @@ pub struct StackOptions {
     pub chat_template: mock_vllm::ChatTemplate,
     /// Reasoning tokens opening each chat/Responses output of the mock (0: none).
     pub reasoning_tokens: u32,
+    /// Gateways (Envoy + its own indexd each) in front of the same replicas.
+    pub gateways: usize,
 }
 
 impl Default for StackOptions {
@@ -94,6 +99,7 @@ impl Default for StackOptions {
             data_parallel_size: 1,
             chat_template: mock_vllm::ChatTemplate::RoleMarkers,
             reasoning_tokens: 0,
+            gateways: 1,
         }
     }
 }
@@ -105,11 +111,19 @@ struct RunningIndexd {
     http: SocketAddr,
 }
 
+/// A gateway beyond the first: its own Envoy and indexd.
+struct Gateway {
+    // Envoy drops (stops) before its indexd.
+    envoy: Envoy,
+    indexd: Option<RunningIndexd>,
+}
+
 /// A running deployment; everything stops on drop.
 pub struct Stack {
     options: StackOptions,
-    // Field order is drop order: Envoy first, then indexd, then the replicas,
-    // then the runtime they run on.
+    // Field order is drop order: the Envoys first, then indexd, then the
+    // replicas, then the runtime they run on.
+    extra_gateways: Vec<Gateway>,
     envoy: Envoy,
     indexd: Option<RunningIndexd>,
     indexd_grpc: SocketAddr,
@@ -241,8 +255,22 @@ impl Stack {
         };
         let envoy_to_indexd = indexd_link.as_ref().map_or(indexd_grpc, Relay::addr);
         let envoy = Envoy::start(&envoy_config(&options, &addresses, envoy_to_indexd)?)?;
+        let mut extra_gateways = Vec::new();
+        for _ in 1..options.gateways {
+            let (indexd, grpc) = if options.routing == Routing::LeastRequest {
+                (None, SocketAddr::from(([127, 0, 0, 1], 9)))
+            } else {
+                let config =
+                    indexd_config(&options, &endpoints, SocketAddr::from(([127, 0, 0, 1], 0)));
+                let (running, grpc) = start_indexd(&runtime, config)?;
+                (Some(running), grpc)
+            };
+            let envoy = Envoy::start(&envoy_config(&options, &addresses, grpc)?)?;
+            extra_gateways.push(Gateway { envoy, indexd });
+        }
         let stack = Self {
             options,
+            extra_gateways,
             envoy,
             indexd,
             indexd_grpc,
@@ -277,6 +305,14 @@ impl Stack {
     /// `http://127.0.0.1:port` of Envoy's inference listener.
     pub fn url(&self) -> Result<String, HarnessError> {
         self.envoy.listener_url(LISTENER)
+    }
+
+    /// The inference listener of every gateway, the first gateway's first.
+    pub fn gateway_urls(&self) -> Result<Vec<String>, HarnessError> {
+        std::iter::once(&self.envoy)
+            .chain(self.extra_gateways.iter().map(|g| &g.envoy))
+            .map(|e| e.listener_url(LISTENER))
+            .collect()
     }
 
     /// The Envoy in front.
@@ -349,11 +385,23 @@ impl Stack {
         self.wait_index_ready(Duration::from_secs(20))
     }
 
-    /// Waits until indexd (if running) sees every replica fresh and healthy.
+    /// Waits until every running indexd sees every replica fresh and healthy.
     pub fn wait_index_ready(&self, timeout: Duration) -> Result<(), HarnessError> {
-        let Some(indexd) = &self.indexd else {
-            return Ok(());
-        };
+        let started = Instant::now();
+        let all =
+            std::iter::once(&self.indexd).chain(self.extra_gateways.iter().map(|g| &g.indexd));
+        for indexd in all.flatten() {
+            let left = timeout.saturating_sub(started.elapsed());
+            self.wait_one_index_ready(indexd, left)?;
+        }
+        Ok(())
+    }
+
+    fn wait_one_index_ready(
+        &self,
+        indexd: &RunningIndexd,
+        timeout: Duration,
+    ) -> Result<(), HarnessError> {
         let ids: Vec<indexd::EndpointId> = self.endpoints.iter().map(|e| e.id.clone()).collect();
         wait_until(
             "indexd sees every replica fresh and healthy",
@@ -383,17 +431,14 @@ impl Stack {
         })
     }
 
-    /// Waits until indexd holds at least `entries` blocks for replica `i`
-    /// (all its data-parallel ranks together).
+    /// Waits until every running indexd holds at least `entries` blocks for
+    /// replica `i` (all its data-parallel ranks together).
     pub fn wait_indexed(
         &self,
         i: usize,
         entries: usize,
         timeout: Duration,
     ) -> Result<(), HarnessError> {
-        let Some(indexd) = &self.indexd else {
-            return Ok(());
-        };
         let addresses = self.replica_addresses();
         let Some(address) = addresses.get(i) else {
             return Ok(());
@@ -408,13 +453,19 @@ impl Stack {
             .filter(|e| e.id.address.to_string() == *address)
             .map(|e| e.id.clone())
             .collect();
+        let all: Vec<&RunningIndexd> = std::iter::once(&self.indexd)
+            .chain(self.extra_gateways.iter().map(|g| &g.indexd))
+            .flatten()
+            .collect();
         wait_until("indexd ingests the replica's events", timeout, || {
-            let held: usize = ids
-                .iter()
-                .filter_map(|id| indexd.handle.replica(id))
-                .map(|s| s.entries)
-                .sum();
-            held >= entries
+            all.iter().all(|indexd| {
+                let held: usize = ids
+                    .iter()
+                    .filter_map(|id| indexd.handle.replica(id))
+                    .map(|s| s.entries)
+                    .sum();
+                held >= entries
+            })
         })
     }
 }

@@ -501,3 +501,38 @@ fn least_request_baseline_has_no_filter() {
     let out = chat(&stack, &opening(61), None);
     assert_eq!(out.decision, None);
 }
+
+#[test]
+fn gateways_share_the_replicas_picture() {
+    // Active-active: three gateways, each Envoy with its own indexd, all fed
+    // by the same replicas' events. A conversation that moves between
+    // gateways still reaches its warm replica.
+    let stack = Stack::start(StackOptions {
+        replicas: 3,
+        gateways: 3,
+        ..StackOptions::default()
+    })
+    .unwrap();
+    let urls = stack.gateway_urls().unwrap();
+    assert_eq!(urls.len(), 3);
+    for conversation in 0..3u64 {
+        let mut messages = opening(200 + conversation);
+        // Each turn goes to the next gateway; turn() waits until every
+        // gateway's indexd has ingested the first turn's blocks.
+        let first = turn(&stack, &messages, None);
+        let warm = first.replica.clone().unwrap();
+        messages.push(message("assistant", &first.text));
+        messages.push(message("user", &filler(conversation + 300, 40)));
+        let body = chat_body(&stack.options().model, &messages, None);
+        let url = &urls[1 + conversation as usize % 2];
+        let second = post_json(url, "/v1/chat/completions", &body, &[]).unwrap();
+        assert_eq!(second.status, 200, "{}", second.body);
+        assert_eq!(
+            second.replica.as_deref(),
+            Some(warm.as_str()),
+            "conversation {conversation} via {url}"
+        );
+        assert_eq!(second.decision.as_deref(), Some("precise"));
+        assert!(second.cached_tokens >= first.prompt_tokens / 2);
+    }
+}

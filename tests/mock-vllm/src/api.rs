@@ -1,6 +1,7 @@
 //! The vLLM HTTP surface: routes, `/tokenize`, the render endpoints, `/health` and `/v1/models`
 //! (`/metrics` in `metrics.rs`). Every response carries `x-mock-vllm-replica: <name>` and
-//! `x-mock-vllm-rank: <rank>`; a bad `x-data-parallel-rank` request header is a 400 on any route.
+//! `x-mock-vllm-rank: <rank>`; a generation response also carries `x-mock-vllm-prompt-digest`
+//! (see [`prompt_digest`]); a bad `x-data-parallel-rank` request header is a 400 on any route.
 
 use std::sync::Arc;
 
@@ -28,6 +29,35 @@ pub const REPLICA_HEADER: &str = "x-mock-vllm-replica";
 /// Header naming the data-parallel rank that served the request: the engine a generation
 /// request ran on; otherwise the pinned engine's rank, or the first engine's.
 pub const RANK_HEADER: &str = "x-mock-vllm-rank";
+
+/// Header with the [`prompt_digest`] of what a generation request ran: a client (or a benchmark
+/// behind a router) compares it with the digest of what it sent to see whether the prompt or the
+/// `cache_salt` was changed on the way.
+pub const PROMPT_DIGEST_HEADER: &str = "x-mock-vllm-prompt-digest";
+
+/// 16 hex digits of SHA-256 over the `cache_salt` (or its absence) and the prompt token ids.
+pub fn prompt_digest(cache_salt: Option<&str>, token_ids: &[u32]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    match cache_salt {
+        Some(salt) => {
+            h.update(b"salt\0");
+            h.update(salt.as_bytes());
+        }
+        None => h.update(b"nosalt"),
+    }
+    h.update(b"\0");
+    for id in token_ids {
+        h.update(id.to_le_bytes());
+    }
+    h.finalize()
+        .iter()
+        .take(8)
+        .fold(String::with_capacity(16), |mut out, b| {
+            out.push_str(&format!("{b:02x}"));
+            out
+        })
+}
 
 /// vLLM sets no body limit; long agentic contexts run to megabytes.
 const MAX_BODY_BYTES: usize = 64 * 1024 * 1024;
@@ -62,6 +92,16 @@ pub fn with_rank(mut resp: Response, rank: u32) -> Response {
         HeaderName::from_static(RANK_HEADER),
         HeaderValue::from(rank),
     );
+    resp
+}
+
+/// Tags a generation response with its rank and the digest of what it ran.
+pub fn served(resp: Response, rank: u32, digest: &str) -> Response {
+    let mut resp = with_rank(resp, rank);
+    if let Ok(v) = HeaderValue::from_str(digest) {
+        resp.headers_mut()
+            .insert(HeaderName::from_static(PROMPT_DIGEST_HEADER), v);
+    }
     resp
 }
 

@@ -41,6 +41,11 @@ impl Job {
             lora_name: self.model.lora.as_ref().map(|(n, _)| n.as_str()),
         }
     }
+
+    /// [`crate::api::prompt_digest`] of this job's salt and prompt.
+    pub(crate) fn digest(&self) -> String {
+        crate::api::prompt_digest(self.cache_salt.as_deref(), &self.prompt)
+    }
 }
 
 /// A stored Responses-API response (for `previous_response_id`).

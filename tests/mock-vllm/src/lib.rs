@@ -39,7 +39,7 @@ pub mod server;
 pub mod template;
 pub mod tokenizer;
 
-pub use api::{RANK_HEADER, REPLICA_HEADER};
+pub use api::{PROMPT_DIGEST_HEADER, RANK_HEADER, REPLICA_HEADER, prompt_digest};
 pub use cache::{BlockHash, PrefixCache};
 pub use config::{
     ChatTemplate, Cli, Config, EventEncoding, EventsEndpoint, HashForm, KvEventsConfig,

@@ -15,7 +15,7 @@ use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::api::with_rank;
+use crate::api::served;
 use crate::engine::{Job, ModelRef, Replica};
 use crate::error::{ApiError, parse_json, validate_cache_salt};
 use crate::generate::{Output, TokenKind, generate};
@@ -220,6 +220,7 @@ pub async fn completions(
     let id = random_id("cmpl-");
     let created = now_secs();
     let (model, prompt_len, job) = prompt.into_job(body.cache_salt.clone());
+    let digest = job.digest();
     let guard = replica.assign(pin)?;
     let rank = guard.engine().rank;
     if !body.stream {
@@ -240,7 +241,7 @@ pub async fn completions(
             "usage": usage(prompt_len, output.ids.len(), cached),
         }))
         .into_response();
-        return Ok(with_rank(resp, rank));
+        return Ok(served(resp, rank, &digest));
     }
     let include_usage = body.stream_options.unwrap_or_default().include_usage;
     let chunk = move |text: &str, finish: Value| {
@@ -277,7 +278,7 @@ pub async fn completions(
         }
         futures::stream::iter(evs.into_iter().map(Ok::<_, Infallible>))
     });
-    Ok(with_rank(Sse::new(events).into_response(), rank))
+    Ok(served(Sse::new(events).into_response(), rank, &digest))
 }
 
 /// POST /v1/chat/completions
@@ -302,6 +303,7 @@ pub async fn chat_completions(
     let id = random_id("chatcmpl-");
     let created = now_secs();
     let (model, prompt_len, job) = prompt.into_job(body.cache_salt.clone());
+    let digest = job.digest();
     let guard = replica.assign(pin)?;
     let rank = guard.engine().rank;
     if !body.stream {
@@ -327,7 +329,7 @@ pub async fn chat_completions(
             "prompt_logprobs": null,
         }))
         .into_response();
-        return Ok(with_rank(resp, rank));
+        return Ok(served(resp, rank, &digest));
     }
     let include_usage = body.stream_options.unwrap_or_default().include_usage;
     let chunk = move |delta: Value, finish: Value| {
@@ -378,7 +380,7 @@ pub async fn chat_completions(
         }
         futures::stream::iter(evs.into_iter().map(Ok::<_, Infallible>))
     });
-    Ok(with_rank(Sse::new(events).into_response(), rank))
+    Ok(served(Sse::new(events).into_response(), rank, &digest))
 }
 
 /// Output for a prompt that was already checked (shared with Responses).

@@ -18,7 +18,7 @@ use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::api::with_rank;
+use crate::api::served;
 use crate::engine::{Job, ModelRef, Replica, StoredResponse};
 use crate::error::{ApiError, parse_json, validate_cache_salt};
 use crate::generate::{Output, TokenKind};
@@ -321,13 +321,14 @@ pub async fn responses(
         cache_salt: body.cache_salt.clone(),
     };
     let conversation = prompt.conversation;
+    let digest = job.digest();
     let guard = replica.assign(pin)?;
     let rank = guard.engine().rank;
     if !body.stream {
         let cached = run_to_end(guard, &job, &output).await;
         let obj = meta.object("completed", Some(&output), cached);
         store(&replica, &meta, conversation, &output, obj.clone());
-        return Ok(with_rank(Json(obj).into_response(), rank));
+        return Ok(served(Json(obj).into_response(), rank, &digest));
     }
     let mut writer = StreamWriter {
         meta,
@@ -351,7 +352,7 @@ pub async fn responses(
             .collect();
         futures::stream::iter(events)
     });
-    Ok(with_rank(Sse::new(events).into_response(), rank))
+    Ok(served(Sse::new(events).into_response(), rank, &digest))
 }
 
 /// GET /v1/responses/{id}

@@ -608,3 +608,67 @@ async fn streaming_responses_with_reasoning() {
         2
     );
 }
+
+#[tokio::test]
+async fn generation_responses_carry_the_prompt_digest() {
+    let h = start(test_config()).await;
+    let a = h.http_addr();
+    let messages =
+        json!([{"role": "system", "content": text("d", 80)}, {"role": "user", "content": "hi"}]);
+    let tokens: Vec<u32> = serde_json::from_value(
+        post(a, "/tokenize", json!({"messages": messages}))
+            .await
+            .json()["tokens"]
+            .clone(),
+    )
+    .unwrap();
+    for (salt, stream) in [
+        (None, false),
+        (Some("tenant-a"), false),
+        (Some("tenant-a"), true),
+    ] {
+        let mut body = json!({"messages": messages, "max_tokens": 2, "stream": stream});
+        if let Some(s) = salt {
+            body["cache_salt"] = json!(s);
+        }
+        let r = post(a, "/v1/chat/completions", body).await;
+        assert_eq!(
+            r.header(mock_vllm::PROMPT_DIGEST_HEADER),
+            Some(mock_vllm::prompt_digest(salt, &tokens).as_str()),
+            "salt {salt:?}, stream {stream}"
+        );
+    }
+    assert_ne!(
+        mock_vllm::prompt_digest(None, &tokens),
+        mock_vllm::prompt_digest(Some(""), &tokens)
+    );
+    assert_ne!(
+        mock_vllm::prompt_digest(None, &tokens),
+        mock_vllm::prompt_digest(None, &tokens[1..])
+    );
+    let rendered = post(
+        a,
+        "/v1/responses/render",
+        json!({"input": "hi", "instructions": text("d", 80)}),
+    )
+    .await
+    .json();
+    let ids: Vec<u32> = serde_json::from_value(rendered["token_ids"].clone()).unwrap();
+    let r = post(
+        a,
+        "/v1/responses",
+        json!({"input": "hi", "instructions": text("d", 80), "max_output_tokens": 2}),
+    )
+    .await;
+    assert_eq!(
+        r.header(mock_vllm::PROMPT_DIGEST_HEADER),
+        Some(mock_vllm::prompt_digest(None, &ids).as_str())
+    );
+    // Not on non-generation routes.
+    assert_eq!(
+        get(a, "/v1/models")
+            .await
+            .header(mock_vllm::PROMPT_DIGEST_HEADER),
+        None
+    );
+}
