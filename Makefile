@@ -4,7 +4,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/kvroute_filter.wasm
 WASM_TEST_RUNNER := CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner
 
-.PHONY: help deps build wasm lint test test-native test-wasm test-vllm run up bench clean
+.PHONY: help deps build wasm lint test test-native test-wasm test-vllm run up bench bench-more clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -49,12 +49,23 @@ up: ## A kvroute stack (Envoy + filter + indexd + mock replicas) running until C
 	$(CARGO) build -p kvroute-e2e --bin kvroute-demo
 	target/debug/kvroute-demo --up $(DEMO_ARGS)
 
+BENCH := $${CARGO_TARGET_DIR:-target}/perf/kvroute-bench
+
 bench: ## Benchmark W1 + W2: least-request, kvroute approximate/precise, vllm-router, sglang-router → tests/bench/results/
 	bash .ci/deps.sh run
 	bash tests/bench/install-peers.sh
 	$(MAKE) wasm
-	$(CARGO) build -p kvroute-bench
-	$${CARGO_TARGET_DIR:-target}/debug/kvroute-bench run --out tests/bench/results $(BENCH_ARGS)
+	$(CARGO) build --profile perf -p kvroute-bench
+	$(BENCH) run --out tests/bench/results $(BENCH_ARGS)
+
+bench-more: ## Benchmark W3 (cache pressure), W4 (three gateways), W5 (faults) → tests/bench/results-w{3,4,5}/
+	bash .ci/deps.sh run
+	bash tests/bench/install-peers.sh
+	$(MAKE) wasm
+	$(CARGO) build --profile perf -p kvroute-bench
+	$(BENCH) run --workload w3 --out tests/bench/results-w3 $(BENCH_ARGS)
+	$(BENCH) run --workload w4 --out tests/bench/results-w4 $(BENCH_ARGS)
+	$(BENCH) run --workload w5 --out tests/bench/results-w5 $(BENCH_ARGS)
 
 clean: ## Remove build output
 	$(CARGO) clean
