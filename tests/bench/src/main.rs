@@ -91,6 +91,14 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Routing overhead: Envoy + kvroute filter + indexd against Envoy alone, open loop at fixed rates.
+    #[command(long_about = kvroute_bench::overhead::ABOUT)]
+    Overhead(kvroute_bench::overhead::Args),
+    /// Rewrite overhead.md from the CSV files of an `overhead` run.
+    SummarizeOverhead {
+        /// The directory of an `overhead` run (overhead.csv, overhead-histograms.csv, overhead-run.csv).
+        dir: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -123,6 +131,12 @@ fn main() -> ExitCode {
                     .unwrap_or_else(|| PathBuf::from("."))
             });
             output::summarize_file(&samples, &dir).map(|s| print!("{}", s.to_markdown()))
+        }
+        Command::Overhead(args) => {
+            kvroute_bench::overhead::run(&args).map(|r| print!("{}", r.to_markdown()))
+        }
+        Command::SummarizeOverhead { dir } => {
+            kvroute_bench::overhead::summarize(&dir).map(|r| print!("{}", r.to_markdown()))
         }
     };
     match result {
