@@ -496,8 +496,20 @@ fn send(
 }
 
 /// Injects `fault` (on the sending client's thread: its own conversation
-/// waits, the others go on). Failures are collected and fail the run.
+/// waits, the others go on). Requests sent from now on belong to its phase,
+/// including those sent while it is under way (an indexd outage).
+/// Failures are collected and fail the run.
 fn inject(ctx: &Ctx<'_>, fault: &Fault) {
+    if let Ok(mut phase) = ctx.phase.lock() {
+        *phase = fault.kind.label();
+    }
+    ctx.progress.println(format!(
+        "{} / {}: {} at request {}",
+        ctx.workload.name,
+        ctx.profile.name(),
+        fault.kind.label(),
+        fault.at_request
+    ));
     let admin = |replica: &(String, String, String), path: &str, body: Value| {
         let url = format!("http://{}{path}", replica.2);
         client::post_json(&ctx.agent, &url, &body).map(|_| ())
@@ -536,16 +548,6 @@ fn inject(ctx: &Ctx<'_>, fault: &Fault) {
             Err(_) => Err("stack lock poisoned".into()),
         },
     };
-    if let Ok(mut phase) = ctx.phase.lock() {
-        *phase = fault.kind.label();
-    }
-    ctx.progress.println(format!(
-        "{} / {}: {} at request {}",
-        ctx.workload.name,
-        ctx.profile.name(),
-        fault.kind.label(),
-        fault.at_request
-    ));
     if let Err(e) = result
         && let Ok(mut errors) = ctx.fault_errors.lock()
     {
