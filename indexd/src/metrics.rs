@@ -119,8 +119,11 @@ impl Counter {
     }
 }
 
-const LATENCY_BUCKETS: [f64; 14] = [
-    5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 1e-1,
+/// Upper bounds in seconds: fine where a Pick lands (tens of µs), coarser
+/// up to 100 ms.
+const LATENCY_BUCKETS: [f64; 20] = [
+    5e-6, 1e-5, 1.5e-5, 2e-5, 2.5e-5, 3e-5, 4e-5, 5e-5, 7.5e-5, 1e-4, 1.5e-4, 2.5e-4, 5e-4, 1e-3,
+    2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 1e-1,
 ];
 
 /// A latency histogram with fixed buckets (5 µs … 100 ms).
@@ -128,7 +131,7 @@ const LATENCY_BUCKETS: [f64; 14] = [
 pub struct Histogram {
     name: &'static str,
     help: &'static str,
-    buckets: [AtomicU64; 14],
+    buckets: [AtomicU64; LATENCY_BUCKETS.len()],
     count: AtomicU64,
     sum_nanos: AtomicU64,
 }
@@ -138,7 +141,7 @@ impl Histogram {
         Self {
             name,
             help,
-            buckets: [const { AtomicU64::new(0) }; 14],
+            buckets: [const { AtomicU64::new(0) }; LATENCY_BUCKETS.len()],
             count: AtomicU64::new(0),
             sum_nanos: AtomicU64::new(0),
         }
@@ -321,4 +324,34 @@ pub fn gauge(out: &mut String, name: &str, help: &str, value: f64) {
         out,
         "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_are_cumulative_and_sum_is_exact() {
+        let h = Histogram::new("t_latency_seconds", "test");
+        for micros in [3, 12, 38, 38, 90, 2_000, 500_000] {
+            h.observe(Duration::from_micros(micros));
+        }
+        let mut out = String::new();
+        h.render(&mut out);
+        let bucket = |le: &str| {
+            out.lines()
+                .find_map(|l| l.strip_prefix(&format!("t_latency_seconds_bucket{{le=\"{le}\"}} ")))
+                .and_then(|v| v.parse::<u64>().ok())
+        };
+        assert_eq!(bucket("0.000005"), Some(1));
+        assert_eq!(bucket("0.000015"), Some(2));
+        assert_eq!(bucket("0.00004"), Some(4));
+        assert_eq!(bucket("0.0001"), Some(5));
+        assert_eq!(bucket("0.1"), Some(6));
+        assert_eq!(bucket("+Inf"), Some(7));
+        assert!(out.contains("t_latency_seconds_sum 0.502181\n"), "{out}");
+        assert!(out.contains("t_latency_seconds_count 7\n"), "{out}");
+        // Bounds strictly increase, so every bucket is a proper cumulative count.
+        assert!(LATENCY_BUCKETS.windows(2).all(|w| w[0] < w[1]));
+    }
 }

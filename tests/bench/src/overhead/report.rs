@@ -406,9 +406,9 @@ impl Report {
              DESIGN §9 counts routing overhead without the tokenizer call: last column.\n\
              - Filter figures are per-rate differences of Envoy's `/stats?format=json&histogram_buckets=detailed` \
              bins (log-linear, two significant digits; the mean from bin midpoints). indexd's Pick \
-             histogram has fixed buckets (5, 10, 25, 50, 100, 250, 500 µs, …), so its p50 is an \
-             interpolation inside a wide bucket; its mean is exact (`_sum / _count`). Quantiles \
-             are linear inside the bin holding their rank.\n",
+             histogram has fixed buckets (every 5–10 µs up to 50 µs, then 75, 100, 150, 250, 500 µs, …), \
+             so its p50 is an interpolation inside a bucket; its mean is exact (`_sum / _count`). \
+             Quantiles are linear inside the bin holding their rank.\n",
             cores = self.setting("cores"),
         );
         out
