@@ -32,7 +32,8 @@ struct Args {
     /// '{address: 10.0.0.7:8000, model: m, events: tcp://10.0.0.7:5557, replay: tcp://10.0.0.7:5558, metrics_url: http://10.0.0.7:8000/metrics}'
     #[arg(long = "endpoint", value_name = "YAML")]
     endpoints: Vec<String>,
-    /// Seed for tie-breaking (reproducible runs).
+    /// Seed for tie-breaking (reproducible test runs; leave unset in a fleet
+    /// with several indexd, or they all break ties the same way).
     #[arg(long)]
     seed: Option<u64>,
     /// Once listening, print {"grpc":"ip:port","http":"ip:port"} on stdout.

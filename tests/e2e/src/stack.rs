@@ -256,12 +256,17 @@ impl Stack {
         let envoy_to_indexd = indexd_link.as_ref().map_or(indexd_grpc, Relay::addr);
         let envoy = Envoy::start(&envoy_config(&options, &addresses, envoy_to_indexd)?)?;
         let mut extra_gateways = Vec::new();
-        for _ in 1..options.gateways {
+        for gateway in 1..options.gateways {
             let (indexd, grpc) = if options.routing == Routing::LeastRequest {
                 (None, SocketAddr::from(([127, 0, 0, 1], 9)))
             } else {
-                let config =
+                let mut config =
                     indexd_config(&options, &endpoints, SocketAddr::from(([127, 0, 0, 1], 0)));
+                // Each indexd draws its own tie-breaks, as independently started
+                // ones do (seeded from entropy); the same seed everywhere would
+                // make every gateway send the same first requests to the same
+                // replicas.
+                config.seed = Some(options.seed.wrapping_add(gateway as u64));
                 let (running, grpc) = start_indexd(&runtime, config)?;
                 (Some(running), grpc)
             };
