@@ -1,4 +1,4 @@
-//! The per-request state machine (DESIGN §5), host-independent.
+//! The per-request state machine (the failure table of filter/README.md), host-independent.
 //!
 //! ```text
 //! headers ── strip client override/rank/x-kvroute-* headers

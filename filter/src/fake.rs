@@ -1,6 +1,6 @@
 //! A scripted in-memory host for native tests.
 //!
-//! It enforces the rule Envoy enforces by panicking in the SDK (DESIGN §6):
+//! It enforces the rule Envoy enforces by panicking in the SDK:
 //! request headers may change only inside a request callback or while the
 //! request is paused.
 

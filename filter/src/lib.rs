@@ -7,7 +7,7 @@
 //! - [`request`]: parsing completions, chat and responses bodies.
 //! - [`tokenize`]: the tokenizer callout's body and answer.
 //! - [`approximate`]: text-chunk keys for approximate mode.
-//! - [`decision`]: the per-request state machine (DESIGN §5).
+//! - [`decision`]: the per-request state machine (the failure table of the README).
 //! - [`observe`]: finding a Responses id in the first response chunks.
 //! - [`breaker`]: the index circuit breaker in shared data.
 //! - [`metrics`]: reason labels and metric names.

@@ -4,7 +4,7 @@
 //! output shows them as `kvroute_decisions_<reason>`); histograms record
 //! microseconds.
 
-/// Why a request was or was not given an override (DESIGN §5).
+/// Why a request was or was not given an override (the failure table of the README).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Reason {
     /// indexd matched the request's exact blocks.

@@ -2,7 +2,7 @@
 //!
 //! It subscribes to every vLLM replica's KV events, keeps an exact, bounded
 //! index of which replica holds which block, and answers
-//! `kvroute.v1.Index/Pick` from memory (DESIGN §1, §3, §4, §8).
+//! `kvroute.v1.Index/Pick` from memory.
 //!
 //! - [`config`]: typed configuration (YAML or code), valid by construction.
 //! - [`wire`]: vLLM's msgpack KV events → indexd's own types, bounded.

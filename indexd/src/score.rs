@@ -1,7 +1,7 @@
 //! Scoring: a pure function from a snapshot of candidates to an ordered list.
 //!
 //! The cost of sending the request to replica `r` is its estimated time to
-//! first token, in seconds (DESIGN §8):
+//! first token, in seconds:
 //!
 //! ```text
 //! credited_r = block_size × Σ_tier matched_blocks_r[tier] × credit[tier]

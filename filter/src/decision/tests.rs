@@ -1,5 +1,5 @@
 //! The state machine driven end to end through the fake host: one test (or
-//! more) per row of DESIGN §5.
+//! more) per row of the failure table (filter/README.md).
 
 use std::rc::Rc;
 

@@ -1,5 +1,5 @@
 //! kvroute-bench: routing profiles measured side by side on mock vLLM fleets
-//! behind a real Envoy (issue 7; DESIGN §9).
+//! behind a real Envoy.
 //!
 //! - [`workload`]: seeded conversation scripts (W1 the published pairs, W2
 //!   concurrent agentic traffic) and the [`Scale`]s.

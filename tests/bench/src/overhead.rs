@@ -1,5 +1,5 @@
 //! `kvroute-bench overhead`: what kvroute adds to a request's latency
-//! (DESIGN §9, "routing overhead added by filter+indexd").
+//! against Envoy alone: the routing overhead of filter + indexd.
 //!
 //! Two stacks run side by side on the same machine: Envoy + the kvroute
 //! filter + indexd in precise mode, and Envoy alone (least-request, no

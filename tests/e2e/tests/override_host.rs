@@ -1,4 +1,4 @@
-//! What the filter relies on in Envoy 1.40 (DESIGN §6), checked on the real
+//! What the filter relies on in Envoy 1.40, checked on the real
 //! thing: the `override_host` policy honours an ordered host list, skips hosts
 //! the cluster does not have, and falls back to least-request without one.
 

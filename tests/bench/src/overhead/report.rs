@@ -125,8 +125,8 @@ impl RateFigures {
         share(self.tokenizer.map(|h| h.p50), self.added_p50())
     }
 
-    /// The added median less the median tokenizer call (DESIGN §9 counts the
-    /// routing overhead without the tokenizer).
+    /// The added median less the median tokenizer call (routing overhead
+    /// proper excludes the tokenizer).
     pub fn added_p50_without_tokenizer(&self) -> Option<f64> {
         self.tokenizer.map(|t| self.added_p50() - t.p50)
     }
@@ -403,7 +403,7 @@ impl Report {
              kind.\n\
              - The tokenizer here is the mock's (a fast Rust tokenizer on loopback); a real vLLM \
              `/tokenize` of the same prompt costs more, so the tokenizer share is a lower bound. \
-             DESIGN §9 counts routing overhead without the tokenizer call: last column.\n\
+             Routing overhead proper excludes the tokenizer call: last column.\n\
              - Filter figures are per-rate differences of Envoy's `/stats?format=json&histogram_buckets=detailed` \
              bins (log-linear, two significant digits; the mean from bin midpoints). indexd's Pick \
              histogram has fixed buckets (every 5–10 µs up to 50 µs, then 75, 100, 150, 250, 500 µs, …), \
