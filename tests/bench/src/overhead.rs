@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_e2e::{HarnessError, Routing, Stack, StackOptions, http};
 
-use crate::BenchError;
+use crate::{BenchError, sample};
 use histogram::{FILTER_DURATION, Hist, PICK_LATENCY};
 use load::{Prompts, Target};
 use record::{BASELINE, HistogramRow, KVROUTE, RequestRow, RunRow};
@@ -161,11 +161,11 @@ pub fn run(args: &Args) -> Result<Report, BenchError> {
     drop(kvroute);
     record::sort_requests(&mut requests);
     let path = args.out.join(record::REQUESTS_CSV);
-    record::write(&path, &requests)?;
+    sample::write_csv(&path, &requests)?;
     let path = args.out.join(record::HISTOGRAMS_CSV);
-    record::write(&path, &histograms)?;
+    sample::write_csv(&path, &histograms)?;
     let path = args.out.join(record::RUN_CSV);
-    record::write(&path, &settings)?;
+    sample::write_csv(&path, &settings)?;
     let report = summarize(&args.out)?;
     eprintln!(
         "overhead: {} requests in {:.0} s; results in {}",
@@ -178,9 +178,9 @@ pub fn run(args: &Args) -> Result<Report, BenchError> {
 
 /// Reads the CSV files in `dir` and (re)writes `dir/overhead.md`.
 pub fn summarize(dir: &Path) -> Result<Report, BenchError> {
-    let requests: Vec<RequestRow> = record::read(&dir.join(record::REQUESTS_CSV))?;
-    let histograms: Vec<HistogramRow> = record::read(&dir.join(record::HISTOGRAMS_CSV))?;
-    let settings: Vec<RunRow> = record::read(&dir.join(record::RUN_CSV))?;
+    let requests: Vec<RequestRow> = sample::read_csv(&dir.join(record::REQUESTS_CSV))?;
+    let histograms: Vec<HistogramRow> = sample::read_csv(&dir.join(record::HISTOGRAMS_CSV))?;
+    let settings: Vec<RunRow> = sample::read_csv(&dir.join(record::RUN_CSV))?;
     let report = report::compute(&requests, &histograms, &settings);
     let path = dir.join(record::MARKDOWN);
     std::fs::write(&path, report.to_markdown()).map_err(|e| BenchError::io(&path, e))?;
@@ -411,9 +411,9 @@ mod tests {
             out: dir.path().to_owned(),
         };
         let settings = settings(&args, &StackOptions::default());
-        record::write(&dir.path().join(record::REQUESTS_CSV), &requests).unwrap();
-        record::write(&dir.path().join(record::HISTOGRAMS_CSV), &histograms).unwrap();
-        record::write(&dir.path().join(record::RUN_CSV), &settings).unwrap();
+        sample::write_csv(&dir.path().join(record::REQUESTS_CSV), &requests).unwrap();
+        sample::write_csv(&dir.path().join(record::HISTOGRAMS_CSV), &histograms).unwrap();
+        sample::write_csv(&dir.path().join(record::RUN_CSV), &settings).unwrap();
 
         let report = summarize(dir.path()).unwrap();
         let md_path = dir.path().join(record::MARKDOWN);

@@ -3,6 +3,7 @@
 
 use std::path::Path;
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::BenchError;
@@ -86,7 +87,7 @@ pub fn millis(d: std::time::Duration) -> f64 {
 }
 
 /// Where a profile goes in tables: the baseline first, then by name.
-fn profile_rank(profile: &str) -> u8 {
+pub(crate) fn profile_rank(profile: &str) -> u8 {
     match profile {
         "least-request" => 0,
         "kvroute-approximate" => 1,
@@ -114,17 +115,19 @@ pub fn sort(samples: &mut [Sample]) {
     });
 }
 
-/// Writes `samples` as CSV with a header row.
-pub fn write_csv(path: &Path, samples: &[Sample]) -> Result<(), BenchError> {
+/// Writes `rows` (samples, or the overhead run's records) as CSV with a header row.
+pub fn write_csv<T: Serialize>(path: &Path, rows: &[T]) -> Result<(), BenchError> {
     let mut writer = csv::Writer::from_path(path).map_err(|e| BenchError::csv(path, e))?;
-    for s in samples {
-        writer.serialize(s).map_err(|e| BenchError::csv(path, e))?;
+    for row in rows {
+        writer
+            .serialize(row)
+            .map_err(|e| BenchError::csv(path, e))?;
     }
     writer.flush().map_err(|e| BenchError::io(path, e))
 }
 
-/// Reads a `samples.csv`.
-pub fn read_csv(path: &Path) -> Result<Vec<Sample>, BenchError> {
+/// Reads a CSV written by [`write_csv`] (a `samples.csv`, or an overhead run's).
+pub fn read_csv<T: DeserializeOwned>(path: &Path) -> Result<Vec<T>, BenchError> {
     let mut reader = csv::Reader::from_path(path).map_err(|e| BenchError::csv(path, e))?;
     reader
         .deserialize()
@@ -176,7 +179,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("samples.csv");
         write_csv(&path, &[a.clone(), b.clone()]).unwrap();
-        assert_eq!(read_csv(&path).unwrap(), vec![a, b]);
+        assert_eq!(read_csv::<Sample>(&path).unwrap(), vec![a, b]);
     }
 
     #[test]

@@ -55,7 +55,7 @@ fn summarize_reproduces_the_run_exactly() {
         run_dir,
     ]);
     let csv = run.path().join("samples.csv");
-    let samples = kvroute_bench::sample::read_csv(&csv).unwrap();
+    let samples = kvroute_bench::sample::read_csv::<kvroute_bench::Sample>(&csv).unwrap();
     // Smoke W1: 3 pairs per API, two profiles.
     assert_eq!(samples.len(), 2 * 2 * 6);
     assert!(samples.iter().all(|s| s.ok()), "{samples:#?}");
@@ -104,7 +104,9 @@ fn gateways_and_faults_keep_every_request_answered() {
         "--out",
         run.path().to_str().unwrap(),
     ]);
-    let samples = kvroute_bench::sample::read_csv(&run.path().join("samples.csv")).unwrap();
+    let samples =
+        kvroute_bench::sample::read_csv::<kvroute_bench::Sample>(&run.path().join("samples.csv"))
+            .unwrap();
     assert!(samples.iter().all(|s| s.ok()), "{samples:#?}");
     // The mock ran exactly what was sent: Envoy and the filter rewrite nothing.
     assert!(samples.iter().all(|s| s.intact == "yes"), "{samples:#?}");

@@ -3,12 +3,9 @@
 //! histograms (`overhead-histograms.csv`) and the run's settings
 //! (`overhead-run.csv`). `overhead.md` is computed from these alone.
 
-use std::path::Path;
-
-use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::BenchError;
+use crate::sample::profile_rank;
 
 /// One row per request.
 pub const REQUESTS_CSV: &str = "overhead.csv";
@@ -88,15 +85,6 @@ pub struct RunRow {
     pub value: String,
 }
 
-/// Where a profile goes in tables and files: the baseline first.
-pub fn profile_rank(profile: &str) -> u8 {
-    match profile {
-        BASELINE => 0,
-        KVROUTE => 1,
-        _ => 2,
-    }
-}
-
 /// The canonical order of requests: rate, profile (baseline first), seq.
 pub fn sort_requests(rows: &mut [RequestRow]) {
     rows.sort_by(|a, b| {
@@ -106,26 +94,6 @@ pub fn sort_requests(rows: &mut [RequestRow]) {
             .then_with(|| a.profile.cmp(&b.profile))
             .then_with(|| a.seq.cmp(&b.seq))
     });
-}
-
-/// Writes `rows` as CSV with a header row.
-pub fn write<T: Serialize>(path: &Path, rows: &[T]) -> Result<(), BenchError> {
-    let mut writer = csv::Writer::from_path(path).map_err(|e| BenchError::csv(path, e))?;
-    for row in rows {
-        writer
-            .serialize(row)
-            .map_err(|e| BenchError::csv(path, e))?;
-    }
-    writer.flush().map_err(|e| BenchError::io(path, e))
-}
-
-/// Reads a CSV written by [`write`].
-pub fn read<T: DeserializeOwned>(path: &Path) -> Result<Vec<T>, BenchError> {
-    let mut reader = csv::Reader::from_path(path).map_err(|e| BenchError::csv(path, e))?;
-    reader
-        .deserialize()
-        .map(|row| row.map_err(|e| BenchError::csv(path, e)))
-        .collect()
 }
 
 #[cfg(test)]
@@ -168,7 +136,7 @@ mod tests {
         );
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(REQUESTS_CSV);
-        write(&path, &rows).unwrap();
-        assert_eq!(read::<RequestRow>(&path).unwrap(), rows);
+        crate::sample::write_csv(&path, &rows).unwrap();
+        assert_eq!(crate::sample::read_csv::<RequestRow>(&path).unwrap(), rows);
     }
 }
