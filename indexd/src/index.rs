@@ -322,11 +322,7 @@ impl Index {
 
     fn tier_move(&mut self, slot: ReplicaSlot, ev: &BlockStored, stats: &mut ApplyStats) {
         for hash in &ev.block_hashes {
-            let Some(entry) = self
-                .replicas
-                .get_mut(&slot)
-                .and_then(|r| r.blocks.get_mut(hash))
-            else {
+            let Some(entry) = self.block_mut(slot, hash) else {
                 stats.skipped_unknown_parent += 1;
                 continue;
             };
@@ -344,11 +340,7 @@ impl Index {
             return;
         }
         for hash in &ev.block_hashes {
-            let Some(entry) = self
-                .replicas
-                .get_mut(&slot)
-                .and_then(|r| r.blocks.get_mut(hash))
-            else {
+            let Some(entry) = self.block_mut(slot, hash) else {
                 continue;
             };
             entry.tiers &= !ev.tier.bit();
@@ -458,6 +450,12 @@ impl Index {
                 .and_then(|r| r.blocks.get(hash))
                 .is_some_and(|e| e.seq == *seq)
         });
+    }
+
+    fn block_mut(&mut self, slot: ReplicaSlot, hash: &EngineHash) -> Option<&mut BlockEntry> {
+        self.replicas
+            .get_mut(&slot)
+            .and_then(|r| r.blocks.get_mut(hash))
     }
 
     fn drop_entry(&mut self, slot: ReplicaSlot, hash: EngineHash) {

@@ -99,12 +99,13 @@ pub fn grouped(samples: &[Sample]) -> Vec<((String, String), Vec<&Sample>)> {
 
 /// Summarises samples.
 pub fn summarize(samples: &[Sample]) -> Summary {
-    let groups = grouped(samples)
-        .into_iter()
-        .map(|((workload, profile), rows)| group(workload, profile, &rows))
+    let by_profile = grouped(samples);
+    let groups = by_profile
+        .iter()
+        .map(|((workload, profile), rows)| group(workload.clone(), profile.clone(), rows))
         .collect();
     let mut phases = Vec::new();
-    for ((workload, profile), rows) in grouped(samples) {
+    for ((workload, profile), rows) in by_profile {
         if rows.iter().all(|s| s.phase.is_empty()) {
             continue;
         }

@@ -390,12 +390,17 @@ impl Stack {
         self.wait_index_ready(Duration::from_secs(20))
     }
 
+    /// Every running indexd, the first gateway's first.
+    fn all_indexd(&self) -> impl Iterator<Item = &RunningIndexd> {
+        std::iter::once(&self.indexd)
+            .chain(self.extra_gateways.iter().map(|g| &g.indexd))
+            .flatten()
+    }
+
     /// Waits until every running indexd sees every replica fresh and healthy.
     pub fn wait_index_ready(&self, timeout: Duration) -> Result<(), HarnessError> {
         let started = Instant::now();
-        let all =
-            std::iter::once(&self.indexd).chain(self.extra_gateways.iter().map(|g| &g.indexd));
-        for indexd in all.flatten() {
+        for indexd in self.all_indexd() {
             let left = timeout.saturating_sub(started.elapsed());
             self.wait_one_index_ready(indexd, left)?;
         }
@@ -458,10 +463,7 @@ impl Stack {
             .filter(|e| e.id.address.to_string() == *address)
             .map(|e| e.id.clone())
             .collect();
-        let all: Vec<&RunningIndexd> = std::iter::once(&self.indexd)
-            .chain(self.extra_gateways.iter().map(|g| &g.indexd))
-            .flatten()
-            .collect();
+        let all: Vec<&RunningIndexd> = self.all_indexd().collect();
         wait_until("indexd ingests the replica's events", timeout, || {
             all.iter().all(|indexd| {
                 let held: usize = ids
