@@ -255,7 +255,15 @@ impl Flow {
     }
 
     /// The tokenizer's answer (Envoy's synthetic 504 on timeout included).
-    pub fn on_http_call_response(&mut self, host: &mut dyn Host, token: u32, body_size: usize) {
+    /// A call that failed after it started (reset, stall, broken framing)
+    /// arrives with no headers: a failed call, read no further.
+    pub fn on_http_call_response(
+        &mut self,
+        host: &mut dyn Host,
+        token: u32,
+        num_headers: usize,
+        body_size: usize,
+    ) {
         let Stage::Tokenizing {
             token: expected,
             salt,
@@ -269,6 +277,11 @@ impl Flow {
         let salt = salt.clone();
         let elapsed = host.now_us().saturating_sub(self.call_started_us);
         host.record(Histogram::TokenizerCall, elapsed);
+        if num_headers == 0 {
+            log::debug!("tokenizer call failed (no answer headers)");
+            self.conclude(host, Reason::TokenizeFailed, Via::Callout);
+            return;
+        }
         let status = header_string(host.http_call_response_header(":status"));
         if status.as_deref() != Some("200") {
             log::debug!("tokenizer answered {status:?}");

@@ -1,18 +1,21 @@
 //! proxy-wasm glue: the root and HTTP contexts, and [`ProxyHost`], the
-//! [`Host`] implementation over the SDK's raw host calls.
+//! [`Host`] implementation over the host ABI.
 //!
-//! Only `proxy_wasm::hostcalls` are used, never the trait helpers: those
-//! `unwrap` every host status and a panic would take down the worker's
-//! traffic. Header values are read as bytes (the SDK's string getters
-//! `unwrap` UTF-8).
+//! Every host call goes through [`crate::abi`], which returns each status as
+//! a value: the SDK's trait helpers and `hostcalls` panic on statuses they do
+//! not expect, and a panic traps the VM for the worker's traffic. The two
+//! dispatch calls are the exception (see `abi`). Logging and the panic hook
+//! are the filter's own for the same reason. Header values are read as bytes.
 
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
-use proxy_wasm::types::{self, BufferType, ContextType, LogLevel, MapType, MetricType, Status};
+use proxy_wasm::types::{self, ContextType};
+
+use crate::abi::{self, Buffer, Map, MetricKind, Status, Stream};
 
 use crate::config::Config;
 use crate::decision::{Action, Flow};
@@ -20,9 +23,67 @@ use crate::host::{Host, HostError, SharedData, SharedError};
 use crate::metrics::{Counter, Histogram};
 
 proxy_wasm::main! {{
-    proxy_wasm::set_log_level(LogLevel::Info);
+    logging::init();
     proxy_wasm::set_root_context(|_| -> Box<dyn RootContext> { Box::new(Root::default()) });
 }}
+
+/// A `log` backend and a panic hook over [`abi::log`], which cannot panic
+/// (the SDK's `unwrap` the log call's status).
+mod logging {
+    use crate::abi;
+
+    /// proxy-wasm's numbering: trace 0 … error 4, critical 5.
+    const CRITICAL: u32 = 5;
+
+    #[derive(Debug)]
+    struct HostLogger;
+
+    static LOGGER: HostLogger = HostLogger;
+
+    impl log::Log for HostLogger {
+        fn enabled(&self, metadata: &log::Metadata<'_>) -> bool {
+            metadata.level() <= log::max_level()
+        }
+
+        fn log(&self, record: &log::Record<'_>) {
+            if !self.enabled(record.metadata()) {
+                return;
+            }
+            let level = match record.level() {
+                log::Level::Trace => 0,
+                log::Level::Debug => 1,
+                log::Level::Info => 2,
+                log::Level::Warn => 3,
+                log::Level::Error => 4,
+            };
+            abi::log(level, &record.args().to_string());
+        }
+
+        fn flush(&self) {}
+    }
+
+    /// Installs the logger and the panic hook (once per VM), at info level.
+    pub(super) fn init() {
+        if log::set_logger(&LOGGER).is_ok() {
+            std::panic::set_hook(Box::new(|info| abi::log(CRITICAL, &info.to_string())));
+        }
+        log::set_max_level(log::LevelFilter::Info);
+    }
+
+    /// Follows Envoy's log level for the wasm component.
+    pub(super) fn follow_host() {
+        let filter = match abi::log_level() {
+            Ok(0) => log::LevelFilter::Trace,
+            Ok(1) => log::LevelFilter::Debug,
+            Ok(2) => log::LevelFilter::Info,
+            Ok(3) => log::LevelFilter::Warn,
+            Ok(4) => log::LevelFilter::Error,
+            Ok(_) => log::LevelFilter::Off,
+            Err(_) => return,
+        };
+        log::set_max_level(filter);
+    }
+}
 
 /// Metric ids defined by the root context.
 #[derive(Debug, Default)]
@@ -35,7 +96,7 @@ impl Metrics {
     fn define() -> Self {
         let mut m = Self::default();
         for c in Counter::all() {
-            match hostcalls::define_metric(MetricType::Counter, &c.name()) {
+            match abi::define_metric(MetricKind::Counter, &c.name()) {
                 Ok(id) => {
                     m.counters.insert(c, id);
                 }
@@ -43,7 +104,7 @@ impl Metrics {
             }
         }
         for h in Histogram::ALL {
-            match hostcalls::define_metric(MetricType::Histogram, h.name()) {
+            match abi::define_metric(MetricKind::Histogram, h.name()) {
                 Ok(id) => {
                     m.histograms.insert(h, id);
                 }
@@ -67,10 +128,8 @@ impl RootContext for Root {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
         // Follow Envoy's log level for the wasm component (debug logs are
         // dropped inside the VM unless Envoy wants them).
-        if let Ok(level) = hostcalls::get_log_level() {
-            proxy_wasm::set_log_level(level);
-        }
-        let bytes = match hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX) {
+        logging::follow_host();
+        let bytes = match abi::buffer(Buffer::PluginConfiguration, 0, usize::MAX) {
             Ok(b) => b.unwrap_or_default(),
             Err(s) => {
                 log::error!("cannot read the plugin configuration: {s:?}");
@@ -134,12 +193,12 @@ impl Context for Http {
     fn on_http_call_response(
         &mut self,
         token_id: u32,
-        _num_headers: usize,
+        num_headers: usize,
         body_size: usize,
         _num_trailers: usize,
     ) {
         if let Some(flow) = &mut self.flow {
-            flow.on_http_call_response(&mut self.host, token_id, body_size);
+            flow.on_http_call_response(&mut self.host, token_id, num_headers, body_size);
         }
     }
 
@@ -201,7 +260,7 @@ struct ProxyHost {
     metrics: Rc<Metrics>,
 }
 
-fn host_error(s: Status) -> HostError {
+fn host_error(s: impl std::fmt::Debug) -> HostError {
     HostError(format!("{s:?}"))
 }
 
@@ -212,14 +271,23 @@ fn logged<T: Default>(what: &str, r: Result<T, Status>) -> T {
     })
 }
 
+/// Like [`logged`], for reads whose failure is expected at times (the
+/// headers of a callout that failed): debug level.
+fn quiet<T: Default>(what: &str, r: Result<T, Status>) -> T {
+    r.unwrap_or_else(|s| {
+        log::debug!("{what} failed: {s:?}");
+        T::default()
+    })
+}
+
 impl SharedData for ProxyHost {
     fn get_shared(&self, key: &str) -> (Option<Vec<u8>>, Option<u32>) {
-        logged("get_shared_data", hostcalls::get_shared_data(key))
+        logged("get shared data", abi::shared(key))
     }
 
     fn set_shared(&mut self, key: &str, value: &[u8], cas: Option<u32>) -> Result<(), SharedError> {
-        hostcalls::set_shared_data(key, Some(value), cas).map_err(|s| match s {
-            Status::CasMismatch => SharedError::CasMismatch,
+        abi::set_shared(key, value, cas).map_err(|s| match s {
+            Status::CAS_MISMATCH => SharedError::CasMismatch,
             _ => SharedError::Failed,
         })
     }
@@ -229,7 +297,7 @@ impl Host for ProxyHost {
     fn request_header_names(&self) -> Vec<String> {
         logged(
             "get request headers",
-            hostcalls::get_map_bytes(MapType::HttpRequestHeaders),
+            abi::header_pairs(Map::RequestHeaders),
         )
         .into_iter()
         .map(|(k, _)| k)
@@ -237,57 +305,54 @@ impl Host for ProxyHost {
     }
 
     fn request_header(&self, name: &str) -> Option<Vec<u8>> {
-        logged(
-            "get request header",
-            hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name),
-        )
+        logged("get request header", abi::header(Map::RequestHeaders, name))
     }
 
     fn set_request_header(&mut self, name: &str, value: Option<&str>) {
         logged(
             "set request header",
-            hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value),
+            abi::set_header(Map::RequestHeaders, name, value),
         );
     }
 
     fn request_body(&self, start: usize, max: usize) -> Option<Vec<u8>> {
         logged(
             "get request body",
-            hostcalls::get_buffer(BufferType::HttpRequestBody, start, max),
+            abi::buffer(Buffer::RequestBody, start, max),
         )
     }
 
     fn resume_request(&mut self) {
-        logged("resume request", hostcalls::resume_http_request());
+        logged("resume request", abi::resume(Stream::Request));
     }
 
     fn response_header(&self, name: &str) -> Option<Vec<u8>> {
         logged(
             "get response header",
-            hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name),
+            abi::header(Map::ResponseHeaders, name),
         )
     }
 
     fn set_response_header(&mut self, name: &str, value: &str) {
         logged(
             "set response header",
-            hostcalls::set_map_value(MapType::HttpResponseHeaders, name, Some(value)),
+            abi::set_header(Map::ResponseHeaders, name, Some(value)),
         );
     }
 
     fn response_body(&self, start: usize, max: usize) -> Option<Vec<u8>> {
         logged(
             "get response body",
-            hostcalls::get_buffer(BufferType::HttpResponseBody, start, max),
+            abi::buffer(Buffer::ResponseBody, start, max),
         )
     }
 
     fn resume_response(&mut self) {
-        logged("resume response", hostcalls::resume_http_response());
+        logged("resume response", abi::resume(Stream::Response));
     }
 
     fn property(&self, path: &[&str]) -> Option<Vec<u8>> {
-        logged("get property", hostcalls::get_property(path.to_vec()))
+        logged("get property", abi::property(path))
     }
 
     fn dispatch_http(
@@ -297,21 +362,23 @@ impl Host for ProxyHost {
         body: &[u8],
         timeout: Duration,
     ) -> Result<u32, HostError> {
+        // The SDK's call: its dispatcher must know the token (see `abi`).
         hostcalls::dispatch_http_call(cluster, headers.to_vec(), Some(body), Vec::new(), timeout)
             .map_err(host_error)
     }
 
     fn http_call_response_header(&self, name: &str) -> Option<Vec<u8>> {
-        logged(
+        // A failed callout (reset, timeout) has no headers: BadArgument.
+        quiet(
             "get callout header",
-            hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, name),
+            abi::header(Map::CallResponseHeaders, name),
         )
     }
 
     fn http_call_response_body(&self, start: usize, max: usize) -> Option<Vec<u8>> {
-        logged(
+        quiet(
             "get callout body",
-            hostcalls::get_buffer(BufferType::HttpCallResponseBody, start, max),
+            abi::buffer(Buffer::CallResponseBody, start, max),
         )
     }
 
@@ -323,34 +390,31 @@ impl Host for ProxyHost {
         message: &[u8],
         timeout: Duration,
     ) -> Result<u32, HostError> {
+        // The SDK's call: its dispatcher must know the token (see `abi`).
         hostcalls::dispatch_grpc_call(cluster, service, method, Vec::new(), Some(message), timeout)
             .map_err(host_error)
     }
 
     fn grpc_call_response_body(&self, start: usize, max: usize) -> Option<Vec<u8>> {
-        logged(
+        quiet(
             "get grpc body",
-            hostcalls::get_buffer(BufferType::GrpcReceiveBuffer, start, max),
+            abi::buffer(Buffer::GrpcReceive, start, max),
         )
     }
 
     fn now_us(&self) -> u64 {
-        hostcalls::get_current_time()
-            .ok()
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .and_then(|d| u64::try_from(d.as_micros()).ok())
-            .unwrap_or(0)
+        abi::now_ns().map(|ns| ns / 1000).unwrap_or(0)
     }
 
     fn count(&mut self, counter: Counter) {
         if let Some(id) = self.metrics.counters.get(&counter) {
-            logged("increment metric", hostcalls::increment_metric(*id, 1));
+            logged("increment metric", abi::increment_metric(*id, 1));
         }
     }
 
     fn record(&mut self, histogram: Histogram, value: u64) {
         if let Some(id) = self.metrics.histograms.get(&histogram) {
-            logged("record metric", hostcalls::record_metric(*id, value));
+            logged("record metric", abi::record_metric(*id, value));
         }
     }
 }

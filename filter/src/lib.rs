@@ -11,10 +11,12 @@
 //! - [`observe`]: finding a Responses id in the first response chunks.
 //! - [`breaker`]: the index circuit breaker in shared data.
 //! - [`metrics`]: reason labels and metric names.
-//! - [`host`]: the trait hiding proxy-wasm; `glue` implements it (wasm only).
+//! - [`host`]: the trait hiding proxy-wasm; `glue` implements it (wasm only)
+//!   over [`abi`], the host calls with every status as a value.
 #![deny(clippy::indexing_slicing)]
 #![cfg_attr(not(test), deny(clippy::arithmetic_side_effects))]
 
+pub mod abi;
 pub mod approximate;
 pub mod breaker;
 pub mod config;

@@ -104,8 +104,9 @@ impl Harness {
             .unwrap_or_default();
         self.host.http_answer_body = body.to_vec();
         self.host.now_us += 3_000;
+        let headers = self.host.http_answer_headers.len();
         self.flow
-            .on_http_call_response(&mut self.host, token, body.len());
+            .on_http_call_response(&mut self.host, token, headers, body.len());
     }
 
     pub fn index_answers(&mut self, status: u32, body: &[u8]) {
@@ -589,7 +590,7 @@ fn stale_index_does_not_override() {
 fn answers_to_other_tokens_are_ignored() {
     let mut h = Harness::new("");
     h.post("/v1/chat/completions", CHAT);
-    h.flow.on_http_call_response(&mut h.host, 999, 0);
+    h.flow.on_http_call_response(&mut h.host, 999, 1, 0);
     h.flow.on_grpc_call_response(&mut h.host, 999, 0, 0);
     assert_eq!(h.host.request_resumes, 0);
     assert_eq!(h.flow.reason(), None);
@@ -644,4 +645,16 @@ fn block_size_mismatch_is_counted_and_the_pick_still_used() {
     h.index_answers(0, &a.encode_to_vec());
     assert_eq!(h.host.count_of(Counter::BlockSizeMismatch), 1);
     assert_eq!(h.flow.reason(), Some(Reason::Load));
+}
+
+#[test]
+fn a_callout_without_headers_is_a_failed_tokenization() {
+    // Envoy reports a callout that broke after it started (reset, stall,
+    // broken framing) with no headers, whatever arrived of the body.
+    let mut h = Harness::new("");
+    h.post("/v1/chat/completions", CHAT);
+    h.tokenizer_answers(None, tokens_json(64).as_bytes());
+    assert_unrouted(&h, Reason::TokenizeFailed);
+    assert_eq!(h.host.request_resumes, 1);
+    assert!(h.host.grpc_calls.is_empty(), "no Pick without tokens");
 }
