@@ -1,11 +1,15 @@
-//! The index circuit breaker, kept in proxy-wasm shared data so that every
-//! worker of the VM sees the same state.
+//! Circuit breakers for the two callouts (indexd and the tokenizer), kept in
+//! proxy-wasm shared data so that every worker of the VM sees the same state.
+//! Each [`Breaker`] has its own key and thresholds; only failures of the peer
+//! count (a request the peer refuses, such as indexd's InvalidArgument or a
+//! tokenizer's 400, does not).
 //!
-//! - Closed: index failures count up; a success resets the count, and a
+//! - Closed: failures count up; a success resets the count, and a
 //!   failure more than `window_ms` after the previous one starts over.
 //!   `failures` consecutive failures open the breaker.
-//! - Open for `cooldown_ms`: requests skip indexd (`breaker_open`).
-//! - Half-open after the cool-down: requests go to indexd again; the first
+//! - Open for `cooldown_ms`: requests skip the peer (`breaker_open`,
+//!   `tokenizer_breaker_open`).
+//! - Half-open after the cool-down: requests go to the peer again; the first
 //!   failure re-opens at once, the first success closes.
 //!
 //! Writes use compare-and-swap with a few retries; a lost race only delays
@@ -14,8 +18,24 @@
 use crate::config::BreakerConfig;
 use crate::host::{SharedData, SharedError};
 
-/// The shared-data key.
-pub const KEY: &str = "kvroute.breaker.v1";
+/// Which breaker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Breaker {
+    /// indexd's Pick calls.
+    Index,
+    /// The tokenizer calls.
+    Tokenizer,
+}
+
+impl Breaker {
+    /// Its shared-data key.
+    pub const fn key(self) -> &'static str {
+        match self {
+            Self::Index => "kvroute.breaker.v1",
+            Self::Tokenizer => "kvroute.tokenizer_breaker.v1",
+        }
+    }
+}
 const ATTEMPTS: usize = 4;
 const LEN: usize = 21;
 
@@ -57,21 +77,26 @@ impl State {
     }
 }
 
-fn read(store: &dyn SharedData) -> (State, Option<u32>) {
-    let (value, cas) = store.get_shared(KEY);
+fn read(store: &dyn SharedData, which: Breaker) -> (State, Option<u32>) {
+    let (value, cas) = store.get_shared(which.key());
     let state = value.as_deref().and_then(State::decode).unwrap_or_default();
     (state, cas)
 }
 
-/// Whether requests must skip indexd now.
-pub fn is_open(store: &dyn SharedData, now_ms: u64) -> bool {
-    now_ms < read(store).0.open_until_ms
+/// Whether requests must skip the peer now.
+pub fn is_open(store: &dyn SharedData, which: Breaker, now_ms: u64) -> bool {
+    now_ms < read(store, which).0.open_until_ms
 }
 
-/// Counts an index failure; returns true if this failure opened the breaker.
-pub fn record_failure(store: &mut dyn SharedData, cfg: &BreakerConfig, now_ms: u64) -> bool {
+/// Counts a failure; returns true if this failure opened the breaker.
+pub fn record_failure(
+    store: &mut dyn SharedData,
+    which: Breaker,
+    cfg: &BreakerConfig,
+    now_ms: u64,
+) -> bool {
     for _ in 0..ATTEMPTS {
-        let (mut state, cas) = read(store);
+        let (mut state, cas) = read(store, which);
         if now_ms < state.open_until_ms {
             return false; // already open: a straggler from before it opened
         }
@@ -90,7 +115,7 @@ pub fn record_failure(store: &mut dyn SharedData, cfg: &BreakerConfig, now_ms: u
             state.open_until_ms = now_ms.saturating_add(cfg.cooldown_ms);
             state.half_open = true;
         }
-        match store.set_shared(KEY, &state.encode(), cas) {
+        match store.set_shared(which.key(), &state.encode(), cas) {
             Ok(()) => return opened,
             Err(SharedError::CasMismatch) => {}
             Err(SharedError::Failed) => return false,
@@ -99,10 +124,10 @@ pub fn record_failure(store: &mut dyn SharedData, cfg: &BreakerConfig, now_ms: u
     false
 }
 
-/// Counts an index success: closes a half-open breaker, resets the count.
-pub fn record_success(store: &mut dyn SharedData, now_ms: u64) {
+/// Counts a success: closes a half-open breaker, resets the count.
+pub fn record_success(store: &mut dyn SharedData, which: Breaker, now_ms: u64) {
     for _ in 0..ATTEMPTS {
-        let (state, cas) = read(store);
+        let (state, cas) = read(store, which);
         if (state.failures == 0 && !state.half_open) || now_ms < state.open_until_ms {
             return;
         }
@@ -111,7 +136,7 @@ pub fn record_success(store: &mut dyn SharedData, now_ms: u64) {
             half_open: false,
             ..state
         };
-        match store.set_shared(KEY, &closed.encode(), cas) {
+        match store.set_shared(which.key(), &closed.encode(), cas) {
             Ok(()) | Err(SharedError::Failed) => return,
             Err(SharedError::CasMismatch) => {}
         }
@@ -123,6 +148,7 @@ mod tests {
     use super::*;
     use crate::fake::FakeHost;
 
+    const I: Breaker = Breaker::Index;
     const CFG: BreakerConfig = BreakerConfig {
         failures: 3,
         window_ms: 1_000,
@@ -132,37 +158,37 @@ mod tests {
     #[test]
     fn opens_after_consecutive_failures_and_half_opens() {
         let mut h = FakeHost::default();
-        assert!(!is_open(&h, 0));
-        assert!(!record_failure(&mut h, &CFG, 100));
-        assert!(!record_failure(&mut h, &CFG, 200));
-        assert!(record_failure(&mut h, &CFG, 300));
-        assert!(is_open(&h, 301));
-        assert!(is_open(&h, 5_299));
+        assert!(!is_open(&h, I, 0));
+        assert!(!record_failure(&mut h, I, &CFG, 100));
+        assert!(!record_failure(&mut h, I, &CFG, 200));
+        assert!(record_failure(&mut h, I, &CFG, 300));
+        assert!(is_open(&h, I, 301));
+        assert!(is_open(&h, I, 5_299));
         assert!(
-            !record_failure(&mut h, &CFG, 400),
+            !record_failure(&mut h, I, &CFG, 400),
             "stragglers do not re-open"
         );
-        assert!(!is_open(&h, 5_300));
+        assert!(!is_open(&h, I, 5_300));
         // Half-open: one failure re-opens.
-        assert!(record_failure(&mut h, &CFG, 5_400));
-        assert!(is_open(&h, 5_401));
+        assert!(record_failure(&mut h, I, &CFG, 5_400));
+        assert!(is_open(&h, I, 5_401));
         // After the next cool-down, a success closes for good.
-        record_success(&mut h, 10_500);
-        assert!(!record_failure(&mut h, &CFG, 10_600));
-        assert!(!is_open(&h, 10_601));
+        record_success(&mut h, I, 10_500);
+        assert!(!record_failure(&mut h, I, &CFG, 10_600));
+        assert!(!is_open(&h, I, 10_601));
     }
 
     #[test]
     fn success_and_window_reset_the_count() {
         let mut h = FakeHost::default();
-        record_failure(&mut h, &CFG, 0);
-        record_failure(&mut h, &CFG, 10);
-        record_success(&mut h, 20);
-        assert!(!record_failure(&mut h, &CFG, 30));
-        assert!(!record_failure(&mut h, &CFG, 40));
+        record_failure(&mut h, I, &CFG, 0);
+        record_failure(&mut h, I, &CFG, 10);
+        record_success(&mut h, I, 20);
+        assert!(!record_failure(&mut h, I, &CFG, 30));
+        assert!(!record_failure(&mut h, I, &CFG, 40));
         // Third failure, but far outside the window of the second.
-        assert!(!record_failure(&mut h, &CFG, 5_000));
-        assert!(!is_open(&h, 5_001));
+        assert!(!record_failure(&mut h, I, &CFG, 5_000));
+        assert!(!is_open(&h, I, 5_001));
     }
 
     #[test]
@@ -171,13 +197,25 @@ mod tests {
             shared_conflicts: 2,
             ..FakeHost::default()
         };
-        record_failure(&mut h, &CFG, 0);
-        record_failure(&mut h, &CFG, 1);
-        assert!(record_failure(&mut h, &CFG, 2));
+        record_failure(&mut h, I, &CFG, 0);
+        record_failure(&mut h, I, &CFG, 1);
+        assert!(record_failure(&mut h, I, &CFG, 2));
         let mut g = FakeHost::default();
-        g.set_shared(KEY, b"garbage", None).unwrap();
-        assert!(!is_open(&g, 0));
-        assert!(!record_failure(&mut g, &CFG, 0));
+        g.set_shared(I.key(), b"garbage", None).unwrap();
+        assert!(!is_open(&g, I, 0));
+        assert!(!record_failure(&mut g, I, &CFG, 0));
+    }
+
+    #[test]
+    fn the_two_breakers_are_independent() {
+        let mut h = FakeHost::default();
+        for t in 0..3 {
+            record_failure(&mut h, Breaker::Tokenizer, &CFG, t);
+        }
+        assert!(is_open(&h, Breaker::Tokenizer, 10));
+        assert!(!is_open(&h, Breaker::Index, 10));
+        record_success(&mut h, Breaker::Index, 20);
+        assert!(is_open(&h, Breaker::Tokenizer, 20));
     }
 
     #[test]

@@ -95,8 +95,13 @@ pub struct Config {
     pub rank_header: String,
     /// Response header carrying the reason label, if enabled.
     pub decision_header: Option<String>,
-    /// Breaker thresholds.
+    /// Index breaker thresholds.
     pub breaker: BreakerConfig,
+    /// Tokenizer breaker thresholds.
+    pub tokenizer_breaker: BreakerConfig,
+    /// Most block keys sent in one Pick (the prompt's first ones); must not
+    /// exceed indexd's `max_pick_keys`.
+    pub max_pick_keys: usize,
     /// Key derivation mode.
     pub mode: Mode,
     /// Bytes per text chunk in approximate mode.
@@ -153,6 +158,8 @@ struct RawConfig {
     rank_header: Option<String>,
     decision_header: Option<String>,
     breaker: Option<RawBreaker>,
+    tokenizer_breaker: Option<RawBreaker>,
+    max_pick_keys: Option<u64>,
     mode: Option<Mode>,
     approximate_chunk_bytes: Option<u32>,
     model_fallback: Option<String>,
@@ -205,7 +212,12 @@ pub mod defaults {
     pub const APPROXIMATE_CHUNK_BYTES: u32 = 256;
     /// `response_scan_bytes`.
     pub const RESPONSE_SCAN_BYTES: u64 = 64 * 1024;
+    /// `max_pick_keys`: indexd's default.
+    pub const MAX_PICK_KEYS: u64 = 65_536;
 }
+
+/// Upper bound on `max_pick_keys`.
+const MAX_PICK_KEYS_LIMIT: u64 = 1 << 20;
 
 /// Upper bound on any timeout, so a typo cannot pause requests for hours.
 const MAX_TIMEOUT_MS: u64 = 60_000;
@@ -292,7 +304,20 @@ impl Config {
             None => None,
             Some(name) => Some(header_name("decision_header", Some(name), "")?),
         };
-        let breaker = breaker(raw.breaker.unwrap_or_default())?;
+        let breaker = breaker_config("breaker", raw.breaker.unwrap_or_default())?;
+        let tokenizer_breaker = breaker_config(
+            "tokenizer_breaker",
+            raw.tokenizer_breaker.unwrap_or_default(),
+        )?;
+        let max_pick_keys = raw.max_pick_keys.unwrap_or(defaults::MAX_PICK_KEYS);
+        if max_pick_keys == 0 || max_pick_keys > MAX_PICK_KEYS_LIMIT {
+            return Err(ConfigError::new(
+                "max_pick_keys",
+                format!("must be between 1 and {MAX_PICK_KEYS_LIMIT}, got {max_pick_keys}"),
+            ));
+        }
+        let max_pick_keys = usize::try_from(max_pick_keys)
+            .map_err(|_| ConfigError::new("max_pick_keys", "too large for this platform"))?;
         let model_fallback = match raw.model_fallback {
             None => None,
             Some(m) => Some(non_empty("model_fallback", m)?),
@@ -311,6 +336,8 @@ impl Config {
             rank_header,
             decision_header,
             breaker,
+            tokenizer_breaker,
+            max_pick_keys,
             mode,
             approximate_chunk_bytes,
             model_fallback,
@@ -400,21 +427,20 @@ fn header_name(field: &str, value: Option<String>, default: &str) -> Result<Stri
     }
 }
 
-fn breaker(raw: RawBreaker) -> Result<BreakerConfig, ConfigError> {
+fn breaker_config(field: &str, raw: RawBreaker) -> Result<BreakerConfig, ConfigError> {
+    let at_least_one =
+        |name: &str| ConfigError::new(format!("{field}.{name}"), "must be at least 1");
     let failures = raw.failures.unwrap_or(defaults::BREAKER_FAILURES);
     if failures == 0 {
-        return Err(ConfigError::new("breaker.failures", "must be at least 1"));
+        return Err(at_least_one("failures"));
     }
     let window_ms = raw.window_ms.unwrap_or(defaults::BREAKER_WINDOW_MS);
     if window_ms == 0 {
-        return Err(ConfigError::new("breaker.window_ms", "must be at least 1"));
+        return Err(at_least_one("window_ms"));
     }
     let cooldown_ms = raw.cooldown_ms.unwrap_or(defaults::BREAKER_COOLDOWN_MS);
     if cooldown_ms == 0 {
-        return Err(ConfigError::new(
-            "breaker.cooldown_ms",
-            "must be at least 1",
-        ));
+        return Err(at_least_one("cooldown_ms"));
     }
     Ok(BreakerConfig {
         failures,

@@ -3,23 +3,30 @@
 //! ```text
 //! headers ── strip client override/rank/x-kvroute-* headers
 //!   │ not a routed POST ───────────────────────────────► pass (no reason)
-//!   │ breaker open ────────────────────────────────────► breaker_open
+//!   │ index breaker open ──────────────────────────────► breaker_open
 //!   ▼ Pause
 //! body (buffer to end) ── over max_body_bytes ─────────► body_too_large
 //!   │ parse ── bad JSON / no model ────────────────────► unparseable
 //!   │       ── media, embeds ──────────────────────────► incomplete_identity
 //!   │ previous_response_id ──────────────┐
 //!   │ approximate: text chunks ──────────┤ (none: short_prompt)
+//!   │ token-id prompt ───────────────────┤
+//!   │ tokenizer breaker open ─────────────────────────► tokenizer_breaker_open
 //!   ▼ tokenizer callout                  │
-//! http answer ── error/non-200/garbage ─────────────────► tokenize_failed
-//!   │ block keys (none: short_prompt)    │
+//! http answer ── no headers/5xx/garbage ───────────────► tokenize_failed (+breaker)
+//!             ── 4xx (the request's fault) ────────────► tokenize_failed
+//!   │ block keys, capped (none: short_prompt)
 //!   ▼ Pick (gRPC) ◄──────────────────────┘ dispatch error ► index_unavailable
-//! grpc answer ── status≠0, garbage ─────────────────────► index_unavailable (+breaker)
+//! grpc answer ── InvalidArgument/OutOfRange ───────────► index_rejected
+//!             ── other status≠0, garbage ──────────────► index_unavailable (+breaker)
 //!   │ STALE ────────────────────────────────────────────► index_stale
 //!   ▼ set override list (+rank), resume ────────────────► precise|affinity|approximate|load
 //! ```
 //! Every terminal arrow resumes the request; only the last sets headers.
-//! On the response, Observe reports the served host (and a Responses id).
+//! The state ([`Stage`]) holds what each step knows and nothing more: a
+//! parsed request's route and model are set once, when the body parses.
+//! The response side (`response`) completes the pick and observes
+//! Responses ids.
 
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,7 +36,8 @@ use kvroute_proto::{block_keys, grpc_path};
 use prost::Message;
 
 use crate::approximate;
-use crate::breaker;
+use crate::breaker::{self, Breaker};
+use crate::completed;
 use crate::config::{Config, Mode, Route};
 use crate::host::Host;
 use crate::metrics::{Counter, Histogram, Reason};
@@ -54,6 +62,14 @@ const MAX_HOSTS: usize = 16;
 static MISMATCH_WARNED: AtomicBool = AtomicBool::new(false);
 /// Largest Pick answer read.
 const MAX_PICK_BYTES: usize = 64 * 1024;
+/// The longest client `x-request-id` passed on (to the tokenizer, in logs).
+pub const MAX_CLIENT_ID_BYTES: usize = 128;
+/// The filter's own id of stream `context_id` in a VM whose random value
+/// is `nonce`: ids differ across workers and gateways, and clients can
+/// neither choose nor guess them.
+pub fn request_id(nonce: u64, context_id: u32) -> String {
+    format!("{nonce:016x}-{context_id:x}")
+}
 
 /// Where a conclusion is reached: inside a request callback (answer with
 /// [`Action::Continue`]) or in a callout answer (resume explicitly).
@@ -63,50 +79,85 @@ enum Via {
     Callout,
 }
 
+/// What is known of a routed request once its body parsed; set once.
+#[derive(Clone, Debug)]
+struct Routed {
+    route: Route,
+    model: String,
+    started_us: u64,
+}
+
+/// How a request ended on the request side.
+#[derive(Clone, Debug)]
+struct Decision {
+    reason: Reason,
+    /// Set when the body parsed (the response side observes only those).
+    routed: Option<Routed>,
+    /// The first candidate's data-parallel rank.
+    rank: Option<u32>,
+}
+
+/// Where the request side of a stream stands.
 #[derive(Debug)]
 enum Stage {
+    /// Before the request headers, or not a routed POST.
     Idle,
-    Buffering,
-    Tokenizing { token: u32, salt: Option<String> },
-    Picking { token: u32 },
-    Done,
+    /// A routed POST whose body is being buffered.
+    Buffering { route: Route, started_us: u64 },
+    /// Waiting for the tokenizer.
+    Tokenizing {
+        routed: Routed,
+        token: u32,
+        sent_us: u64,
+        salt: Option<String>,
+    },
+    /// Waiting for indexd's Pick.
+    Picking {
+        routed: Routed,
+        token: u32,
+        sent_us: u64,
+    },
+    /// Decided, routed or not.
+    Done(Decision),
 }
 
 /// The filter state of one HTTP stream.
 #[derive(Debug)]
 pub struct Flow {
     cfg: Rc<Config>,
+    /// The filter's own id of this request ([`request_id`]).
+    id: String,
+    /// The client's `x-request-id`, capped, for the tokenizer call and logs.
+    client_id: String,
     stage: Stage,
     response: ResponseStage,
-    route: Option<Route>,
-    started_us: u64,
-    call_started_us: u64,
-    request_id: String,
-    model: Option<String>,
-    reason: Option<Reason>,
-    rank: Option<u32>,
 }
 
 impl Flow {
-    /// A fresh stream under `cfg`.
-    pub fn new(cfg: Rc<Config>) -> Self {
+    /// A fresh stream under `cfg`, known to indexd as `id` ([`request_id`]).
+    pub fn new(cfg: Rc<Config>, id: String) -> Self {
         Self {
+            id,
             cfg,
+            client_id: String::new(),
             stage: Stage::Idle,
             response: ResponseStage::Idle,
-            route: None,
-            started_us: 0,
-            call_started_us: 0,
-            request_id: String::new(),
-            model: None,
-            reason: None,
-            rank: None,
         }
     }
 
     /// The decision, once reached.
     pub fn reason(&self) -> Option<Reason> {
-        self.reason
+        match &self.stage {
+            Stage::Done(d) => Some(d.reason),
+            _ => None,
+        }
+    }
+
+    fn decision(&self) -> Option<&Decision> {
+        match &self.stage {
+            Stage::Done(d) => Some(d),
+            _ => None,
+        }
     }
 
     /// Request headers: strip client pins, then decide whether to buffer.
@@ -121,10 +172,14 @@ impl Flow {
         let Some(route) = route else {
             return Action::Continue;
         };
-        self.route = Some(route);
-        self.started_us = host.now_us();
-        self.request_id = header_string(host.request_header("x-request-id")).unwrap_or_default();
-        if breaker::is_open(host, self.now_ms(host)) {
+        self.client_id = header_string(host.request_header("x-request-id"))
+            .map(|id| capped(id, MAX_CLIENT_ID_BYTES))
+            .unwrap_or_default();
+        self.stage = Stage::Buffering {
+            route,
+            started_us: host.now_us(),
+        };
+        if breaker::is_open(host, Breaker::Index, now_ms(host)) {
             return self.conclude(host, Reason::BreakerOpen, Via::Callback);
         }
         if end_of_stream {
@@ -137,7 +192,6 @@ impl Flow {
         if declared.is_some_and(|n| n > self.cfg.max_body_bytes as u64) {
             return self.conclude(host, Reason::BodyTooLarge, Via::Callback);
         }
-        self.stage = Stage::Buffering;
         Action::Pause
     }
 
@@ -148,31 +202,29 @@ impl Flow {
         body_size: usize,
         end_of_stream: bool,
     ) -> Action {
-        if !matches!(self.stage, Stage::Buffering) {
+        let Stage::Buffering { route, started_us } = &self.stage else {
             return Action::Continue;
-        }
+        };
         if body_size > self.cfg.max_body_bytes {
             return self.conclude(host, Reason::BodyTooLarge, Via::Callback);
         }
         if !end_of_stream {
             return Action::Pause;
         }
+        let (route, started_us) = (route.clone(), *started_us);
         let body = host.request_body(0, body_size).unwrap_or_default();
-        self.start(host, &body)
+        self.start(host, route, started_us, &body)
     }
 
     /// Request trailers end a body without `end_of_stream` on a body chunk.
     pub fn on_request_trailers(&mut self, host: &mut dyn Host) -> Action {
-        if matches!(self.stage, Stage::Buffering) {
+        if matches!(self.stage, Stage::Buffering { .. }) {
             return self.conclude(host, Reason::Unparseable, Via::Callback);
         }
         Action::Continue
     }
 
-    fn start(&mut self, host: &mut dyn Host, body: &[u8]) -> Action {
-        let Some(route) = self.route.clone() else {
-            return self.conclude(host, Reason::Unparseable, Via::Callback);
-        };
+    fn start(&mut self, host: &mut dyn Host, route: Route, started_us: u64, body: &[u8]) -> Action {
         let req = match request::parse(route.api, body) {
             Ok(req) => req,
             Err(Rejection::Unparseable(why)) => {
@@ -191,65 +243,62 @@ impl Flow {
         else {
             return self.conclude(host, Reason::Unparseable, Via::Callback);
         };
-        self.model = Some(model.clone());
-        let mode = match self.cfg.mode {
-            Mode::Precise => WireMode::Precise,
-            Mode::Approximate => WireMode::Approximate,
+        let routed = Routed {
+            route,
+            model,
+            started_us,
         };
-        let block_size = match self.cfg.mode {
-            Mode::Precise => self.cfg.block_size,
-            Mode::Approximate => self.cfg.approximate_chunk_bytes,
-        };
-        let mut pick = PickRequest {
-            model: model.clone(),
-            block_size: block_size.get(),
-            mode: mode.into(),
-            request_id: self.request_id.clone(),
-            max_candidates: self.cfg.max_candidates,
-            ..PickRequest::default()
-        };
-        if let Some(prev) = req.previous_response_id.clone() {
-            pick.previous_response_id = prev;
-            return self.pick(host, &pick, Via::Callback);
+        if let Some(prev) = &req.previous_response_id {
+            let mut pick = self.pick_request(host, &routed);
+            pick.previous_response_id.clone_from(prev);
+            return self.pick(host, routed, pick, Via::Callback);
         }
         if self.cfg.mode == Mode::Approximate {
             let (keys, _) = approximate::text_keys(&req, self.cfg.approximate_chunk_bytes);
             if keys.is_empty() {
-                return self.conclude(host, Reason::ShortPrompt, Via::Callback);
+                return self.conclude_routed(host, routed, Reason::ShortPrompt, Via::Callback);
             }
+            let mut pick = self.pick_request(host, &routed);
             pick.block_keys = keys.iter().map(|k| k.as_u64()).collect();
-            return self.pick(host, &pick, Via::Callback);
+            return self.pick(host, routed, pick, Via::Callback);
         }
         if let Some(ids) = &req.prompt_ids {
-            return self.pick_tokens(host, pick, ids, req.cache_salt.as_deref(), Via::Callback);
+            let salt = req.cache_salt.as_deref();
+            return self.pick_tokens(host, routed, ids, salt, Via::Callback);
         }
-        let tok_body = tokenize::request_body(route.call, &req, &model, body);
+        if breaker::is_open(host, Breaker::Tokenizer, now_ms(host)) {
+            return self.conclude_routed(host, routed, Reason::TokenizerBreakerOpen, Via::Callback);
+        }
+        let tok_body = tokenize::request_body(routed.route.call, &req, &routed.model, body);
         let mut headers = vec![
             (":method", "POST"),
-            (":path", route.tokenizer_path.as_str()),
+            (":path", routed.route.tokenizer_path.as_str()),
             (":authority", self.cfg.tokenizer_authority.as_str()),
             ("content-type", "application/json"),
         ];
-        if !self.request_id.is_empty() {
-            headers.push(("x-request-id", self.request_id.as_str()));
+        if !self.client_id.is_empty() {
+            headers.push(("x-request-id", self.client_id.as_str()));
         }
-        self.call_started_us = host.now_us();
-        match host.dispatch_http(
+        let sent_us = host.now_us();
+        let dispatched = host.dispatch_http(
             &self.cfg.tokenizer_cluster,
             &headers,
             &tok_body,
             self.cfg.tokenizer_timeout,
-        ) {
+        );
+        match dispatched {
             Ok(token) => {
                 self.stage = Stage::Tokenizing {
+                    routed,
                     token,
+                    sent_us,
                     salt: req.cache_salt,
                 };
                 Action::Pause
             }
             Err(e) => {
                 log::warn!("tokenizer call not dispatched: {}", e.0);
-                self.conclude(host, Reason::TokenizeFailed, Via::Callback)
+                self.tokenizer_failed(host, routed, Via::Callback)
             }
         }
     }
@@ -264,80 +313,114 @@ impl Flow {
         num_headers: usize,
         body_size: usize,
     ) {
+        match &self.stage {
+            Stage::Tokenizing { token: t, .. } if *t == token => {}
+            _ => return,
+        }
         let Stage::Tokenizing {
-            token: expected,
+            routed,
+            sent_us,
             salt,
-        } = &self.stage
+            ..
+        } = std::mem::replace(&mut self.stage, Stage::Idle)
         else {
             return;
         };
-        if *expected != token {
-            return;
-        }
-        let salt = salt.clone();
-        let elapsed = host.now_us().saturating_sub(self.call_started_us);
-        host.record(Histogram::TokenizerCall, elapsed);
+        host.record(
+            Histogram::TokenizerCall,
+            host.now_us().saturating_sub(sent_us),
+        );
         if num_headers == 0 {
-            log::debug!("tokenizer call failed (no answer headers)");
-            self.conclude(host, Reason::TokenizeFailed, Via::Callout);
+            log::debug!("{}: tokenizer call failed (no answer headers)", self.id);
+            self.tokenizer_failed(host, routed, Via::Callout);
             return;
         }
         let status = header_string(host.http_call_response_header(":status"));
-        if status.as_deref() != Some("200") {
-            log::debug!("tokenizer answered {status:?}");
-            self.conclude(host, Reason::TokenizeFailed, Via::Callout);
-            return;
+        let code = status.as_deref().and_then(|s| s.parse::<u16>().ok());
+        match code {
+            Some(200) => {}
+            // The tokenizer refused this request (bad shape, unknown model):
+            // not a failure of the tokenizer.
+            Some(c) if (400..500).contains(&c) && c != 408 && c != 429 => {
+                log::debug!("{}: tokenizer refused the request ({c})", self.id);
+                self.conclude_routed(host, routed, Reason::TokenizeFailed, Via::Callout);
+                return;
+            }
+            _ => {
+                log::debug!("{}: tokenizer answered {status:?}", self.id);
+                self.tokenizer_failed(host, routed, Via::Callout);
+                return;
+            }
         }
-        if body_size > self.cfg.max_tokenizer_response_bytes {
-            self.conclude(host, Reason::TokenizeFailed, Via::Callout);
-            return;
-        }
-        let body = host
-            .http_call_response_body(0, body_size)
-            .unwrap_or_default();
+        let body = if body_size == 0 || body_size > self.cfg.max_tokenizer_response_bytes {
+            Vec::new()
+        } else {
+            host.http_call_response_body(0, body_size)
+                .unwrap_or_default()
+        };
         let ids = match tokenize::parse_token_ids(&body) {
             Ok(ids) => ids,
             Err(e) => {
-                log::debug!("tokenizer answer unusable: {}", e.0);
-                self.conclude(host, Reason::TokenizeFailed, Via::Callout);
+                log::debug!("{}: tokenizer answer unusable: {}", self.id, e.0);
+                self.tokenizer_failed(host, routed, Via::Callout);
                 return;
             }
         };
-        let Some(model) = self.model.clone() else {
-            self.conclude(host, Reason::Unparseable, Via::Callout);
-            return;
+        let now = now_ms(host);
+        breaker::record_success(host, Breaker::Tokenizer, now);
+        self.pick_tokens(host, routed, &ids, salt.as_deref(), Via::Callout);
+    }
+
+    /// The Pick request every path starts from (it carries the completed
+    /// picks waiting in shared data).
+    fn pick_request(&self, host: &mut dyn Host, routed: &Routed) -> PickRequest {
+        let (mode, block_size) = match self.cfg.mode {
+            Mode::Precise => (WireMode::Precise, self.cfg.block_size),
+            Mode::Approximate => (WireMode::Approximate, self.cfg.approximate_chunk_bytes),
         };
-        let mode: i32 = WireMode::Precise.into();
-        let pick = PickRequest {
-            model,
-            block_size: self.cfg.block_size.get(),
-            mode,
-            request_id: self.request_id.clone(),
+        PickRequest {
+            model: routed.model.clone(),
+            block_size: block_size.get(),
+            mode: mode.into(),
+            request_id: self.id.clone(),
             max_candidates: self.cfg.max_candidates,
+            completed_request_ids: completed::take(host),
             ..PickRequest::default()
-        };
-        self.pick_tokens(host, pick, &ids, salt.as_deref(), Via::Callout);
+        }
     }
 
     fn pick_tokens(
         &mut self,
         host: &mut dyn Host,
-        mut pick: PickRequest,
+        routed: Routed,
         ids: &[u32],
         salt: Option<&str>,
         via: Via,
     ) -> Action {
-        let keys = block_keys(ids, self.cfg.block_size, salt);
+        // Keys past the cap are dropped from the end: the prefix is what
+        // indexd matches.
+        let capped = ids
+            .get(
+                ..self
+                    .cfg
+                    .max_pick_keys
+                    .saturating_mul(self.cfg.block_size.get() as usize),
+            )
+            .unwrap_or(ids);
+        let keys = block_keys(capped, self.cfg.block_size, salt);
         if keys.is_empty() {
-            return self.conclude(host, Reason::ShortPrompt, via);
+            return self.conclude_routed(host, routed, Reason::ShortPrompt, via);
         }
+        let mut pick = self.pick_request(host, &routed);
+        pick.mode = WireMode::Precise.into();
+        pick.block_size = self.cfg.block_size.get();
         pick.block_keys = keys.iter().map(|k| k.as_u64()).collect();
         pick.prompt_tokens = u32::try_from(ids.len()).unwrap_or(u32::MAX);
-        self.pick(host, &pick, via)
+        self.pick(host, routed, pick, via)
     }
 
-    fn pick(&mut self, host: &mut dyn Host, pick: &PickRequest, via: Via) -> Action {
-        self.call_started_us = host.now_us();
+    fn pick(&mut self, host: &mut dyn Host, routed: Routed, pick: PickRequest, via: Via) -> Action {
+        let sent_us = host.now_us();
         match host.dispatch_grpc(
             &self.cfg.index_cluster,
             grpc_path::SERVICE,
@@ -346,12 +429,16 @@ impl Flow {
             self.cfg.index_timeout,
         ) {
             Ok(token) => {
-                self.stage = Stage::Picking { token };
+                self.stage = Stage::Picking {
+                    routed,
+                    token,
+                    sent_us,
+                };
                 Action::Pause
             }
             Err(e) => {
                 log::warn!("Pick not dispatched: {}", e.0);
-                self.index_failed(host, via)
+                self.index_failed(host, routed, via)
             }
         }
     }
@@ -374,15 +461,24 @@ impl Flow {
             host.resume_response();
             return;
         }
-        match self.stage {
-            Stage::Picking { token: expected } if expected == token => {}
+        match &self.stage {
+            Stage::Picking { token: t, .. } if *t == token => {}
             _ => return,
         }
-        let elapsed = host.now_us().saturating_sub(self.call_started_us);
-        host.record(Histogram::IndexCall, elapsed);
+        let Stage::Picking {
+            routed, sent_us, ..
+        } = std::mem::replace(&mut self.stage, Stage::Idle)
+        else {
+            return;
+        };
+        host.record(Histogram::IndexCall, host.now_us().saturating_sub(sent_us));
         if status_code != 0 {
-            log::debug!("Pick failed with gRPC status {status_code}");
-            self.index_failed(host, Via::Callout);
+            log::debug!("{}: Pick failed with gRPC status {status_code}", self.id);
+            if refused(status_code) {
+                self.conclude_routed(host, routed, Reason::IndexRejected, Via::Callout);
+            } else {
+                self.index_failed(host, routed, Via::Callout);
+            }
             return;
         }
         let body = if size == 0 || size > MAX_PICK_BYTES {
@@ -390,18 +486,16 @@ impl Flow {
         } else {
             host.grpc_call_response_body(0, size).unwrap_or_default()
         };
-        let answer = match PickResponse::decode(body.as_slice()) {
-            Ok(a) => a,
+        match PickResponse::decode(body.as_slice()) {
+            Ok(answer) => self.apply(host, routed, &answer),
             Err(e) => {
-                log::debug!("undecodable Pick answer: {e}");
-                self.index_failed(host, Via::Callout);
-                return;
+                log::debug!("{}: undecodable Pick answer: {e}", self.id);
+                self.index_failed(host, routed, Via::Callout);
             }
-        };
-        self.apply(host, &answer);
+        }
     }
 
-    fn apply(&mut self, host: &mut dyn Host, answer: &PickResponse) {
+    fn apply(&mut self, host: &mut dyn Host, routed: Routed, answer: &PickResponse) {
         if answer.block_size_mismatch {
             host.count(Counter::BlockSizeMismatch);
             // Loud once per VM; the counter keeps counting.
@@ -423,13 +517,13 @@ impl Flow {
             Ok(DecisionKind::Approximate) => Reason::Approximate,
             Ok(DecisionKind::Load) => Reason::Load,
             Ok(DecisionKind::Stale) => {
-                let now = self.now_ms(host);
-                breaker::record_success(host, now);
-                self.conclude(host, Reason::IndexStale, Via::Callout);
+                let now = now_ms(host);
+                breaker::record_success(host, Breaker::Index, now);
+                self.conclude_routed(host, routed, Reason::IndexStale, Via::Callout);
                 return;
             }
             Ok(DecisionKind::Unspecified) | Err(_) => {
-                self.index_failed(host, Via::Callout);
+                self.index_failed(host, routed, Via::Callout);
                 return;
             }
         };
@@ -440,40 +534,88 @@ impl Flow {
             .map(|c| c.address.as_str())
             .collect();
         if hosts.is_empty() || !hosts.iter().all(|h| valid_address(h)) {
-            log::debug!("Pick answer without usable candidates");
-            self.index_failed(host, Via::Callout);
+            log::debug!("{}: Pick answer without usable candidates", self.id);
+            self.index_failed(host, routed, Via::Callout);
             return;
         }
-        let now = self.now_ms(host);
-        breaker::record_success(host, now);
+        let now = now_ms(host);
+        breaker::record_success(host, Breaker::Index, now);
         let list = hosts.join(",");
         host.set_request_header(&self.cfg.override_header, Some(&list));
-        self.rank = answer.candidates.first().and_then(|c| c.data_parallel_rank);
-        if let Some(rank) = self.rank {
+        let rank = answer.candidates.first().and_then(|c| c.data_parallel_rank);
+        if let Some(rank) = rank {
             host.set_request_header(&self.cfg.rank_header, Some(&rank.to_string()));
         }
-        log::debug!("{} -> {list} ({})", self.request_id, reason.label());
-        self.conclude(host, reason, Via::Callout);
+        log::debug!(
+            "{} ({}) -> {list} ({})",
+            self.id,
+            self.client_id,
+            reason.label()
+        );
+        self.finish(host, reason, Some(routed), rank, Via::Callout);
     }
 
-    fn index_failed(&mut self, host: &mut dyn Host, via: Via) -> Action {
-        let now = self.now_ms(host);
-        if breaker::record_failure(host, &self.cfg.breaker, now) {
+    fn tokenizer_failed(&mut self, host: &mut dyn Host, routed: Routed, via: Via) -> Action {
+        let cfg = self.cfg.tokenizer_breaker;
+        let now = now_ms(host);
+        if breaker::record_failure(host, Breaker::Tokenizer, &cfg, now) {
+            host.count(Counter::TokenizerBreakerOpened);
+            log::warn!("tokenizer failing, breaker open for {} ms", cfg.cooldown_ms);
+        }
+        self.conclude_routed(host, routed, Reason::TokenizeFailed, via)
+    }
+
+    fn index_failed(&mut self, host: &mut dyn Host, routed: Routed, via: Via) -> Action {
+        let cfg = self.cfg.breaker;
+        let now = now_ms(host);
+        if breaker::record_failure(host, Breaker::Index, &cfg, now) {
             host.count(Counter::BreakerOpened);
-            log::warn!(
-                "indexd failing, breaker open for {} ms",
-                self.cfg.breaker.cooldown_ms
+            log::warn!("indexd failing, breaker open for {} ms", cfg.cooldown_ms);
+        }
+        self.conclude_routed(host, routed, Reason::IndexUnavailable, via)
+    }
+
+    /// Ends the request side before the body parsed (no model known).
+    fn conclude(&mut self, host: &mut dyn Host, reason: Reason, via: Via) -> Action {
+        self.finish(host, reason, None, None, via)
+    }
+
+    /// Ends the request side of a parsed request without an override.
+    fn conclude_routed(
+        &mut self,
+        host: &mut dyn Host,
+        routed: Routed,
+        reason: Reason,
+        via: Via,
+    ) -> Action {
+        self.finish(host, reason, Some(routed), None, via)
+    }
+
+    fn finish(
+        &mut self,
+        host: &mut dyn Host,
+        reason: Reason,
+        routed: Option<Routed>,
+        rank: Option<u32>,
+        via: Via,
+    ) -> Action {
+        let started_us = match (&routed, &self.stage) {
+            (Some(r), _) => Some(r.started_us),
+            (None, Stage::Buffering { started_us, .. }) => Some(*started_us),
+            (None, _) => None,
+        };
+        self.stage = Stage::Done(Decision {
+            reason,
+            routed,
+            rank,
+        });
+        host.count(Counter::Decision(reason));
+        if let Some(started_us) = started_us {
+            host.record(
+                Histogram::FilterTime,
+                host.now_us().saturating_sub(started_us),
             );
         }
-        self.conclude(host, Reason::IndexUnavailable, via)
-    }
-
-    fn conclude(&mut self, host: &mut dyn Host, reason: Reason, via: Via) -> Action {
-        self.stage = Stage::Done;
-        self.reason = Some(reason);
-        host.count(Counter::Decision(reason));
-        let elapsed = host.now_us().saturating_sub(self.started_us);
-        host.record(Histogram::FilterTime, elapsed);
         if via == Via::Callout {
             host.resume_request();
         }
@@ -493,10 +635,28 @@ impl Flow {
             }
         }
     }
+}
 
-    fn now_ms(&self, host: &dyn Host) -> u64 {
-        host.now_us() / 1000
+fn now_ms(host: &dyn Host) -> u64 {
+    host.now_us() / 1000
+}
+
+/// gRPC statuses by which indexd refuses one request (InvalidArgument,
+/// OutOfRange): the request's fault, not indexd's, so no breaker count.
+fn refused(status: u32) -> bool {
+    matches!(status, 3 | 11)
+}
+
+/// `value` cut to at most `max` bytes, at a character boundary.
+fn capped(mut value: String, max: usize) -> String {
+    if value.len() > max {
+        let mut end = max;
+        while !value.is_char_boundary(end) {
+            end = end.saturating_sub(1);
+        }
+        value.truncate(end);
     }
+    value
 }
 
 fn header_string(value: Option<Vec<u8>>) -> Option<String> {

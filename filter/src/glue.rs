@@ -18,7 +18,7 @@ use proxy_wasm::types::{self, ContextType};
 use crate::abi::{self, Buffer, Map, MetricKind, Status, Stream};
 
 use crate::config::Config;
-use crate::decision::{Action, Flow};
+use crate::decision::{Action, Flow, request_id};
 use crate::host::{Host, HostError, SharedData, SharedError};
 use crate::metrics::{Counter, Histogram};
 
@@ -120,6 +120,15 @@ impl Metrics {
 struct Root {
     config: Option<Rc<Config>>,
     metrics: Option<Rc<Metrics>>,
+    /// Random per VM: the prefix of the filter's request ids.
+    nonce: Option<u64>,
+}
+
+/// A random per-VM value (the std hasher's keys come from WASI's
+/// `random_get`), mixed with the clock in case the host gives no entropy.
+fn nonce() -> u64 {
+    use std::hash::BuildHasher;
+    std::collections::hash_map::RandomState::new().hash_one(abi::now_ns().unwrap_or(0))
 }
 
 impl Context for Root {}
@@ -150,6 +159,9 @@ impl RootContext for Root {
                 if self.metrics.is_none() {
                     self.metrics = Some(Rc::new(Metrics::define()));
                 }
+                if self.nonce.is_none() {
+                    self.nonce = Some(nonce());
+                }
                 true
             }
             Err(e) => {
@@ -159,10 +171,13 @@ impl RootContext for Root {
         }
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         // Returning None would panic in the SDK: without a configuration the
         // context passes everything through.
-        let flow = self.config.clone().map(Flow::new);
+        let flow = self
+            .config
+            .clone()
+            .map(|cfg| Flow::new(cfg, request_id(self.nonce.unwrap_or(0), context_id)));
         let metrics = self.metrics.clone().unwrap_or_default();
         Some(Box::new(Http {
             flow,

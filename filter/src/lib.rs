@@ -9,7 +9,9 @@
 //! - [`approximate`]: text-chunk keys for approximate mode.
 //! - [`decision`]: the per-request state machine (the failure table of the README).
 //! - [`observe`]: finding a Responses id in the first response chunks.
-//! - [`breaker`]: the index circuit breaker in shared data.
+//! - [`breaker`]: the index and tokenizer circuit breakers in shared data.
+//! - [`completed`]: completed picks waiting in shared data for a Pick to
+//!   carry them.
 //! - [`metrics`]: reason labels and metric names.
 //! - [`host`]: the trait hiding proxy-wasm; `glue` implements it (wasm only)
 //!   over [`abi`], the host calls with every status as a value.
@@ -19,6 +21,7 @@
 pub mod abi;
 pub mod approximate;
 pub mod breaker;
+pub mod completed;
 pub mod config;
 pub mod decision;
 pub mod host;

@@ -27,15 +27,20 @@ pub enum Reason {
     ShortPrompt,
     /// indexd timed out, was unreachable or answered garbage.
     IndexUnavailable,
-    /// The shared circuit breaker is open.
+    /// indexd refused this request (InvalidArgument, OutOfRange): not a
+    /// failure of indexd, so the breaker does not count it.
+    IndexRejected,
+    /// The shared index circuit breaker is open.
     BreakerOpen,
+    /// The shared tokenizer circuit breaker is open.
+    TokenizerBreakerOpen,
     /// indexd has no fresh, healthy replica.
     IndexStale,
 }
 
 impl Reason {
     /// Every reason, in metric-definition order.
-    pub const ALL: [Self; 12] = [
+    pub const ALL: [Self; 14] = [
         Self::Precise,
         Self::Affinity,
         Self::Approximate,
@@ -46,7 +51,9 @@ impl Reason {
         Self::TokenizeFailed,
         Self::ShortPrompt,
         Self::IndexUnavailable,
+        Self::IndexRejected,
         Self::BreakerOpen,
+        Self::TokenizerBreakerOpen,
         Self::IndexStale,
     ];
 
@@ -63,7 +70,9 @@ impl Reason {
             Self::TokenizeFailed => "tokenize_failed",
             Self::ShortPrompt => "short_prompt",
             Self::IndexUnavailable => "index_unavailable",
+            Self::IndexRejected => "index_rejected",
             Self::BreakerOpen => "breaker_open",
+            Self::TokenizerBreakerOpen => "tokenizer_breaker_open",
             Self::IndexStale => "index_stale",
         }
     }
@@ -82,8 +91,10 @@ impl Reason {
 pub enum Counter {
     /// `kvroute.decisions.<reason>`.
     Decision(Reason),
-    /// `kvroute.breaker.opened`: the breaker went from closed to open.
+    /// `kvroute.breaker.opened`: the index breaker went from closed to open.
     BreakerOpened,
+    /// `kvroute.tokenizer_breaker.opened`: the tokenizer breaker opened.
+    TokenizerBreakerOpened,
     /// `kvroute.observe.sent`.
     ObserveSent,
     /// `kvroute.observe.failed`: Observe could not be dispatched or failed.
@@ -98,6 +109,7 @@ impl Counter {
         let mut all: Vec<Self> = Reason::ALL.iter().map(|r| Self::Decision(*r)).collect();
         all.extend([
             Self::BreakerOpened,
+            Self::TokenizerBreakerOpened,
             Self::ObserveSent,
             Self::ObserveFailed,
             Self::BlockSizeMismatch,
@@ -110,6 +122,7 @@ impl Counter {
         match self {
             Self::Decision(r) => format!("kvroute.decisions.{}", r.label()),
             Self::BreakerOpened => "kvroute.breaker.opened".to_owned(),
+            Self::TokenizerBreakerOpened => "kvroute.tokenizer_breaker.opened".to_owned(),
             Self::ObserveSent => "kvroute.observe.sent".to_owned(),
             Self::ObserveFailed => "kvroute.observe.failed".to_owned(),
             Self::BlockSizeMismatch => "kvroute.index.block_size_mismatch".to_owned(),

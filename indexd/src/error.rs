@@ -76,12 +76,33 @@ pub enum RequestError {
     /// The endpoint named in an Observe is not `ip:port`.
     #[error("endpoint {0:?} is not ip:port")]
     BadEndpoint(String),
+    /// An id longer than the protocol allows.
+    #[error("{field} is {len} bytes, more than {max}")]
+    IdTooLong {
+        /// The field.
+        field: &'static str,
+        /// Its length.
+        len: usize,
+        /// The limit.
+        max: usize,
+    },
+    /// More `completed_request_ids` than one Pick may carry.
+    #[error("{got} completed_request_ids exceed the limit of {max}")]
+    TooManyCompleted {
+        /// Ids in the request.
+        got: usize,
+        /// The limit.
+        max: usize,
+    },
 }
 
 impl From<RequestError> for tonic::Status {
     fn from(e: RequestError) -> Self {
         match e {
-            RequestError::TooManyKeys { .. } | RequestError::BadEndpoint(_) => {
+            RequestError::TooManyKeys { .. }
+            | RequestError::BadEndpoint(_)
+            | RequestError::IdTooLong { .. }
+            | RequestError::TooManyCompleted { .. } => {
                 tonic::Status::invalid_argument(e.to_string())
             }
         }

@@ -74,6 +74,38 @@ fn candidate(r: &Replica, m: &PrefixMatch, block_size: u32, cost: f64) -> Candid
     }
 }
 
+/// The longest request id (the filter makes 24-byte ids).
+pub const MAX_REQUEST_ID_BYTES: usize = 64;
+/// The longest response id (vLLM's are `resp_` and 32 hex digits).
+pub const MAX_RESPONSE_ID_BYTES: usize = 256;
+/// Most completed picks one Pick carries.
+pub const MAX_COMPLETED_IDS: usize = 64;
+
+fn bounded(field: &'static str, id: &str, max: usize) -> Result<(), RequestError> {
+    if id.len() > max {
+        return Err(RequestError::IdTooLong {
+            field,
+            len: id.len(),
+            max,
+        });
+    }
+    Ok(())
+}
+
+/// Forgets the pending pick of `request_id` on whichever replica noted it:
+/// the replica answered, so its prefill no longer stands for queued work
+/// (Envoy may have served it elsewhere after a retry).
+fn complete_pick(shared: &Shared, request_id: &str) {
+    if request_id.is_empty() {
+        return;
+    }
+    for r in read(&shared.registry).all() {
+        if r.complete_pick(request_id) {
+            break;
+        }
+    }
+}
+
 /// Answers one Pick at `now`.
 pub fn pick(
     shared: &Shared,
@@ -86,6 +118,24 @@ pub fn pick(
             got: req.block_keys.len(),
             max: cfg.max_pick_keys,
         });
+    }
+    bounded("request_id", &req.request_id, MAX_REQUEST_ID_BYTES)?;
+    bounded(
+        "previous_response_id",
+        &req.previous_response_id,
+        MAX_RESPONSE_ID_BYTES,
+    )?;
+    if req.completed_request_ids.len() > MAX_COMPLETED_IDS {
+        return Err(RequestError::TooManyCompleted {
+            got: req.completed_request_ids.len(),
+            max: MAX_COMPLETED_IDS,
+        });
+    }
+    for id in &req.completed_request_ids {
+        bounded("completed_request_ids", id, MAX_REQUEST_ID_BYTES)?;
+    }
+    for id in &req.completed_request_ids {
+        complete_pick(shared, id);
     }
     let serving: Vec<Arc<Replica>> = read(&shared.registry)
         .all()
@@ -240,16 +290,10 @@ pub fn pick(
 
 /// Records which replica served a request (feeds response-id affinity).
 pub fn observe(shared: &Shared, req: &ObserveRequest, now: Instant) -> Result<(), RequestError> {
-    // The request was answered: its pick no longer stands for queued prefill
-    // work, on whichever replica it was noted (Envoy may have served it
-    // elsewhere after a retry).
-    if !req.request_id.is_empty() {
-        for r in read(&shared.registry).all() {
-            if r.complete_pick(&req.request_id) {
-                break;
-            }
-        }
-    }
+    bounded("request_id", &req.request_id, MAX_REQUEST_ID_BYTES)?;
+    bounded("response_id", &req.response_id, MAX_RESPONSE_ID_BYTES)?;
+    // The request was answered: its pick no longer stands for queued work.
+    complete_pick(shared, &req.request_id);
     if req.response_id.is_empty() {
         shared.metrics.observes.inc(["no_response_id"]);
         return Ok(());

@@ -210,6 +210,51 @@ fn an_answered_pick_stops_counting_as_queued_work() {
 }
 
 #[test]
+fn completed_ids_carried_by_a_pick_free_their_replicas_first() {
+    let (s, _) = shared(2, |c| c.speculative_ttl = Duration::ZERO);
+    let now = Instant::now();
+    let mut first = req(&keys(&(0..64).collect::<Vec<u32>>()));
+    first.request_id = "r1".into();
+    let busy = pick(&s, &first, now).unwrap().candidates[0].address.clone();
+    let mut second = req(&keys(&(1000..1016).collect::<Vec<u32>>()));
+    second.request_id = "r2".into();
+    let other = pick(&s, &second, now).unwrap().candidates[0].address.clone();
+    assert_ne!(busy, other);
+    // The next Pick says r1 has started answering: r1's replica is the idle
+    // one when this Pick is ranked.
+    let mut third = req(&keys(&(2000..2016).collect::<Vec<u32>>()));
+    third.request_id = "r3".into();
+    third.completed_request_ids = vec!["r1".into()];
+    assert_eq!(pick(&s, &third, now).unwrap().candidates[0].address, busy);
+}
+
+#[test]
+fn ids_are_bounded() {
+    let (s, _) = shared(1, |_| {});
+    let now = Instant::now();
+    let mut r = req(&[]);
+    r.request_id = "x".repeat(MAX_REQUEST_ID_BYTES + 1);
+    assert!(matches!(
+        pick(&s, &r, now),
+        Err(RequestError::IdTooLong { field: "request_id", .. })
+    ));
+    let mut r = req(&[]);
+    r.completed_request_ids = vec!["a".into(); MAX_COMPLETED_IDS + 1];
+    assert!(matches!(
+        pick(&s, &r, now),
+        Err(RequestError::TooManyCompleted { .. })
+    ));
+    let mut r = req(&[]);
+    r.previous_response_id = "p".repeat(MAX_RESPONSE_ID_BYTES + 1);
+    assert!(pick(&s, &r, now).is_err());
+    let o = ObserveRequest {
+        response_id: "p".repeat(MAX_RESPONSE_ID_BYTES + 1),
+        ..ObserveRequest::default()
+    };
+    assert!(observe(&s, &o, now).is_err());
+}
+
+#[test]
 fn a_continuation_of_a_pending_pick_stays_on_its_replica() {
     let (s, _) = shared(3, |_| {});
     let now = Instant::now();

@@ -1,18 +1,26 @@
-//! The response side of a [`Flow`]: the decision header, and Observe.
+//! The response side of a [`Flow`]: the decision header, the pick's
+//! completion, and Observe.
 //!
-//! Observe reports the served upstream host (`upstream.address`), the status
-//! and the data-parallel rank. For the Responses API it also carries the
-//! response id, read from the first chunks (JSON body or the SSE
-//! `response.created` event); the chunks up to the one holding the id are
-//! held until indexd has answered, so a client continuing at once
-//! (`previous_response_id`) finds its replica already known.
+//! - A picked request's first response byte means the replica's prefill is
+//!   done: its pick no longer stands for queued work. The id goes into a
+//!   list in shared data and the next Pick of any worker carries it to
+//!   indexd (`completed_request_ids`, see [`crate::completed`]): no call is
+//!   made for it.
+//! - A Responses API answer carries a response id that a continuation
+//!   (`previous_response_id`) must find: the first chunks are scanned for it
+//!   (JSON body or the SSE `response.created` event), and the chunks up to
+//!   the one holding it are held until indexd has answered Observe. A held
+//!   call always ends in an answer or Envoy's timeout, so the SDK's token
+//!   table does not grow (a client that aborts during the hold, at most
+//!   `index_timeout_ms`, leaves one entry).
 
 use kvroute_proto::grpc_path;
 use kvroute_proto::v1::{ObserveRequest, Outcome};
 use prost::Message;
 
-use super::{Action, Flow, header_string};
-use crate::breaker;
+use super::{Action, Flow, header_string, now_ms};
+use crate::breaker::{self, Breaker};
+use crate::completed;
 use crate::config::Api;
 use crate::host::Host;
 use crate::metrics::Counter;
@@ -22,6 +30,8 @@ use crate::observe::{IdScanner, Scan};
 #[derive(Debug)]
 pub(super) enum ResponseStage {
     Idle,
+    /// A picked request before its first response byte.
+    AwaitingFirstByte,
     Scanning {
         scanner: Box<IdScanner>,
         endpoint: String,
@@ -37,35 +47,40 @@ pub(super) enum ResponseStage {
 }
 
 impl Flow {
-    /// Response headers: the decision header, then Observe (or start
-    /// scanning a Responses answer for its id).
+    /// Response headers: the decision header, then wait for the first byte
+    /// (or start scanning a Responses answer for its id).
     pub fn on_response_headers(&mut self, host: &mut dyn Host, end_of_stream: bool) -> Action {
-        if let (Some(name), Some(reason)) = (&self.cfg.decision_header, self.reason) {
+        let Some(decision) = self.decision() else {
+            return Action::Continue;
+        };
+        let (reason, api) = (
+            decision.reason,
+            decision.routed.as_ref().map(|r| r.route.api),
+        );
+        if let Some(name) = &self.cfg.decision_header {
             let name = name.clone();
             host.set_response_header(&name, reason.label());
         }
-        if !self.cfg.observe
-            || self.model.is_none()
-            || !matches!(self.response, ResponseStage::Idle)
-        {
+        if !self.cfg.observe || !matches!(self.response, ResponseStage::Idle) {
             return Action::Continue;
         }
         self.response = ResponseStage::Done;
-        if breaker::is_open(host, self.now_ms(host)) {
-            return Action::Continue;
-        }
-        let Some(endpoint) = host
-            .property(&["upstream", "address"])
-            .and_then(|v| String::from_utf8(v).ok())
-            .filter(|a| !a.is_empty())
-        else {
-            return Action::Continue;
-        };
+        let picked = reason.routed();
         let status = header_string(host.response_header(":status"))
             .and_then(|s| s.parse::<u32>().ok())
             .unwrap_or(0);
-        let responses = self.route.as_ref().is_some_and(|r| r.api == Api::Responses);
-        if responses && (200..300).contains(&status) && !end_of_stream {
+        let wants_id = api == Some(Api::Responses)
+            && (200..300).contains(&status)
+            && !end_of_stream
+            && !breaker::is_open(host, Breaker::Index, now_ms(host));
+        let endpoint = if wants_id {
+            host.property(&["upstream", "address"])
+                .and_then(|v| String::from_utf8(v).ok())
+                .filter(|a| !a.is_empty())
+        } else {
+            None
+        };
+        if let Some(endpoint) = endpoint {
             let sse = header_string(host.response_header("content-type"))
                 .is_some_and(|c| c.contains("text/event-stream"));
             self.response = ResponseStage::Scanning {
@@ -74,13 +89,16 @@ impl Flow {
                 status,
                 seen: 0,
             };
-            return Action::Continue;
+        } else if picked && end_of_stream {
+            completed::push(host, &self.id);
+        } else if picked {
+            self.response = ResponseStage::AwaitingFirstByte;
         }
-        self.observe(host, endpoint, status, String::new());
         Action::Continue
     }
 
-    /// Response body chunks: look for the Responses id in the first ones.
+    /// Response body chunks: the first byte completes the pick; a Responses
+    /// answer is scanned for its id.
     pub fn on_response_body(
         &mut self,
         host: &mut dyn Host,
@@ -89,6 +107,11 @@ impl Flow {
     ) -> Action {
         let (scanner, seen) = match &mut self.response {
             ResponseStage::Scanning { scanner, seen, .. } => (scanner, seen),
+            ResponseStage::AwaitingFirstByte => {
+                completed::push(host, &self.id);
+                self.response = ResponseStage::Done;
+                return Action::Continue;
+            }
             // Later chunks wait behind the held one: a Continue here would
             // release the whole buffered body before indexd knows the id.
             ResponseStage::Holding { .. } => return Action::Pause,
@@ -112,7 +135,7 @@ impl Flow {
             Scan::NeedMore => Action::Pause,
             Scan::GiveUp => {
                 self.response = ResponseStage::Done;
-                self.observe(host, endpoint, status, String::new());
+                self.complete_pick(host);
                 Action::Continue
             }
             Scan::Found(id) => {
@@ -124,9 +147,19 @@ impl Flow {
                         self.response = ResponseStage::Holding { token };
                         Action::Pause
                     }
-                    None => Action::Continue,
+                    None => {
+                        self.complete_pick(host);
+                        Action::Continue
+                    }
                 }
             }
+        }
+    }
+
+    /// Queues this request's pick as completed, if it was picked.
+    fn complete_pick(&self, host: &mut dyn Host) {
+        if self.decision().is_some_and(|d| d.reason.routed()) {
+            completed::push(host, &self.id);
         }
     }
 
@@ -137,6 +170,7 @@ impl Flow {
         status: u32,
         response_id: String,
     ) -> Option<u32> {
+        let decision = self.decision()?;
         let outcome = match status {
             200..=299 => Outcome::Ok,
             400..=499 => Outcome::ClientError,
@@ -144,13 +178,17 @@ impl Flow {
             _ => Outcome::Unspecified,
         };
         let msg = ObserveRequest {
-            model: self.model.clone().unwrap_or_default(),
+            model: decision
+                .routed
+                .as_ref()
+                .map(|r| r.model.clone())
+                .unwrap_or_default(),
             endpoint,
-            data_parallel_rank: self.rank,
+            data_parallel_rank: decision.rank,
             response_id,
             outcome: outcome.into(),
             http_status: status,
-            request_id: self.request_id.clone(),
+            request_id: self.id.clone(),
         };
         match host.dispatch_grpc(
             &self.cfg.index_cluster,
@@ -205,7 +243,7 @@ mod tests {
     }
 
     #[test]
-    fn observe_reports_the_served_host_and_rank() {
+    fn a_pick_completes_at_the_first_response_byte_and_rides_the_next_pick() {
         let mut h = Harness::new("");
         h.post("/v1/chat/completions", CHAT);
         h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
@@ -213,18 +251,48 @@ mod tests {
             0,
             &answer(DecisionKind::Precise, &["10.0.0.2:8000"], Some(2)),
         );
+        let first = h.pick_request().request_id;
+        let calls = h.host.grpc_calls.len();
+        // Headers of a streamed answer come before the prefill: not yet.
         assert_eq!(
-            h.respond("500", "application/json", false),
+            h.respond("200", "text/event-stream", false),
             Action::Continue
         );
-        let o = observed(&h);
-        assert_eq!(o.endpoint, "10.0.0.2:8000");
-        assert_eq!(o.data_parallel_rank, Some(2));
-        assert_eq!(o.http_status, 500);
-        assert_eq!(o.outcome, i32::from(Outcome::ServerError));
-        assert_eq!(o.model, "m");
-        assert_eq!(o.request_id, "req-1");
-        assert_eq!(h.host.count_of(Counter::ObserveSent), 1);
+        assert_eq!(h.response_chunk(b"data: {}", false), Action::Continue);
+        assert_eq!(h.response_chunk(b"data: {}", true), Action::Continue);
+        assert_eq!(h.host.grpc_calls.len(), calls, "no call of its own");
+        assert_eq!(h.host.count_of(Counter::ObserveSent), 0);
+
+        // The next stream's Pick carries it, once.
+        h.next_stream();
+        h.post("/v1/chat/completions", CHAT);
+        h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+        let pick = h.pick_request();
+        assert_ne!(pick.request_id, first);
+        assert_eq!(pick.completed_request_ids, vec![first]);
+        h.index_answers(0, &answer(DecisionKind::Load, &["10.0.0.3:8000"], None));
+        h.respond("500", "application/json", true);
+        h.next_stream();
+        h.post("/v1/chat/completions", CHAT);
+        h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+        assert_eq!(
+            h.pick_request().completed_request_ids.len(),
+            1,
+            "the error answer completed its pick too; the first went already"
+        );
+    }
+
+    #[test]
+    fn unrouted_requests_complete_nothing() {
+        let mut h = Harness::new("");
+        h.post("/v1/chat/completions", CHAT);
+        h.tokenizer_answers(Some("503"), b"");
+        h.respond("200", "application/json", false);
+        h.response_chunk(b"{}", true);
+        h.next_stream();
+        h.post("/v1/chat/completions", CHAT);
+        h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+        assert!(h.pick_request().completed_request_ids.is_empty());
     }
 
     #[test]
@@ -253,6 +321,9 @@ mod tests {
         let o = observed(&h);
         assert_eq!(o.response_id, "resp_1");
         assert_eq!(o.outcome, i32::from(Outcome::Ok));
+        assert_eq!(o.endpoint, "10.0.0.2:8000");
+        assert_eq!(o.model, "m");
+        assert_eq!(o.request_id, "000000000000feed-1");
         h.index_answers(0, b"");
         assert_eq!(h.host.response_resumes, 1);
         assert_eq!(h.response_chunk(b"", true), Action::Continue);
@@ -314,28 +385,39 @@ mod tests {
     }
 
     #[test]
-    fn responses_without_id_observe_at_the_end_without_holding() {
+    fn responses_without_id_or_with_errors_complete_without_observe() {
         let mut h = Harness::new("");
         h.post(
             "/v1/responses",
             r#"{"model":"m","previous_response_id":"resp_0"}"#,
         );
         h.index_answers(0, &answer(DecisionKind::Affinity, &["10.0.0.2:8000"], None));
+        let calls = h.host.grpc_calls.len();
         h.respond("200", "application/json", false);
         assert_eq!(
             h.response_chunk(br#"{"object":"response"}"#, true),
             Action::Continue
         );
-        assert_eq!(observed(&h).response_id, "");
-        // Errors are observed at once.
-        let mut e = Harness::new("");
-        e.post(
+        assert_eq!(h.host.grpc_calls.len(), calls, "no Observe without an id");
+        // An error answer carries no id to look for.
+        h.next_stream();
+        h.post(
             "/v1/responses",
             r#"{"model":"m","previous_response_id":"resp_0"}"#,
         );
-        e.index_answers(0, &answer(DecisionKind::Affinity, &["10.0.0.2:8000"], None));
-        e.respond("404", "application/json", false);
-        assert_eq!(observed(&e).outcome, i32::from(Outcome::ClientError));
+        assert_eq!(h.pick_request().completed_request_ids.len(), 1);
+        h.index_answers(0, &answer(DecisionKind::Affinity, &["10.0.0.2:8000"], None));
+        assert_eq!(
+            h.respond("404", "application/json", false),
+            Action::Continue
+        );
+        assert_eq!(h.response_chunk(b"{}", true), Action::Continue);
+        assert_eq!(h.host.grpc_calls.len(), 1, "only the second Pick");
+        assert_eq!(h.host.count_of(Counter::ObserveSent), 0);
+        h.next_stream();
+        h.post("/v1/chat/completions", CHAT);
+        h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+        assert_eq!(h.pick_request().completed_request_ids.len(), 1);
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub(crate) struct Harness {
     pub host: FakeHost,
     pub flow: Flow,
     cfg: Rc<Config>,
+    context_id: u32,
     /// The last response body callback paused: Envoy keeps the chunk and the
     /// next callback sees the whole buffer, old bytes first.
     response_kept: bool,
@@ -37,8 +38,9 @@ impl Harness {
         let cfg = config(extra);
         Self {
             host: FakeHost::default(),
-            flow: Flow::new(cfg.clone()),
+            flow: Flow::new(cfg.clone(), request_id(0xfeed, 1)),
             cfg,
+            context_id: 1,
             response_kept: false,
             resumes_seen: 0,
         }
@@ -46,7 +48,8 @@ impl Harness {
 
     /// A new stream sharing this one's host (shared data, metrics, clock).
     pub fn next_stream(&mut self) {
-        self.flow = Flow::new(self.cfg.clone());
+        self.context_id += 1;
+        self.flow = Flow::new(self.cfg.clone(), request_id(0xfeed, self.context_id));
         let host = std::mem::take(&mut self.host);
         self.host = FakeHost {
             shared: host.shared,
@@ -227,7 +230,10 @@ fn precise_decision_sets_the_ordered_override_list_and_rank() {
     assert_eq!(pick.block_size, 64);
     assert_eq!(pick.prompt_tokens, 200);
     assert_eq!(pick.mode, i32::from(WireMode::Precise));
-    assert_eq!(pick.request_id, "req-1");
+    assert_eq!(
+        pick.request_id, "000000000000feed-1",
+        "the filter's own id, not the client's x-request-id"
+    );
     assert_eq!(
         h.host.grpc_calls[0].timeout,
         std::time::Duration::from_millis(50)
@@ -657,4 +663,106 @@ fn a_callout_without_headers_is_a_failed_tokenization() {
     assert_unrouted(&h, Reason::TokenizeFailed);
     assert_eq!(h.host.request_resumes, 1);
     assert!(h.host.grpc_calls.is_empty(), "no Pick without tokens");
+}
+
+#[test]
+fn requests_indexd_refuses_do_not_count_toward_the_breaker() {
+    let mut h = Harness::new(r#""breaker":{"failures":2,"window_ms":1000,"cooldown_ms":2000}"#);
+    for status in [3, 11, 3, 3] {
+        h.post("/v1/chat/completions", CHAT);
+        h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+        h.index_answers(status, b"");
+        assert_eq!(h.flow.reason(), Some(Reason::IndexRejected));
+        assert_eq!(h.override_header(), None);
+        assert_eq!(h.host.request_resumes, 1);
+        h.next_stream();
+    }
+    assert_eq!(h.host.count_of(Counter::BreakerOpened), 0);
+    assert_eq!(h.post("/v1/chat/completions", CHAT), Action::Pause);
+}
+
+#[test]
+fn keys_are_capped_at_max_pick_keys_keeping_the_prefix() {
+    let mut h = Harness::new(r#""max_pick_keys":2,"block_size":4"#);
+    h.post("/v1/chat/completions", CHAT);
+    h.tokenizer_answers(Some("200"), tokens_json(40).as_bytes());
+    let pick = h.pick_request();
+    let ids: Vec<u32> = (1..=40).collect();
+    let all = block_keys(&ids, BlockSize::new(4).unwrap(), Some("tenant-a"));
+    let want: Vec<u64> = all.iter().take(2).map(|k| k.as_u64()).collect();
+    assert_eq!(pick.block_keys, want);
+    assert_eq!(pick.prompt_tokens, 40, "the whole prompt still counts");
+}
+
+#[test]
+fn the_tokenizer_breaker_skips_only_the_tokenizer() {
+    let mut h =
+        Harness::new(r#""tokenizer_breaker":{"failures":2,"window_ms":1000,"cooldown_ms":2000}"#);
+    // A refusal (4xx) is the request's fault: it does not count.
+    for status in ["400", "404", "503", "504"] {
+        h.post("/v1/chat/completions", CHAT);
+        h.tokenizer_answers(Some(status), b"");
+        assert_eq!(h.flow.reason(), Some(Reason::TokenizeFailed));
+        assert_eq!(h.host.request_resumes, 1);
+        h.next_stream();
+    }
+    assert_eq!(h.host.count_of(Counter::TokenizerBreakerOpened), 1);
+    // Open: requests that need the tokenizer go on at once, unrouted.
+    assert_eq!(h.post("/v1/chat/completions", CHAT), Action::Continue);
+    assert_eq!(h.flow.reason(), Some(Reason::TokenizerBreakerOpen));
+    assert!(h.host.http_calls.is_empty());
+    // Those that do not still reach indexd.
+    h.next_stream();
+    let ids: Vec<String> = (1..=64).map(|i| i.to_string()).collect();
+    let prompt = format!(r#"{{"model":"m","prompt":[[{}]]}}"#, ids.join(","));
+    assert_eq!(h.post("/v1/completions", &prompt), Action::Pause);
+    assert_eq!(h.pick_request().block_keys.len(), 1);
+    h.next_stream();
+    h.post(
+        "/v1/responses",
+        r#"{"model":"m","input":"x","previous_response_id":"resp_0"}"#,
+    );
+    assert_eq!(h.pick_request().previous_response_id, "resp_0");
+    // After the cool-down a success closes it.
+    h.next_stream();
+    h.host.now_us += 2_100_000;
+    assert_eq!(h.post("/v1/chat/completions", CHAT), Action::Pause);
+    h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+    h.index_answers(0, &answer(DecisionKind::Load, &["10.0.0.1:80"], None));
+    h.next_stream();
+    h.post("/v1/chat/completions", CHAT);
+    h.tokenizer_answers(Some("503"), b"");
+    h.next_stream();
+    assert_eq!(
+        h.post("/v1/chat/completions", CHAT),
+        Action::Pause,
+        "one failure after closing does not re-open"
+    );
+}
+
+#[test]
+fn client_request_ids_are_capped_and_never_reach_indexd() {
+    let long = "r".repeat(4096);
+    let mut h = Harness::new("");
+    h.flow = Flow::new(h.cfg.clone(), request_id(0xfeed, 7));
+    h.host.request_headers = vec![
+        (":method".into(), b"POST".to_vec()),
+        (":path".into(), b"/v1/chat/completions".to_vec()),
+        ("x-request-id".into(), long.as_bytes().to_vec()),
+    ];
+    h.host.in_request_callback = true;
+    assert_eq!(h.flow.on_request_headers(&mut h.host, false), Action::Pause);
+    h.host.in_request_callback = false;
+    h.body(CHAT.as_bytes(), true);
+    let call = h.host.http_calls.last().unwrap();
+    let sent = call
+        .headers
+        .iter()
+        .find(|(k, _)| k == "x-request-id")
+        .map(|(_, v)| v.len());
+    assert_eq!(sent, Some(MAX_CLIENT_ID_BYTES));
+    h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+    let pick = h.pick_request();
+    assert_eq!(pick.request_id, "000000000000feed-7");
+    assert!(!pick.request_id.contains('r'));
 }

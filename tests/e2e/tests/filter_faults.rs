@@ -28,6 +28,14 @@ struct Fleet {
 }
 
 fn fleet() -> Fleet {
+    // Breakers that never open here: every request must reach its callouts.
+    fleet_with(&json!({
+        "breaker": {"failures": 1000, "window_ms": 1000, "cooldown_ms": 1000},
+        "tokenizer_breaker": {"failures": 1000, "window_ms": 1000, "cooldown_ms": 1000},
+    }))
+}
+
+fn fleet_with(extra: &serde_json::Value) -> Fleet {
     let replicas: Vec<SocketAddr> = (0..3).map(|_| replica()).collect();
     let tokens: Vec<u32> = (1..=10).collect();
     let (tokenizer, tok_addr) = FaultyHttp::start(
@@ -37,10 +45,7 @@ fn fleet() -> Fleet {
             .into_bytes(),
     );
     let (index, index_addr) = FaultyGrpc::start(pick_answer(PRECISE, &[replicas[1]]));
-    // A breaker that never opens here: every request must reach its callouts.
-    let plugin = plugin_config(&json!({
-        "breaker": {"failures": 1000, "window_ms": 1000, "cooldown_ms": 1000}
-    }));
+    let plugin = plugin_config(extra);
     let gateway = Envoy::start(&gateway_config(&replicas, tok_addr, index_addr, &plugin)).unwrap();
     let url = gateway.listener_url("gateway").unwrap();
     Fleet {
@@ -135,5 +140,27 @@ fn index_faults_never_trap_the_vm() {
         }
     }
     assert!(f.index.calls("/Observe") > 0);
+    assert_no_wasm_failure(&f.gateway);
+}
+
+#[test]
+fn a_stalling_tokenizer_stops_costing_its_timeout() {
+    let f = fleet_with(&json!({
+        "tokenizer_breaker": {"failures": 3, "window_ms": 10000, "cooldown_ms": 60000}
+    }));
+    f.tokenizer.set(Fault::HeadersThenStall);
+    for _ in 0..3 {
+        assert_eq!(f.chat("stalling"), "tokenize_failed");
+    }
+    // Open for every worker (shared data): no request waits for the
+    // tokenizer's timeout any more, because none calls it.
+    let calls = f.tokenizer.requests();
+    for _ in 0..5 {
+        assert_eq!(f.chat("breaker open"), "tokenizer_breaker_open");
+    }
+    assert_eq!(f.tokenizer.requests(), calls, "the tokenizer was called");
+    // A Responses continuation needs no tokenizer and is still picked.
+    let body = r#"{"model":"m","input":"x","previous_response_id":"resp_1"}"#;
+    assert_eq!(f.served("/v1/responses", body, "affinity"), "precise");
     assert_no_wasm_failure(&f.gateway);
 }
