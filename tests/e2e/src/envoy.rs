@@ -87,9 +87,37 @@ pub fn direct_response_route(status: u16, body: &str) -> Value {
     })
 }
 
+/// The client request headers that could pin a host or speak for kvroute.
+pub const ROUTING_HEADERS: [&str; 2] = ["x-gateway-destination-endpoint", "x-data-parallel-rank"];
+
+/// Envoy's own `header_mutation` filter removing [`ROUTING_HEADERS`] and every
+/// `x-kvroute-*` request header. It goes before the kvroute filter, so client
+/// pins are gone even when the Wasm VM failed to load or trapped.
+pub fn routing_header_strip() -> Value {
+    let mut mutations: Vec<Value> = ROUTING_HEADERS
+        .iter()
+        .map(|h| json!({ "remove": h }))
+        .collect();
+    mutations.push(json!({ "remove_on_match": { "key_matcher": { "prefix": "x-kvroute-" } } }));
+    json!({
+        "name": "kvroute-strip-routing-headers",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": { "request_mutations": mutations },
+        }
+    })
+}
+
+/// [`routing_header_strip`], then [`kvroute_filter`]: the filters of a gateway.
+pub fn kvroute_filters(wasm: &Path, plugin_config: &Value) -> Vec<Value> {
+    vec![routing_header_strip(), kvroute_filter(wasm, plugin_config)]
+}
+
 /// The kvroute wasm HTTP filter, loaded from `wasm` into the V8 runtime with
 /// `plugin_config` as its configuration. `allow_on_headers_stop_iteration` is
 /// set: without it the filter never sees the request body (Envoy ≥ 1.35).
+/// `failure_policy: FAIL_OPEN`: should the VM fail, requests pass as if the
+/// filter were absent.
 pub fn kvroute_filter(wasm: &Path, plugin_config: &Value) -> Value {
     json!({
         "name": "kvroute",
@@ -98,6 +126,7 @@ pub fn kvroute_filter(wasm: &Path, plugin_config: &Value) -> Value {
             "config": {
                 "name": "kvroute",
                 "root_id": "kvroute",
+                "failure_policy": "FAIL_OPEN",
                 "allow_on_headers_stop_iteration": true,
                 "configuration": {
                     "@type": "type.googleapis.com/google.protobuf.StringValue",

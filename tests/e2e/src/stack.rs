@@ -19,7 +19,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::envoy::{
-    cluster_route, grpc_cluster, http_cluster, http_listener, inference_cluster, kvroute_filter,
+    cluster_route, grpc_cluster, http_cluster, http_listener, inference_cluster, kvroute_filters,
 };
 use crate::proxy::Relay;
 use crate::vllm::{RealVllm, VllmOptions, free_port};
@@ -617,7 +617,7 @@ fn envoy_config(
                     plugin.insert(k.clone(), v.clone());
                 }
             }
-            vec![kvroute_filter(&artifacts::filter_wasm()?, &plugin)]
+            kvroute_filters(&artifacts::filter_wasm()?, &plugin)
         }
     };
     let mut listener = http_listener(LISTENER, filters, vec![route]);

@@ -55,6 +55,55 @@ fn local_envoy_yaml_with(wasm: &Path) -> (tempfile::TempDir, PathBuf) {
     (dir, path)
 }
 
+/// `filters` strip every routing header before the kvroute filter, and the
+/// kvroute filter fails open.
+fn assert_gateway_filters(filters: &[Value], what: &str) {
+    let strip = &filters[0]["typed_config"];
+    assert_eq!(
+        strip["@type"],
+        "type.googleapis.com/envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+        "{what}: the first filter does not strip routing headers"
+    );
+    let mutations = strip["mutations"]["request_mutations"].as_array().unwrap();
+    for header in envoy::ROUTING_HEADERS {
+        assert!(
+            mutations.iter().any(|m| m["remove"] == header),
+            "{what}: {header} is not removed"
+        );
+    }
+    assert!(
+        mutations
+            .iter()
+            .any(|m| m["remove_on_match"]["key_matcher"]["prefix"] == "x-kvroute-"),
+        "{what}: x-kvroute-* is not removed"
+    );
+    let wasm = filters
+        .iter()
+        .position(|f| f["name"] == "kvroute")
+        .unwrap_or_else(|| panic!("{what}: no kvroute filter"));
+    assert!(wasm > 0, "{what}: the kvroute filter runs before the strip");
+    let config = &filters[wasm]["typed_config"]["config"];
+    if !config.is_null() {
+        assert_eq!(config["failure_policy"], "FAIL_OPEN", "{what}");
+    }
+}
+
+fn listener_filters(path: &str) -> Vec<Value> {
+    let doc = yaml_docs(path).remove(0);
+    doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+        ["http_filters"]
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+#[test]
+fn every_envoy_config_strips_routing_headers_before_the_filter() {
+    for path in ["envoy/envoy.yaml", "envoy/docker/envoy.yaml"] {
+        assert_gateway_filters(&listener_filters(path), path);
+    }
+}
+
 #[test]
 fn local_envoy_yaml_is_valid_for_envoy_and_the_filter() {
     let wasm = artifacts::filter_wasm().unwrap();
@@ -138,9 +187,14 @@ fn istio_envoyfilter_patches_are_valid_envoy_config() {
         .find(|d| d["kind"] == "WasmPlugin")
         .unwrap();
     let plugin_config = plugin["spec"]["pluginConfig"].clone();
+    // Patch 0 goes first in the chain, before the plugin.
+    let strip = by("HTTP_FILTER", "INSERT_FIRST");
+    assert_eq!(strip.len(), 1);
+    let filters = vec![strip[0].clone(), kvroute_filter(&wasm, &plugin_config)];
+    assert_gateway_filters(&filters, "envoyfilter.yaml");
     let mut listener = http_listener(
         "gateway",
-        vec![kvroute_filter(&wasm, &plugin_config)],
+        filters,
         vec![envoy::cluster_route(
             "vllm",
             std::time::Duration::from_secs(60),

@@ -233,6 +233,7 @@ async fn grpc_call(
     }
     shared.seen.lock().unwrap().push(Req {
         path,
+        headers: Vec::new(),
         body: received,
     });
     let fault = shared.fault();

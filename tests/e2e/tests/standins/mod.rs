@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvroute_e2e::envoy::{
-    cluster_route, grpc_cluster, http_cluster, http_listener, inference_cluster, kvroute_filter,
+    cluster_route, grpc_cluster, http_cluster, http_listener, inference_cluster, kvroute_filters,
 };
 use kvroute_e2e::{Envoy, EnvoyConfig, artifacts, http};
 use serde_json::{Value, json};
@@ -34,6 +34,8 @@ pub const CHAT: &str =
 #[derive(Debug, Clone)]
 pub struct Req {
     pub path: String,
+    /// Header names lower-cased, with their values.
+    pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
 }
 
@@ -99,9 +101,13 @@ pub fn read_request(reader: &mut BufReader<TcpStream>) -> Option<Req> {
     let request_line = read_line(reader)?;
     let path = request_line.split(' ').nth(1)?.to_owned();
     let (mut len, mut chunked) = (0usize, false);
+    let mut headers = Vec::new();
     loop {
         let line = read_line(reader)?;
         let lower = line.to_ascii_lowercase();
+        if let Some((name, value)) = lower.split_once(':') {
+            headers.push((name.trim().to_owned(), value.trim().to_owned()));
+        }
         if let Some(v) = lower.strip_prefix("content-length:") {
             len = v.trim().parse().ok()?;
         }
@@ -129,7 +135,11 @@ pub fn read_request(reader: &mut BufReader<TcpStream>) -> Option<Req> {
         body.resize(len, 0);
         reader.read_exact(&mut body).ok()?;
     }
-    Some(Req { path, body })
+    Some(Req {
+        path,
+        headers,
+        body,
+    })
 }
 
 /// A vLLM replica stand-in: answers with its own address; Responses get an
@@ -295,7 +305,7 @@ pub fn gateway_config(
     EnvoyConfig::new(
         vec![http_listener(
             "gateway",
-            vec![kvroute_filter(&wasm, plugin)],
+            kvroute_filters(&wasm, plugin),
             vec![cluster_route("vllm", Duration::from_secs(5))],
         )],
         vec![
