@@ -215,6 +215,7 @@ mod calls {
     #[repr(u32)]
     pub enum MetricKind {
         Counter = 0,
+        Gauge = 1,
         Histogram = 2,
     }
 
@@ -373,7 +374,7 @@ mod calls {
         ok(unsafe { proxy_increment_metric(id, by) })
     }
 
-    /// Records a histogram sample.
+    /// Records a histogram sample, or sets a gauge.
     pub fn record_metric(id: u32, value: u64) -> Result<(), Status> {
         // SAFETY: see the module doc.
         ok(unsafe { proxy_record_metric(id, value) })

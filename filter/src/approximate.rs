@@ -17,7 +17,7 @@ use crate::request::ParsedRequest;
 const SEPARATOR: u8 = 0x1e;
 
 /// The canonical text of a request's prompt.
-pub fn canonical_text(req: &ParsedRequest) -> Vec<u8> {
+pub fn canonical_text(req: &ParsedRequest<'_>) -> Vec<u8> {
     let mut out = Vec::new();
     let mut push = |v: &Value| {
         match v {
@@ -26,7 +26,19 @@ pub fn canonical_text(req: &ParsedRequest) -> Vec<u8> {
         }
         out.push(SEPARATOR);
     };
-    let field = |name: &str| req.body.get(name).filter(|v| !v.is_null());
+    let values: Vec<(&str, Value)> = [
+        "prompt",
+        "chat_template",
+        "chat_template_kwargs",
+        "tools",
+        "messages",
+        "instructions",
+        "input",
+    ]
+    .into_iter()
+    .filter_map(|name| req.value(name).map(|v| (name, v)))
+    .collect();
+    let field = |name: &str| values.iter().find(|(n, _)| *n == name).map(|(_, v)| v);
     match req.api {
         Api::Completions => {
             if let Some(ids) = &req.prompt_ids {
@@ -68,7 +80,7 @@ pub fn canonical_text(req: &ParsedRequest) -> Vec<u8> {
 
 /// The keys of every full chunk of the request's canonical text, and the
 /// text's length.
-pub fn text_keys(req: &ParsedRequest, chunk: BlockSize) -> (Vec<BlockKey>, usize) {
+pub fn text_keys(req: &ParsedRequest<'_>, chunk: BlockSize) -> (Vec<BlockKey>, usize) {
     let text = canonical_text(req);
     let symbols: Vec<u32> = text.iter().map(|b| u32::from(*b)).collect();
     (

@@ -212,8 +212,14 @@ impl Flow {
             return Action::Pause;
         }
         let (route, started_us) = (route.clone(), *started_us);
+        let work_us = host.now_us();
         let body = host.request_body(0, body_size).unwrap_or_default();
-        self.start(host, route, started_us, &body)
+        let action = self.start(host, route, started_us, &body);
+        host.record(
+            Histogram::RequestWork,
+            host.now_us().saturating_sub(work_us),
+        );
+        action
     }
 
     /// Request trailers end a body without `end_of_stream` on a body chunk.
@@ -326,10 +332,23 @@ impl Flow {
         else {
             return;
         };
+        let work_us = host.now_us();
+        host.record(Histogram::TokenizerCall, work_us.saturating_sub(sent_us));
+        self.on_tokenizer_answer(host, routed, salt, num_headers, body_size);
         host.record(
-            Histogram::TokenizerCall,
-            host.now_us().saturating_sub(sent_us),
+            Histogram::AnswerWork,
+            host.now_us().saturating_sub(work_us),
         );
+    }
+
+    fn on_tokenizer_answer(
+        &mut self,
+        host: &mut dyn Host,
+        routed: Routed,
+        salt: Option<String>,
+        num_headers: usize,
+        body_size: usize,
+    ) {
         if num_headers == 0 {
             log::debug!("{}: tokenizer call failed (no answer headers)", self.id);
             self.tokenizer_failed(host, routed, Via::Callout);

@@ -20,7 +20,7 @@ use crate::abi::{self, Buffer, Map, MetricKind, Status, Stream};
 use crate::config::Config;
 use crate::decision::{Action, Flow, request_id};
 use crate::host::{Host, HostError, SharedData, SharedError};
-use crate::metrics::{Counter, Histogram};
+use crate::metrics::{Counter, Gauge, Histogram};
 
 proxy_wasm::main! {{
     logging::init();
@@ -90,6 +90,7 @@ mod logging {
 struct Metrics {
     counters: HashMap<Counter, u32>,
     histograms: HashMap<Histogram, u32>,
+    gauges: HashMap<Gauge, u32>,
 }
 
 impl Metrics {
@@ -101,6 +102,14 @@ impl Metrics {
                     m.counters.insert(c, id);
                 }
                 Err(s) => log::warn!("metric {} not defined: {s:?}", c.name()),
+            }
+        }
+        for g in Gauge::ALL {
+            match abi::define_metric(MetricKind::Gauge, g.name()) {
+                Ok(id) => {
+                    m.gauges.insert(g, id);
+                }
+                Err(s) => log::warn!("metric {} not defined: {s:?}", g.name()),
             }
         }
         for h in Histogram::ALL {
@@ -225,6 +234,12 @@ impl Context for Http {
 }
 
 impl HttpContext for Http {
+    fn on_log(&mut self) {
+        // The VM's linear memory (it only grows): its high-water mark.
+        let bytes = std::arch::wasm32::memory_size(0).saturating_mul(65_536);
+        self.host.gauge(Gauge::VmMemory, bytes as u64);
+    }
+
     fn on_http_request_headers(
         &mut self,
         _num_headers: usize,
@@ -293,6 +308,14 @@ fn quiet<T: Default>(what: &str, r: Result<T, Status>) -> T {
         log::debug!("{what} failed: {s:?}");
         T::default()
     })
+}
+
+impl ProxyHost {
+    fn gauge(&mut self, gauge: Gauge, value: u64) {
+        if let Some(id) = self.metrics.gauges.get(&gauge) {
+            logged("set gauge", abi::record_metric(*id, value));
+        }
+    }
 }
 
 impl SharedData for ProxyHost {

@@ -139,11 +139,24 @@ pub enum Histogram {
     TokenizerCall,
     /// `kvroute.index_duration_us`: the Pick call.
     IndexCall,
+    /// `kvroute.request_work_us`: the filter's own work on a request body
+    /// (parsing, the tokenizer call's body), from the body's end to the
+    /// first callout.
+    RequestWork,
+    /// `kvroute.answer_work_us`: the filter's own work on a tokenizer answer
+    /// (token ids, block keys, the Pick message).
+    AnswerWork,
 }
 
 impl Histogram {
     /// Every histogram, in definition order.
-    pub const ALL: [Self; 3] = [Self::FilterTime, Self::TokenizerCall, Self::IndexCall];
+    pub const ALL: [Self; 5] = [
+        Self::FilterTime,
+        Self::TokenizerCall,
+        Self::IndexCall,
+        Self::RequestWork,
+        Self::AnswerWork,
+    ];
 
     /// The metric name.
     pub const fn name(self) -> &'static str {
@@ -151,6 +164,28 @@ impl Histogram {
             Self::FilterTime => "kvroute.filter_duration_us",
             Self::TokenizerCall => "kvroute.tokenizer_duration_us",
             Self::IndexCall => "kvroute.index_duration_us",
+            Self::RequestWork => "kvroute.request_work_us",
+            Self::AnswerWork => "kvroute.answer_work_us",
+        }
+    }
+}
+
+/// Gauges.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Gauge {
+    /// `kvroute.vm_memory_bytes`: a VM's linear memory (it never shrinks, so
+    /// this is the high-water mark of the last VM to finish a request).
+    VmMemory,
+}
+
+impl Gauge {
+    /// Every gauge, in definition order.
+    pub const ALL: [Self; 1] = [Self::VmMemory];
+
+    /// The metric name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::VmMemory => "kvroute.vm_memory_bytes",
         }
     }
 }

@@ -28,6 +28,11 @@ pub struct IdScanner {
     sse: bool,
     /// SSE: bytes of `buf` already split into complete events.
     consumed: usize,
+    /// SSE: bytes of `buf` known to hold no event separator that ends
+    /// after `consumed` (a separator may still begin in its last 3 bytes):
+    /// each byte is searched a bounded number of times, however the body is
+    /// chunked.
+    searched: usize,
 }
 
 impl IdScanner {
@@ -38,6 +43,7 @@ impl IdScanner {
             cap,
             sse,
             consumed: 0,
+            searched: 0,
         }
     }
 
@@ -77,10 +83,22 @@ impl IdScanner {
     fn scan_sse(&mut self, complete: bool) -> Scan {
         loop {
             let rest = self.buf.get(self.consumed..).unwrap_or_default();
-            let (event, used) = match event_end(rest) {
+            // Resume the search where the last one stopped, backing up over
+            // a separator that may have been cut by the chunk boundary.
+            let from = self
+                .searched
+                .saturating_sub(3)
+                .max(self.consumed)
+                .saturating_sub(self.consumed);
+            let found = event_end(rest.get(from..).unwrap_or_default())
+                .map(|(len, sep)| (len.saturating_add(from), sep));
+            let (event, used) = match found {
                 Some((len, sep)) => (rest.get(..len).unwrap_or_default(), len.saturating_add(sep)),
                 None if complete && !rest.is_empty() => (rest, rest.len()),
-                None => return Scan::NeedMore,
+                None => {
+                    self.searched = self.buf.len();
+                    return Scan::NeedMore;
+                }
             };
             let found = created_id(event);
             self.consumed = self.consumed.saturating_add(used);
@@ -192,6 +210,31 @@ mod tests {
                 first
             };
             assert_eq!(result, Scan::Found("resp_s".into()), "cut at {cut}");
+        }
+    }
+
+    #[test]
+    fn sse_fed_byte_by_byte_with_either_separator() {
+        for sep in ["\n\n", "\r\n\r\n"] {
+            let filler = "x".repeat(3000);
+            let stream = format!(
+                "event: ping{sep}data: {filler}{sep}event: response.created{sep_line}data: {{\"type\":\"response.created\",\"response\":{{\"id\":\"resp_b\"}}}}{sep}",
+                sep_line = &sep[..sep.len() / 2],
+            );
+            let mut s = IdScanner::new(64 * 1024, true);
+            let mut found = None;
+            for (i, b) in stream.as_bytes().iter().enumerate() {
+                match s.push(&[*b], i + 1 == stream.len()) {
+                    Scan::NeedMore => {}
+                    other => {
+                        found = Some(other);
+                        break;
+                    }
+                }
+                // Every byte already searched stays searched.
+                assert!(s.searched >= s.buf.len().saturating_sub(1) || s.consumed == s.buf.len());
+            }
+            assert_eq!(found, Some(Scan::Found("resp_b".into())), "{sep:?}");
         }
     }
 

@@ -7,13 +7,19 @@
 //! [`Rejection::IncompleteIdentity`]; anything malformed as
 //! [`Rejection::Unparseable`]. vLLM will answer those itself.
 
-use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+use serde_json::value::RawValue;
 
 use crate::config::Api;
 
-/// A request body the filter can route.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ParsedRequest {
+/// A request body the filter can route. Its fields are slices of the
+/// original bytes: nothing is parsed into a tree but what a check needs
+/// (token ids go straight into a `Vec<u32>`, forwarded fields are copied as
+/// they came).
+#[derive(Clone, Debug)]
+pub struct ParsedRequest<'a> {
     /// Which API the body speaks.
     pub api: Api,
     /// `model`, if present and a non-empty string.
@@ -24,8 +30,29 @@ pub struct ParsedRequest {
     pub previous_response_id: Option<String>,
     /// Token ids given directly as a completions `prompt`.
     pub prompt_ids: Option<Vec<u32>>,
-    /// The body's top-level object.
-    pub body: Map<String, Value>,
+    /// The body's top-level fields as raw JSON (the last of duplicates).
+    fields: BTreeMap<String, &'a RawValue>,
+}
+
+impl<'a> ParsedRequest<'a> {
+    /// A top-level field's raw JSON, unless absent or `null`.
+    pub fn raw(&self, name: &str) -> Option<&'a RawValue> {
+        self.fields.get(name).copied().filter(|v| v.get() != "null")
+    }
+
+    /// A top-level field parsed into a value (for the few that need one).
+    pub fn value(&self, name: &str) -> Option<Value> {
+        self.raw(name)
+            .and_then(|raw| serde_json::from_str(raw.get()).ok())
+    }
+
+    /// Every top-level field but `skip`, in name order, raw.
+    pub fn fields_except(&self, skip: &str) -> impl Iterator<Item = (&str, &'a RawValue)> {
+        self.fields
+            .iter()
+            .filter(move |(k, _)| k.as_str() != skip)
+            .map(|(k, v)| (k.as_str(), *v))
+    }
 }
 
 /// Why a body cannot be routed.
@@ -77,89 +104,126 @@ const EMBED_FIELDS: &[&str] = &["prompt_embeds", "multi_modal_data", "mm_embeds"
 /// vLLM's limit on `cache_salt`.
 const MAX_SALT_CHARS: usize = 128;
 
+/// The kind of JSON value a raw slice holds, from its first byte.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    String,
+    Array,
+    Object,
+    Bool,
+    Other,
+}
+
+fn kind(raw: &RawValue) -> Kind {
+    match raw.get().trim_start().as_bytes().first() {
+        Some(b'"') => Kind::String,
+        Some(b'[') => Kind::Array,
+        Some(b'{') => Kind::Object,
+        Some(b't' | b'f') => Kind::Bool,
+        _ => Kind::Other,
+    }
+}
+
+fn string(raw: &RawValue) -> Option<String> {
+    serde_json::from_str(raw.get()).ok()
+}
+
 /// Parses a request body of `api`.
-pub fn parse(api: Api, bytes: &[u8]) -> Result<ParsedRequest, Rejection> {
-    let value: Value =
-        serde_json::from_slice(bytes).map_err(|e| Rejection::bad(format!("invalid JSON: {e}")))?;
-    let Value::Object(body) = value else {
-        return Err(Rejection::bad("body is not a JSON object"));
+pub fn parse(api: Api, bytes: &[u8]) -> Result<ParsedRequest<'_>, Rejection> {
+    let fields: BTreeMap<String, &RawValue> = serde_json::from_slice(bytes).map_err(|e| {
+        if e.classify() == serde_json::error::Category::Data {
+            Rejection::bad("body is not a JSON object")
+        } else {
+            Rejection::bad(format!("invalid JSON: {e}"))
+        }
+    })?;
+    let mut req = ParsedRequest {
+        api,
+        model: None,
+        cache_salt: None,
+        previous_response_id: None,
+        prompt_ids: None,
+        fields,
     };
     for field in EMBED_FIELDS {
-        if body.get(*field).is_some_and(|v| !v.is_null()) {
+        if req.raw(field).is_some() {
             return Err(Rejection::IncompleteIdentity(format!("`{field}` present")));
         }
     }
-    let model = match body.get("model") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
-        Some(_) => return Err(Rejection::bad("`model` is not a non-empty string")),
-    };
-    let cache_salt = salt(body.get("cache_salt"))?;
-    let mut previous_response_id = None;
-    let mut prompt_ids = None;
-    match api {
-        Api::Completions => prompt_ids = completions(&body)?,
-        Api::Chat => chat(&body)?,
-        Api::Responses => previous_response_id = responses(&body)?,
-    }
-    Ok(ParsedRequest {
-        api,
-        model,
-        cache_salt,
-        previous_response_id,
-        prompt_ids,
-        body,
-    })
-}
-
-fn salt(value: Option<&Value>) -> Result<Option<String>, Rejection> {
-    match value {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => {
-            let ok = !s.is_empty()
-                && s.chars().count() <= MAX_SALT_CHARS
-                && !s.contains(['@', '/', '\\', '\0']);
-            if ok {
-                Ok(Some(s.clone()))
-            } else {
-                Err(Rejection::bad("`cache_salt` is not a valid salt"))
-            }
-        }
-        Some(_) => Err(Rejection::bad("`cache_salt` is not a string")),
-    }
-}
-
-/// `prompt`: a string, one string in a list, or token ids (one list).
-fn completions(body: &Map<String, Value>) -> Result<Option<Vec<u32>>, Rejection> {
-    match body.get("prompt") {
-        Some(Value::String(_)) => Ok(None),
-        Some(Value::Array(items)) => match items.as_slice() {
-            [Value::String(_)] => Ok(None),
-            [Value::Array(ids)] => token_ids(ids).map(Some),
-            [] => Err(Rejection::bad("`prompt` is empty")),
-            [_, _, ..] if items.iter().all(Value::is_number) => token_ids(items).map(Some),
-            [Value::Number(_)] => token_ids(items).map(Some),
-            _ => Err(Rejection::bad("batched `prompt` cannot go to one replica")),
+    req.model = match req.raw("model") {
+        None => None,
+        Some(raw) => match string(raw) {
+            Some(s) if !s.is_empty() => Some(s),
+            _ => return Err(Rejection::bad("`model` is not a non-empty string")),
         },
-        Some(_) => Err(Rejection::bad("`prompt` has an unsupported shape")),
-        None => Err(Rejection::bad("`prompt` missing")),
+    };
+    req.cache_salt = salt(req.raw("cache_salt"))?;
+    match api {
+        Api::Completions => req.prompt_ids = completions(&req)?,
+        Api::Chat => chat(&req)?,
+        Api::Responses => req.previous_response_id = responses(&req)?,
+    }
+    Ok(req)
+}
+
+fn salt(value: Option<&RawValue>) -> Result<Option<String>, Rejection> {
+    let Some(raw) = value else {
+        return Ok(None);
+    };
+    let Some(s) = string(raw) else {
+        return Err(Rejection::bad("`cache_salt` is not a string"));
+    };
+    let ok =
+        !s.is_empty() && s.chars().count() <= MAX_SALT_CHARS && !s.contains(['@', '/', '\\', '\0']);
+    if ok {
+        Ok(Some(s))
+    } else {
+        Err(Rejection::bad("`cache_salt` is not a valid salt"))
     }
 }
 
-fn token_ids(items: &[Value]) -> Result<Vec<u32>, Rejection> {
-    items
-        .iter()
-        .map(|v| {
-            v.as_u64()
-                .and_then(|n| u32::try_from(n).ok())
-                .ok_or_else(|| Rejection::bad("token id is not a u32"))
-        })
-        .collect()
+/// `prompt`: a string, one string in a list, or token ids (one list). Ids
+/// are decoded straight into `u32`s, whatever their number.
+fn completions(req: &ParsedRequest<'_>) -> Result<Option<Vec<u32>>, Rejection> {
+    let Some(raw) = req.raw("prompt") else {
+        return Err(Rejection::bad("`prompt` missing"));
+    };
+    match kind(raw) {
+        Kind::String => return Ok(None),
+        Kind::Array => {}
+        _ => return Err(Rejection::bad("`prompt` has an unsupported shape")),
+    }
+    let text = raw.get();
+    if let Ok(ids) = serde_json::from_str::<Vec<u32>>(text) {
+        return if ids.is_empty() {
+            Err(Rejection::bad("`prompt` is empty"))
+        } else {
+            Ok(Some(ids))
+        };
+    }
+    if let Ok(mut lists) = serde_json::from_str::<Vec<Vec<u32>>>(text) {
+        return match lists.len() {
+            1 => Ok(lists.pop()),
+            0 => Err(Rejection::bad("`prompt` is empty")),
+            _ => Err(Rejection::bad("batched `prompt` cannot go to one replica")),
+        };
+    }
+    let items: Vec<&RawValue> = serde_json::from_str(text)
+        .map_err(|_| Rejection::bad("`prompt` has an unsupported shape"))?;
+    match items.as_slice() {
+        [one] if kind(one) == Kind::String => Ok(None),
+        items if items.iter().all(|i| kind(i) == Kind::Other) => {
+            Err(Rejection::bad("token id is not a u32"))
+        }
+        _ => Err(Rejection::bad("batched `prompt` cannot go to one replica")),
+    }
 }
 
-fn chat(body: &Map<String, Value>) -> Result<(), Rejection> {
-    let Some(Value::Array(messages)) = body.get("messages") else {
-        return Err(Rejection::bad("`messages` missing or not a list"));
+fn chat(req: &ParsedRequest<'_>) -> Result<(), Rejection> {
+    let messages = match req.raw("messages") {
+        Some(raw) if kind(raw) == Kind::Array => serde_json::from_str::<Vec<Value>>(raw.get())
+            .map_err(|_| Rejection::bad("`messages` is not a list"))?,
+        _ => return Err(Rejection::bad("`messages` missing or not a list")),
     };
     if messages.is_empty() {
         return Err(Rejection::bad("`messages` is empty"));
@@ -167,53 +231,53 @@ fn chat(body: &Map<String, Value>) -> Result<(), Rejection> {
     if messages.iter().any(|m| !m.is_object()) {
         return Err(Rejection::bad("a message is not an object"));
     }
-    optional_shape(body, "tools", Value::is_array)?;
-    optional_shape(body, "chat_template_kwargs", Value::is_object)?;
-    optional_shape(body, "add_generation_prompt", Value::is_boolean)?;
-    optional_shape(body, "continue_final_message", Value::is_boolean)?;
-    media("messages", body.get("messages"))
+    optional_shape(req, "tools", Kind::Array)?;
+    optional_shape(req, "chat_template_kwargs", Kind::Object)?;
+    optional_shape(req, "add_generation_prompt", Kind::Bool)?;
+    optional_shape(req, "continue_final_message", Kind::Bool)?;
+    if messages.iter().any(has_media) {
+        return Err(Rejection::IncompleteIdentity(
+            "media content in `messages`".to_owned(),
+        ));
+    }
+    Ok(())
 }
 
-fn responses(body: &Map<String, Value>) -> Result<Option<String>, Rejection> {
-    let previous = match body.get("previous_response_id") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) if !s.is_empty() => Some(s.clone()),
-        Some(_) => return Err(Rejection::bad("`previous_response_id` is not a string")),
+fn responses(req: &ParsedRequest<'_>) -> Result<Option<String>, Rejection> {
+    let previous = match req.raw("previous_response_id") {
+        None => None,
+        Some(raw) => match string(raw) {
+            Some(s) if !s.is_empty() => Some(s),
+            _ => return Err(Rejection::bad("`previous_response_id` is not a string")),
+        },
     };
-    match body.get("input") {
-        Some(Value::String(_)) => {}
-        Some(Value::Array(items)) => {
+    match req.raw("input") {
+        Some(raw) if kind(raw) == Kind::String => {}
+        Some(raw) if kind(raw) == Kind::Array => {
+            let items: Vec<Value> = serde_json::from_str(raw.get())
+                .map_err(|_| Rejection::bad("`input` is not a list"))?;
             if items.iter().any(|m| !m.is_object() && !m.is_string()) {
                 return Err(Rejection::bad("an `input` item is not an object"));
             }
+            if items.iter().any(has_media) {
+                return Err(Rejection::IncompleteIdentity(
+                    "media content in `input`".to_owned(),
+                ));
+            }
         }
-        None | Some(Value::Null) if previous.is_some() => {}
+        None if previous.is_some() => {}
         _ => return Err(Rejection::bad("`input` missing or of the wrong shape")),
     }
-    optional_shape(body, "instructions", Value::is_string)?;
-    optional_shape(body, "tools", Value::is_array)?;
-    media("input", body.get("input"))?;
+    optional_shape(req, "instructions", Kind::String)?;
+    optional_shape(req, "tools", Kind::Array)?;
     Ok(previous)
 }
 
-fn optional_shape(
-    body: &Map<String, Value>,
-    field: &str,
-    ok: fn(&Value) -> bool,
-) -> Result<(), Rejection> {
-    match body.get(field) {
-        None | Some(Value::Null) => Ok(()),
-        Some(v) if ok(v) => Ok(()),
-        Some(_) => Err(Rejection::bad(format!("`{field}` has the wrong type"))),
-    }
-}
-
-/// Looks for media content parts anywhere under `value`.
-fn media(field: &str, value: Option<&Value>) -> Result<(), Rejection> {
-    match value {
-        Some(v) if has_media(v) => Err(Rejection::IncompleteIdentity(format!(
-            "media content in `{field}`"
-        ))),
+fn optional_shape(req: &ParsedRequest<'_>, field: &str, want: Kind) -> Result<(), Rejection> {
+    match req.raw(field) {
+        Some(raw) if kind(raw) != want => {
+            Err(Rejection::bad(format!("`{field}` has the wrong type")))
+        }
         _ => Ok(()),
     }
 }
@@ -240,7 +304,7 @@ fn has_media(value: &Value) -> bool {
 mod tests {
     use super::*;
 
-    fn ok(api: Api, json: &str) -> ParsedRequest {
+    fn ok(api: Api, json: &str) -> ParsedRequest<'_> {
         parse(api, json.as_bytes()).unwrap()
     }
 
@@ -296,7 +360,7 @@ mod tests {
                 "tools":[{"type":"function","function":{"name":"f","parameters":{"properties":{"image_url":{"type":"string"}}}}}],
                 "chat_template_kwargs":{"enable_thinking":false},"add_generation_prompt":true}"#,
         );
-        assert!(r.body.contains_key("tools"));
+        assert!(r.raw("tools").is_some());
         unparseable(Api::Chat, br#"{"model":"m","messages":[]}"#);
         unparseable(Api::Chat, br#"{"model":"m","messages":"hi"}"#);
         unparseable(Api::Chat, br#"{"model":"m","messages":[1]}"#);
@@ -377,10 +441,8 @@ mod tests {
             format!(r#"{{"model":"m","prompt":"x","cache_salt":"{long}"}}"#).as_bytes(),
         );
         let max = "é".repeat(128);
-        let r = ok(
-            Api::Completions,
-            &format!(r#"{{"prompt":"x","cache_salt":"{max}"}}"#),
-        );
+        let body = format!(r#"{{"prompt":"x","cache_salt":"{max}"}}"#);
+        let r = ok(Api::Completions, &body);
         assert_eq!(r.cache_salt.as_deref(), Some(max.as_str()));
     }
 
@@ -402,12 +464,38 @@ mod tests {
     }
 
     #[test]
+    fn huge_token_id_prompts_decode_straight_to_ids() {
+        // ~8 MB of ids, as one list or one list in a list.
+        let ids: Vec<String> = (0..1_200_000u32).map(|i| (i % 32_000).to_string()).collect();
+        for wrap in [false, true] {
+            let list = format!("[{}]", ids.join(","));
+            let prompt = if wrap { format!("[{list}]") } else { list };
+            let body = format!(r#"{{"model":"m","prompt":{prompt},"max_tokens":1}}"#);
+            let r = ok(Api::Completions, &body);
+            let got = r.prompt_ids.unwrap();
+            assert_eq!(got.len(), 1_200_000);
+            assert_eq!(got[31_999], 31_999);
+        }
+    }
+
+    #[test]
+    fn the_last_of_duplicate_fields_counts_and_raw_fields_are_kept_as_sent() {
+        let r = ok(
+            Api::Chat,
+            r#"{"model":"a","model":"b","messages":[{"role":"user","content":"x\u00e9"}]}"#,
+        );
+        assert_eq!(r.model.as_deref(), Some("b"));
+        assert_eq!(
+            r.raw("messages").map(|m| m.get()),
+            Some(r#"[{"role":"user","content":"x\u00e9"}]"#)
+        );
+    }
+
+    #[test]
     fn huge_bodies_parse() {
         let text = "lorem ipsum ".repeat(80_000);
-        let r = ok(
-            Api::Completions,
-            &format!(r#"{{"model":"m","prompt":"{text}"}}"#),
-        );
+        let body = format!(r#"{{"model":"m","prompt":"{text}"}}"#);
+        let r = ok(Api::Completions, &body);
         assert_eq!(r.model.as_deref(), Some("m"));
     }
 }

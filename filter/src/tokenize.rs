@@ -9,7 +9,7 @@
 //! Responses bodies must go to `/v1/responses/render`: `/tokenize` rejects
 //! them and rendering them as chat misses the second BOS vLLM adds.
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use crate::config::{Api, TokenizerCall};
 use crate::request::ParsedRequest;
@@ -28,35 +28,46 @@ const CHAT_FIELDS: &[&str] = &[
 const COMPLETION_FIELDS: &[&str] = &["prompt", "add_special_tokens"];
 
 /// The body of the tokenizer call for `req`, whose raw bytes are `raw`.
-pub fn request_body(call: TokenizerCall, req: &ParsedRequest, model: &str, raw: &[u8]) -> Vec<u8> {
+/// Fields are copied as the client sent them (no re-serialization).
+pub fn request_body(
+    call: TokenizerCall,
+    req: &ParsedRequest<'_>,
+    model: &str,
+    raw: &[u8],
+) -> Vec<u8> {
     match call {
         TokenizerCall::Render if req.model.is_some() => raw.to_vec(),
-        TokenizerCall::Render => {
-            let mut body = req.body.clone();
-            body.insert("model".to_owned(), Value::String(model.to_owned()));
-            to_vec(&body)
-        }
+        TokenizerCall::Render => object(model, req.fields_except("model")),
         TokenizerCall::Tokenize => {
             let fields = match req.api {
                 Api::Completions => COMPLETION_FIELDS,
                 Api::Chat | Api::Responses => CHAT_FIELDS,
             };
-            let mut body = Map::new();
-            body.insert("model".to_owned(), Value::String(model.to_owned()));
-            for field in fields {
-                if let Some(v) = req.body.get(*field).filter(|v| !v.is_null()) {
-                    body.insert((*field).to_owned(), v.clone());
-                }
-            }
-            to_vec(&body)
+            object(
+                model,
+                fields.iter().filter_map(|f| req.raw(f).map(|v| (*f, v))),
+            )
         }
     }
 }
 
-fn to_vec(map: &Map<String, Value>) -> Vec<u8> {
-    // Serializing a Value to memory cannot fail; an empty body would be
-    // refused by the tokenizer and end in `tokenize_failed`.
-    serde_json::to_vec(map).unwrap_or_default()
+/// `{"model": model, name: raw, …}`.
+fn object<'a>(
+    model: &str,
+    fields: impl Iterator<Item = (&'a str, &'a serde_json::value::RawValue)>,
+) -> Vec<u8> {
+    let mut out = Vec::new();
+    out.extend_from_slice(b"{\"model\":");
+    // Serializing a string to memory cannot fail.
+    out.extend_from_slice(&serde_json::to_vec(model).unwrap_or_default());
+    for (name, value) in fields {
+        out.push(b',');
+        out.extend_from_slice(&serde_json::to_vec(name).unwrap_or_default());
+        out.push(b':');
+        out.extend_from_slice(value.get().as_bytes());
+    }
+    out.push(b'}');
+    out
 }
 
 /// Why a tokenizer answer is unusable.
