@@ -34,6 +34,19 @@ pub enum TokenizerCall {
     Render,
 }
 
+/// Where a precise-mode request is tokenized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenizeAt {
+    /// indexd: the Pick carries the body, and indexd tokenizes it (its own
+    /// tokenizer, or a replica's when it has none for the model), keys and
+    /// picks in one call.
+    Indexd,
+    /// The `tokenizer_cluster` (a vLLM replica or render sidecar), then a
+    /// Pick with the keys: two calls.
+    Cluster,
+}
+
 /// How block keys are derived.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -71,7 +84,10 @@ pub struct BreakerConfig {
 /// The validated configuration.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
-    /// Envoy cluster of the tokenizer (a vLLM replica or render sidecar).
+    /// Where precise-mode requests are tokenized.
+    pub tokenize_at: TokenizeAt,
+    /// Envoy cluster of the tokenizer (a vLLM replica or render sidecar);
+    /// empty unless `tokenize_at` is `cluster`.
     pub tokenizer_cluster: String,
     /// `:authority` of tokenizer calls.
     pub tokenizer_authority: String,
@@ -145,6 +161,7 @@ impl std::error::Error for ConfigError {}
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
+    tokenize_at: Option<TokenizeAt>,
     tokenizer_cluster: Option<String>,
     tokenizer_authority: Option<String>,
     index_cluster: Option<String>,
@@ -239,15 +256,24 @@ impl Config {
     fn validate(raw: RawConfig) -> Result<Self, ConfigError> {
         let mode = raw.mode.unwrap_or(Mode::Precise);
         let index_cluster = required_name("index_cluster", raw.index_cluster)?;
-        let tokenizer_cluster = match (mode, raw.tokenizer_cluster) {
-            (_, Some(name)) => non_empty("tokenizer_cluster", name)?,
-            (Mode::Approximate, None) => String::new(),
-            (Mode::Precise, None) => {
+        // A tokenizer cluster alone means the two-call path, as before
+        // indexd tokenized.
+        let tokenize_at = raw
+            .tokenize_at
+            .unwrap_or(if raw.tokenizer_cluster.is_some() {
+                TokenizeAt::Cluster
+            } else {
+                TokenizeAt::Indexd
+            });
+        let tokenizer_cluster = match (mode, tokenize_at, raw.tokenizer_cluster) {
+            (_, _, Some(name)) => non_empty("tokenizer_cluster", name)?,
+            (Mode::Precise, TokenizeAt::Cluster, None) => {
                 return Err(ConfigError::new(
                     "tokenizer_cluster",
-                    "required in precise mode",
+                    "required when tokenize_at is `cluster`",
                 ));
             }
+            _ => String::new(),
         };
         let tokenizer_authority = match raw.tokenizer_authority {
             Some(a) => non_empty("tokenizer_authority", a)?,
@@ -323,6 +349,7 @@ impl Config {
             Some(m) => Some(non_empty("model_fallback", m)?),
         };
         Ok(Self {
+            tokenize_at,
             tokenizer_cluster,
             tokenizer_authority,
             index_cluster,
@@ -542,7 +569,15 @@ mod tests {
 
     #[test]
     fn minimal_config_gets_defaults() {
+        let c = parse(r#"{"index_cluster":"indexd"}"#).unwrap();
+        assert_eq!(c.tokenize_at, TokenizeAt::Indexd);
+        assert_eq!(c.tokenizer_cluster, "");
         let c = parse(r#"{"index_cluster":"indexd","tokenizer_cluster":"vllm"}"#).unwrap();
+        assert_eq!(
+            c.tokenize_at,
+            TokenizeAt::Cluster,
+            "a cluster alone: two calls"
+        );
         assert_eq!(c.tokenizer_authority, "vllm");
         assert_eq!(c.block_size.get(), 64);
         assert_eq!(c.override_header, "x-gateway-destination-endpoint");
@@ -587,7 +622,10 @@ mod tests {
     #[test]
     fn errors_name_the_field() {
         assert_eq!(err_field(r#"{"tokenizer_cluster":"t"}"#), "index_cluster");
-        assert_eq!(err_field(r#"{"index_cluster":"i"}"#), "tokenizer_cluster");
+        assert_eq!(
+            err_field(r#"{"index_cluster":"i","tokenize_at":"cluster"}"#),
+            "tokenizer_cluster"
+        );
         assert_eq!(err_field(""), "index_cluster");
         let base = r#""index_cluster":"i","tokenizer_cluster":"t""#;
         let cases = [

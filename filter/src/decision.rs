@@ -31,14 +31,16 @@
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use kvroute_proto::v1::{DecisionKind, Mode as WireMode, PickRequest, PickResponse};
+use kvroute_proto::v1::{
+    Api as WireApi, DecisionKind, Mode as WireMode, PickRequest, PickResponse,
+};
 use kvroute_proto::{block_keys, grpc_path};
 use prost::Message;
 
 use crate::approximate;
 use crate::breaker::{self, Breaker};
 use crate::completed;
-use crate::config::{Config, Mode, Route};
+use crate::config::{Api, Config, Mode, Route, TokenizeAt};
 use crate::host::Host;
 use crate::metrics::{Counter, Histogram, Reason};
 use crate::request::{self, Rejection};
@@ -272,6 +274,18 @@ impl Flow {
             let salt = req.cache_salt.as_deref();
             return self.pick_tokens(host, routed, ids, salt, Via::Callback);
         }
+        if self.cfg.tokenize_at == TokenizeAt::Indexd {
+            let mut pick = self.pick_request(host, &routed);
+            pick.api = wire_api(routed.route.api).into();
+            let message = with_body(&pick, body);
+            // indexd may ask a replica's tokenizer: the call may take as
+            // long as a tokenizer call.
+            let timeout = self
+                .cfg
+                .tokenizer_timeout
+                .saturating_add(self.cfg.index_timeout);
+            return self.dispatch_pick(host, routed, &message, timeout, Via::Callback);
+        }
         if breaker::is_open(host, Breaker::Tokenizer, now_ms(host)) {
             return self.conclude_routed(host, routed, Reason::TokenizerBreakerOpen, Via::Callback);
         }
@@ -335,10 +349,7 @@ impl Flow {
         let work_us = host.now_us();
         host.record(Histogram::TokenizerCall, work_us.saturating_sub(sent_us));
         self.on_tokenizer_answer(host, routed, salt, num_headers, body_size);
-        host.record(
-            Histogram::AnswerWork,
-            host.now_us().saturating_sub(work_us),
-        );
+        host.record(Histogram::AnswerWork, host.now_us().saturating_sub(work_us));
     }
 
     fn on_tokenizer_answer(
@@ -439,13 +450,25 @@ impl Flow {
     }
 
     fn pick(&mut self, host: &mut dyn Host, routed: Routed, pick: PickRequest, via: Via) -> Action {
+        let timeout = self.cfg.index_timeout;
+        self.dispatch_pick(host, routed, &pick.encode_to_vec(), timeout, via)
+    }
+
+    fn dispatch_pick(
+        &mut self,
+        host: &mut dyn Host,
+        routed: Routed,
+        message: &[u8],
+        timeout: std::time::Duration,
+        via: Via,
+    ) -> Action {
         let sent_us = host.now_us();
         match host.dispatch_grpc(
             &self.cfg.index_cluster,
             grpc_path::SERVICE,
             grpc_path::PICK,
-            &pick.encode_to_vec(),
-            self.cfg.index_timeout,
+            message,
+            timeout,
         ) {
             Ok(token) => {
                 self.stage = Stage::Picking {
@@ -539,6 +562,13 @@ impl Flow {
                 let now = now_ms(host);
                 breaker::record_success(host, Breaker::Index, now);
                 self.conclude_routed(host, routed, Reason::IndexStale, Via::Callout);
+                return;
+            }
+            Ok(DecisionKind::Untokenized) => {
+                let now = now_ms(host);
+                breaker::record_success(host, Breaker::Index, now);
+                log::debug!("{}: indexd could not tokenize: {}", self.id, answer.reason);
+                self.conclude_routed(host, routed, Reason::TokenizeFailed, Via::Callout);
                 return;
             }
             Ok(DecisionKind::Unspecified) | Err(_) => {
@@ -654,6 +684,31 @@ impl Flow {
             }
         }
     }
+}
+
+fn wire_api(api: Api) -> WireApi {
+    match api {
+        Api::Completions => WireApi::Completions,
+        Api::Chat => WireApi::Chat,
+        Api::Responses => WireApi::Responses,
+    }
+}
+
+/// `pick` encoded with `body` as its `body` field, copying the body once.
+fn with_body(pick: &PickRequest, body: &[u8]) -> Vec<u8> {
+    /// `PickRequest.body`: field 10, length-delimited.
+    const BODY_KEY: u64 = (10 << 3) | 2;
+    let mut out = Vec::with_capacity(
+        pick.encoded_len()
+            .saturating_add(body.len())
+            .saturating_add(16),
+    );
+    // Encoding into a Vec cannot run out of room.
+    let _ = pick.encode(&mut out);
+    prost::encoding::encode_varint(BODY_KEY, &mut out);
+    prost::encoding::encode_varint(body.len() as u64, &mut out);
+    out.extend_from_slice(body);
+    out
 }
 
 fn now_ms(host: &dyn Host) -> u64 {

@@ -466,7 +466,9 @@ mod tests {
     #[test]
     fn huge_token_id_prompts_decode_straight_to_ids() {
         // ~8 MB of ids, as one list or one list in a list.
-        let ids: Vec<String> = (0..1_200_000u32).map(|i| (i % 32_000).to_string()).collect();
+        let ids: Vec<String> = (0..1_200_000u32)
+            .map(|i| (i % 32_000).to_string())
+            .collect();
         for wrap in [false, true] {
             let list = format!("[{}]", ids.join(","));
             let prompt = if wrap { format!("[{list}]") } else { list };

@@ -3,7 +3,9 @@
 
 use std::rc::Rc;
 
-use kvroute_proto::v1::{Candidate, DecisionKind, Mode as WireMode, PickRequest, PickResponse};
+use kvroute_proto::v1::{
+    Api as WireApi, Candidate, DecisionKind, Mode as WireMode, PickRequest, PickResponse,
+};
 use kvroute_proto::{BlockSize, block_keys};
 use prost::Message;
 
@@ -765,4 +767,57 @@ fn client_request_ids_are_capped_and_never_reach_indexd() {
     let pick = h.pick_request();
     assert_eq!(pick.request_id, "000000000000feed-7");
     assert!(!pick.request_id.contains('r'));
+}
+
+#[test]
+fn with_tokenize_at_indexd_one_pick_carries_the_body() {
+    let mut h = Harness::new(r#""tokenize_at":"indexd","tokenizer_timeout_ms":300"#);
+    assert_eq!(h.post("/v1/chat/completions", CHAT), Action::Pause);
+    assert!(h.host.http_calls.is_empty(), "no tokenizer call");
+    let pick = h.pick_request();
+    assert_eq!(pick.body, CHAT.as_bytes());
+    assert_eq!(pick.api, i32::from(WireApi::Chat));
+    assert_eq!(pick.mode, i32::from(WireMode::Precise));
+    assert!(pick.block_keys.is_empty());
+    assert_eq!(pick.model, "m");
+    assert_eq!(pick.request_id, "000000000000feed-1");
+    assert_eq!(
+        h.host.grpc_calls[0].timeout,
+        std::time::Duration::from_millis(350),
+        "a tokenizer's time plus indexd's"
+    );
+    h.index_answers(0, &answer(DecisionKind::Precise, &["10.0.0.9:8000"], None));
+    assert_eq!(h.flow.reason(), Some(Reason::Precise));
+    assert_eq!(h.override_header().as_deref(), Some("10.0.0.9:8000"));
+    assert_eq!(h.host.request_resumes, 1);
+}
+
+#[test]
+fn with_tokenize_at_indexd_an_untokenized_body_goes_on_unrouted() {
+    let mut h = Harness::new(
+        r#""tokenize_at":"indexd","breaker":{"failures":1,"window_ms":1000,"cooldown_ms":1000}"#,
+    );
+    for _ in 0..3 {
+        h.post("/v1/responses", r#"{"model":"m","input":"x"}"#);
+        assert_eq!(h.pick_request().api, i32::from(WireApi::Responses));
+        h.index_answers(0, &answer(DecisionKind::Untokenized, &[], None));
+        assert_eq!(h.flow.reason(), Some(Reason::TokenizeFailed));
+        assert_eq!(h.override_header(), None);
+        assert_eq!(h.host.request_resumes, 1);
+        h.next_stream();
+    }
+    assert_eq!(
+        h.host.count_of(Counter::BreakerOpened),
+        0,
+        "indexd answered: it is well"
+    );
+    // Token-id prompts and continuations are keyed as before, without a body.
+    let ids: Vec<String> = (1..=64).map(|i| i.to_string()).collect();
+    h.post(
+        "/v1/completions",
+        &format!(r#"{{"model":"m","prompt":[{}]}}"#, ids.join(",")),
+    );
+    let pick = h.pick_request();
+    assert!(pick.body.is_empty());
+    assert_eq!(pick.block_keys.len(), 1);
 }
