@@ -35,6 +35,7 @@ use serde::Deserialize;
 use crate::error::ConfigError;
 use crate::score::Weights;
 use crate::wire::Limits;
+use crate::zmtp::Endpoint;
 
 /// A replica (one data-parallel rank of one vLLM server).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -256,6 +257,22 @@ impl Config {
         if self.max_index_entries == 0 {
             return Err(ConfigError::field("max_index_entries", "must be positive"));
         }
+        let l = &self.limits;
+        if l.max_frame_bytes == 0 {
+            return Err(ConfigError::field("max_frame_bytes", "must be positive"));
+        }
+        if l.max_message_bytes < l.max_frame_bytes {
+            return Err(ConfigError::field(
+                "max_message_bytes",
+                format!("must be at least max_frame_bytes ({})", l.max_frame_bytes),
+            ));
+        }
+        if l.max_publisher_connections == 0 {
+            return Err(ConfigError::field(
+                "max_publisher_connections",
+                "must be positive",
+            ));
+        }
         self.weights.validate()?;
         Ok(())
     }
@@ -291,24 +308,22 @@ pub fn validate_endpoints(endpoints: &[EndpointConfig], field: &str) -> Result<(
                 "needs `events` (the address to bind)",
             ));
         }
-        if let Some(events) = &ep.events
-            && !ep.events_bind
-            && events.contains('*')
-        {
-            return Err(ConfigError::field(
-                format!("{field}[{i}].events"),
-                format!(
-                    "{events:?} is a bind address: name the replica's host, or set events_bind: true"
-                ),
-            ));
-        }
-        for (name, value) in [("events", &ep.events), ("replay", &ep.replay)] {
-            if let Some(v) = value
-                && !v.starts_with("tcp://")
-            {
+        for (name, value, binds) in [
+            ("events", &ep.events, ep.events_bind),
+            ("replay", &ep.replay, false),
+        ] {
+            let Some(v) = value else { continue };
+            let parsed = Endpoint::parse(v)
+                .map_err(|e| ConfigError::field(format!("{field}[{i}].{name}"), e.to_string()))?;
+            if parsed.is_wildcard() && !binds {
+                let hint = if name == "events" {
+                    ", or set events_bind: true"
+                } else {
+                    ""
+                };
                 return Err(ConfigError::field(
                     format!("{field}[{i}].{name}"),
-                    format!("{v:?} is not a tcp:// endpoint"),
+                    format!("{v:?} is a bind address: name the replica's host{hint}"),
                 ));
             }
         }
@@ -474,6 +489,8 @@ struct RawConfig {
     max_events_per_batch: Option<usize>,
     max_blocks_per_event: Option<usize>,
     max_tokens_per_event: Option<usize>,
+    max_message_bytes: Option<usize>,
+    max_publisher_connections: Option<usize>,
     weights: Option<Weights>,
     seed: Option<u64>,
 }
@@ -535,6 +552,10 @@ impl RawConfig {
         l.max_events_per_batch = self.max_events_per_batch.unwrap_or(l.max_events_per_batch);
         l.max_blocks_per_event = self.max_blocks_per_event.unwrap_or(l.max_blocks_per_event);
         l.max_tokens_per_event = self.max_tokens_per_event.unwrap_or(l.max_tokens_per_event);
+        l.max_message_bytes = self.max_message_bytes.unwrap_or(l.max_message_bytes);
+        l.max_publisher_connections = self
+            .max_publisher_connections
+            .unwrap_or(l.max_publisher_connections);
         if let Some(w) = self.weights {
             c.weights = w;
         }
@@ -584,6 +605,18 @@ mod tests {
         assert!(err.to_string().contains("endpoints[0].events"), "{err}");
         let bind = "endpoints:\n  - {address: 1.2.3.4:1, model: m, events: 'tcp://*:5557', events_bind: true}\n";
         assert!(Config::from_yaml(bind).is_ok());
+        for (bad, field) in [
+            ("events: 'ipc:///tmp/kv'", "endpoints[0].events"),
+            ("events: 'tcp://host'", "endpoints[0].events"),
+            ("replay: 'tcp://*:5558'", "endpoints[0].replay"),
+            ("replay: 'inproc://r'", "endpoints[0].replay"),
+        ] {
+            let yaml = format!("endpoints:\n  - {{address: 1.2.3.4:1, model: m, {bad}}}\n");
+            let err = Config::from_yaml(&yaml).unwrap_err().to_string();
+            assert!(err.contains(field), "{bad}: {err}");
+        }
+        let named = "endpoints:\n  - {address: 1.2.3.4:1, model: m, events: 'tcp://vllm-0:5557', replay: 'tcp://vllm-0:5558'}\n";
+        assert!(Config::from_yaml(named).is_ok());
     }
 
     #[test]
@@ -599,6 +632,29 @@ mod tests {
         assert!(err.to_string().contains("endpoints[1].address"), "{err}");
         let err = Config::from_yaml("bogus: 1\n").unwrap_err();
         assert!(err.to_string().contains("bogus"), "{err}");
+    }
+
+    #[test]
+    fn transport_limits_are_read_and_checked() {
+        let c = Config::from_yaml("max_message_bytes: 9000000\nmax_publisher_connections: 2\n")
+            .unwrap();
+        assert_eq!(c.limits.max_message_bytes, 9_000_000);
+        assert_eq!(c.limits.max_publisher_connections, 2);
+        assert_eq!(
+            Config::new(Vec::new()).limits.max_message_bytes,
+            Limits::default().max_message_bytes
+        );
+        for (yaml, field) in [
+            ("max_message_bytes: 1000\n", "max_message_bytes"),
+            ("max_frame_bytes: 0\n", "max_frame_bytes"),
+            (
+                "max_publisher_connections: 0\n",
+                "max_publisher_connections",
+            ),
+        ] {
+            let err = Config::from_yaml(yaml).unwrap_err().to_string();
+            assert!(err.contains(field), "{yaml}: {err}");
+        }
     }
 
     #[test]

@@ -112,15 +112,9 @@ impl From<RequestError> for tonic::Status {
 /// A subscription session ended.
 #[derive(Debug, thiserror::Error)]
 pub enum SubscribeError {
-    /// ZMQ failed.
-    #[error("zmq: {0}")]
-    Zmq(#[from] zeromq::ZmqError),
-    /// Connecting did not finish in time.
-    #[error("connect timed out")]
-    Timeout,
-    /// The socket's monitor or receive side closed.
-    #[error("socket closed")]
-    Closed,
+    /// The ZMTP connection (or the bound listener) failed.
+    #[error("zmtp: {0}")]
+    Zmtp(#[from] crate::zmtp::ZmtpError),
 }
 
 /// A scrape failed.

@@ -6,7 +6,9 @@
 //!
 //! - [`config`]: typed configuration (YAML or code), valid by construction.
 //! - [`wire`]: vLLM's msgpack KV events → indexd's own types, bounded.
-//! - [`subscriber`]: one ZMQ SUB task per endpoint; its [`subscriber::Stream`]
+//! - [`zmtp`]: indexd's own bounded ZMTP 3.x transport (SUB, DEALER, NULL
+//!   mechanism): a pure decoder that checks every cap before buffering.
+//! - [`subscriber`]: one SUB task per endpoint; its [`subscriber::Stream`]
 //!   tracks seqs, replays over DEALER (or any [`subscriber::Replay`]), purges.
 //! - [`index`]: the block index (partitions, tiers); [`credits`]: speculative
 //!   entries and approximate-mode keys (runs credited for a while).
@@ -36,6 +38,7 @@ pub mod server;
 pub mod state;
 pub mod subscriber;
 pub mod wire;
+pub mod zmtp;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

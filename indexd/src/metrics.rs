@@ -223,6 +223,8 @@ pub struct Metrics {
     pub observes: CounterVec<1>,
     /// Discovery file reloads by result.
     pub discovery: CounterVec<1>,
+    /// ZMTP connections closed (or refused) for what the peer did, by reason.
+    pub zmtp_violations: CounterVec<1>,
 }
 
 impl Default for Metrics {
@@ -295,6 +297,11 @@ impl Metrics {
                 "Discovery file reloads by result.",
                 ["result"],
             ),
+            zmtp_violations: CounterVec::new(
+                "indexd_zmtp_violations_total",
+                "ZMTP connections closed or refused for a protocol violation, by reason.",
+                ["reason"],
+            ),
         }
     }
 
@@ -315,6 +322,7 @@ impl Metrics {
         self.rank_mismatch.render(out);
         self.observes.render(out);
         self.discovery.render(out);
+        self.zmtp_violations.render(out);
     }
 }
 

@@ -41,6 +41,7 @@ fn decision_label(d: DecisionKind) -> &'static str {
         DecisionKind::Approximate => "approximate",
         DecisionKind::Load => "load",
         DecisionKind::Stale => "stale",
+        DecisionKind::Untokenized => "untokenized",
     }
 }
 
@@ -60,6 +61,7 @@ fn answer(
         reason: reason.to_owned(),
         index_block_size: 0,
         block_size_mismatch: false,
+        ..PickResponse::default()
     }
 }
 

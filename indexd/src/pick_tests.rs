@@ -218,7 +218,9 @@ fn completed_ids_carried_by_a_pick_free_their_replicas_first() {
     let busy = pick(&s, &first, now).unwrap().candidates[0].address.clone();
     let mut second = req(&keys(&(1000..1016).collect::<Vec<u32>>()));
     second.request_id = "r2".into();
-    let other = pick(&s, &second, now).unwrap().candidates[0].address.clone();
+    let other = pick(&s, &second, now).unwrap().candidates[0]
+        .address
+        .clone();
     assert_ne!(busy, other);
     // The next Pick says r1 has started answering: r1's replica is the idle
     // one when this Pick is ranked.
@@ -236,7 +238,10 @@ fn ids_are_bounded() {
     r.request_id = "x".repeat(MAX_REQUEST_ID_BYTES + 1);
     assert!(matches!(
         pick(&s, &r, now),
-        Err(RequestError::IdTooLong { field: "request_id", .. })
+        Err(RequestError::IdTooLong {
+            field: "request_id",
+            ..
+        })
     ));
     let mut r = req(&[]);
     r.completed_request_ids = vec!["a".into(); MAX_COMPLETED_IDS + 1];

@@ -1,5 +1,5 @@
-//! One task per endpoint: a ZMQ SUB on the replica's KV-event publisher, with
-//! sequence tracking and replay over DEALER.
+//! One task per endpoint: a ZMTP SUB on the replica's KV-event publisher
+//! (see [`crate::zmtp`]), with sequence tracking and replay over DEALER.
 //!
 //! - Start-up and every reconnect: purge the replica (what we held may be
 //!   stale: the engine may have restarted while we were away) and replay from
@@ -11,27 +11,38 @@
 //! - A drop in seq (outside the window of batches a replay just delivered):
 //!   the engine restarted with an empty cache — purge, then replay from 0.
 //! - Freshness: subscribed, start-up replay done, no unrecovered gap.
+//! - Connecting out, a lost connection ends the session; with
+//!   `events_bind`, indexd accepts any publisher, and when the last one is
+//!   gone the replica is stale until one is back (then it resyncs).
+//! - A connection closed for a protocol violation (an oversized frame
+//!   header, a bad greeting, ...) is counted in `indexd_zmtp_violations_total`
+//!   and logged at most every 10 s per replica, naming the peer; the other
+//!   connections and replicas are not affected.
 //!
 //! The task ends when the replica's `CancellationToken` fires; a failing
 //! session is retried with bounded exponential backoff.
 
 use std::collections::VecDeque;
+use std::fmt::Display;
 use std::future::Future;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::StreamExt;
 use tokio::time::{Instant, timeout_at};
-use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 use crate::error::SubscribeError;
 use crate::state::{Replica, Shared};
-use crate::wire::{self, REPLAY_END_SEQ};
+use crate::wire::{self, DecodeError, REPLAY_END_SEQ};
+use crate::zmtp::{self, Connection, Endpoint, Frame, Role, SubEvent, SubListener, ZmtpError};
 
 /// Most batches accepted from one replay (vLLM buffers 10,000).
 pub const MAX_REPLAY_BATCHES: usize = 20_000;
+
+/// How long connecting plus the ZMTP handshake may take (a bound publisher
+/// that does not finish its handshake in time is dropped).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Runs the subscription of `replica` until it is cancelled.
 pub async fn run(shared: Arc<Shared>, replica: Arc<Replica>) {
@@ -41,11 +52,13 @@ pub async fn run(shared: Arc<Shared>, replica: Arc<Replica>) {
     let cancel = replica.cancel.clone();
     let initial = Duration::from_millis(100);
     let mut backoff = initial;
+    // Once a session got its socket, later ones count their purge as a resync.
+    let mut reconnect = false;
     loop {
         let started = Instant::now();
         let result = tokio::select! {
             () = cancel.cancelled() => return,
-            r = session(&shared, &replica, &endpoint) => r,
+            r = session(&shared, &replica, &endpoint, &mut reconnect) => r,
         };
         replica.set_fresh(false);
         if let Err(e) = result {
@@ -62,47 +75,107 @@ pub async fn run(shared: Arc<Shared>, replica: Arc<Replica>) {
     }
 }
 
-async fn session(shared: &Shared, replica: &Replica, endpoint: &str) -> Result<(), SubscribeError> {
-    let mut sub = SubSocket::new();
-    let mut monitor = sub.monitor();
-    if replica.config.events_bind {
-        sub.bind(endpoint).await?;
-    } else {
-        sub.connect(endpoint).await?;
+/// The transport options every connection of this daemon gets.
+fn options(shared: &Shared) -> zmtp::Options {
+    let limits = &shared.config.limits;
+    zmtp::Options {
+        limits: limits.into(),
+        handshake_timeout: HANDSHAKE_TIMEOUT,
+        max_connections: limits.max_publisher_connections,
     }
-    sub.subscribe("").await?;
-    tracing::info!(endpoint = %replica.id(), events = %endpoint, bind = replica.config.events_bind, "subscribed to KV events");
+}
 
-    let replay = ZmqReplay::new(replica.config.replay.clone(), shared.config.replay_timeout);
+/// Counts and (sparingly) logs a connection closed for what its peer did.
+fn report_violation(shared: &Shared, replica: &Replica, peer: &dyn Display, error: &ZmtpError) {
+    let Some(reason) = error.violation() else {
+        return;
+    };
+    shared.metrics.zmtp_violations.inc([reason]);
+    if replica.may_warn() {
+        tracing::warn!(endpoint = %replica.id(), peer = %peer, error = %error, "closed a ZMTP connection for a protocol violation (further warnings for 10 s suppressed; see indexd_zmtp_violations_total)");
+    }
+}
+
+async fn session(
+    shared: &Shared,
+    replica: &Replica,
+    endpoint: &str,
+    reconnect: &mut bool,
+) -> Result<(), SubscribeError> {
+    let endpoint = Endpoint::parse(endpoint).map_err(ZmtpError::from)?;
+    let options = options(shared);
+    let replay = ZmqReplay::new(shared, replica);
+    if replica.config.events_bind {
+        let sub = SubListener::bind(&endpoint, options).await?;
+        tracing::info!(endpoint = %replica.id(), events = %endpoint, local = %sub.local_addr(), "listening for KV-event publishers");
+        let mut stream = Stream::new(shared, replica, replay);
+        stream.resync(std::mem::replace(reconnect, true)).await;
+        return bound_session(shared, replica, sub, stream).await;
+    }
+    let mut sub = match zmtp::connect_sub(&endpoint, &options).await {
+        Ok(sub) => sub,
+        Err(e) => {
+            report_violation(shared, replica, &endpoint, &e);
+            return Err(e.into());
+        }
+    };
+    tracing::info!(endpoint = %replica.id(), events = %endpoint, peer = %sub.peer(), "subscribed to KV events");
     let mut stream = Stream::new(shared, replica, replay);
-    stream.resync(false).await;
-    let mut lost_peer = false;
-    let mut monitoring = true;
+    stream.resync(std::mem::replace(reconnect, true)).await;
     loop {
-        tokio::select! {
-            event = monitor.next(), if monitoring => match event {
-                Some(SocketEvent::Disconnected(_)) => {
+        match sub.recv().await {
+            Ok(frames) => stream.on_live(frames).await,
+            Err(e) => {
+                report_violation(shared, replica, &sub.peer(), &e);
+                return Err(e.into());
+            }
+        }
+    }
+}
+
+/// A bound SUB: publishers come and go; losing the last one makes the
+/// replica stale, and the next one to come up triggers a resync.
+async fn bound_session(
+    shared: &Shared,
+    replica: &Replica,
+    mut sub: SubListener,
+    mut stream: Stream<'_, ZmqReplay<'_>>,
+) -> Result<(), SubscribeError> {
+    let mut peers = 0usize;
+    let mut lost_peer = false;
+    loop {
+        match sub.next().await {
+            // Logged at info only when the first publisher comes or the last
+            // one goes: a peer connecting in a loop cannot flood the log.
+            SubEvent::Up(peer) => {
+                peers += 1;
+                if lost_peer {
+                    lost_peer = false;
+                    tracing::info!(endpoint = %replica.id(), %peer, "KV-event publisher back; resyncing");
+                    stream.resync(true).await;
+                } else if peers == 1 {
+                    tracing::info!(endpoint = %replica.id(), %peer, "KV-event publisher connected");
+                } else {
+                    tracing::debug!(endpoint = %replica.id(), %peer, peers, "another KV-event publisher connected");
+                }
+            }
+            SubEvent::Message(frames) => stream.on_live(frames).await,
+            SubEvent::Down { peer, error } => {
+                report_violation(shared, replica, &peer, &error);
+                peers = peers.saturating_sub(1);
+                if peers == 0 {
                     lost_peer = true;
                     replica.set_fresh(false);
-                    tracing::info!(endpoint = %replica.id(), "KV-event publisher disconnected");
+                    tracing::info!(endpoint = %replica.id(), %peer, reason = %error, "KV-event publisher disconnected; none left");
+                } else {
+                    tracing::debug!(endpoint = %replica.id(), %peer, reason = %error, peers, "KV-event publisher disconnected");
                 }
-                Some(SocketEvent::Connected(..) | SocketEvent::Accepted(..)) if lost_peer => {
-                    lost_peer = false;
-                    tracing::info!(endpoint = %replica.id(), "KV-event publisher reconnected; resyncing");
-                    stream.resync(true).await;
+            }
+            SubEvent::Refused { peer, error } => report_violation(shared, replica, &peer, &error),
+            SubEvent::AcceptFailed(error) => {
+                if replica.may_warn() {
+                    tracing::warn!(endpoint = %replica.id(), %error, "accepting a KV-event publisher failed");
                 }
-                Some(_) => {}
-                None => monitoring = false,
-            },
-            msg = sub.recv() => {
-                let msg = msg?;
-                if lost_peer {
-                    // The peer is back although the monitor did not say so
-                    // (its events can be dropped): resync all the same.
-                    lost_peer = false;
-                    stream.resync(true).await;
-                }
-                stream.on_live(msg.into_vec()).await;
             }
         }
     }
@@ -141,6 +214,18 @@ pub fn digest(payload: &[u8]) -> u64 {
     let mut h = DefaultHasher::new();
     payload.hash(&mut h);
     h.finish()
+}
+
+/// [`digest`] of a payload frame (an oversized one by its length).
+fn frame_digest(payload: &Frame) -> u64 {
+    match payload {
+        Frame::Data(b) => digest(b),
+        Frame::Oversized(len) => {
+            let mut h = DefaultHasher::new();
+            ("oversized", len).hash(&mut h);
+            h.finish()
+        }
+    }
 }
 
 impl Tracker {
@@ -199,74 +284,93 @@ pub trait Replay {
     fn request(&mut self, from: u64) -> impl Future<Output = bool> + Send;
     /// The frames of the next reply, `None` once the replay broke off
     /// (timeout, socket error). The end marker is a reply like any other.
-    fn next_reply(&mut self) -> impl Future<Output = Option<Vec<Bytes>>> + Send;
+    fn next_reply(&mut self) -> impl Future<Output = Option<Vec<Frame>>> + Send;
 }
 
-/// Replays over a fresh DEALER per request, bounded by a deadline.
-pub struct ZmqReplay {
-    endpoint: Option<String>,
-    timeout: Duration,
-    dealer: Option<DealerSocket>,
+/// Replays over a fresh DEALER connection per request (the replica's
+/// `replay` endpoint), bounded by `replay_timeout`.
+pub struct ZmqReplay<'a> {
+    shared: &'a Shared,
+    replica: &'a Replica,
+    endpoint: Option<Endpoint>,
+    dealer: Option<Connection>,
     deadline: Instant,
 }
 
-impl std::fmt::Debug for ZmqReplay {
+impl std::fmt::Debug for ZmqReplay<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ZmqReplay")
             .field("endpoint", &self.endpoint)
-            .field("timeout", &self.timeout)
             .field("connected", &self.dealer.is_some())
             .finish()
     }
 }
 
-impl ZmqReplay {
-    /// Replays from `endpoint` (None: replay impossible).
-    pub fn new(endpoint: Option<String>, timeout: Duration) -> Self {
+impl<'a> ZmqReplay<'a> {
+    /// Replays from `replica`'s `replay` endpoint (none: replay impossible).
+    pub fn new(shared: &'a Shared, replica: &'a Replica) -> Self {
+        // Validated with the config: an endpoint that does not parse is
+        // treated as none.
+        let endpoint = replica
+            .config
+            .replay
+            .as_deref()
+            .and_then(|e| Endpoint::parse(e).ok());
         Self {
+            shared,
+            replica,
             endpoint,
-            timeout,
             dealer: None,
             deadline: Instant::now(),
         }
     }
 }
 
-impl Replay for ZmqReplay {
+impl Replay for ZmqReplay<'_> {
     async fn request(&mut self, from: u64) -> bool {
         self.dealer = None;
         let Some(endpoint) = self.endpoint.clone() else {
             return false;
         };
-        self.deadline = Instant::now() + self.timeout;
-        let mut dealer = DealerSocket::new();
-        match timeout_at(self.deadline, dealer.connect(&endpoint)).await {
-            Ok(Ok(())) => {}
+        self.deadline = Instant::now() + self.shared.config.replay_timeout;
+        let options = options(self.shared);
+        let connected = timeout_at(
+            self.deadline,
+            zmtp::connect(&endpoint, Role::Dealer, &options),
+        )
+        .await;
+        let mut dealer = match connected {
+            Ok(Ok(dealer)) => dealer,
             Ok(Err(e)) => {
-                tracing::warn!(replay = %endpoint, error = %e, "replay connect failed");
+                report_violation(self.shared, self.replica, &endpoint, &e);
+                tracing::warn!(endpoint = %self.replica.id(), replay = %endpoint, error = %e, "replay connect failed");
                 return false;
             }
             Err(_) => return false,
-        }
-        let request = ZmqMessage::try_from(vec![
-            Bytes::new(),
-            Bytes::copy_from_slice(&from.to_be_bytes()),
-        ]);
-        let Ok(request) = request else {
-            return false;
         };
-        if dealer.send(request).await.is_err() {
-            return false;
+        let request = [Bytes::new(), Bytes::copy_from_slice(&from.to_be_bytes())];
+        match timeout_at(self.deadline, dealer.send(&request)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                report_violation(self.shared, self.replica, &dealer.peer(), &e);
+                return false;
+            }
+            Err(_) => return false,
         }
         self.dealer = Some(dealer);
         true
     }
 
-    async fn next_reply(&mut self) -> Option<Vec<Bytes>> {
+    async fn next_reply(&mut self) -> Option<Vec<Frame>> {
         let dealer = self.dealer.as_mut()?;
         match timeout_at(self.deadline, dealer.recv()).await {
-            Ok(Ok(msg)) => Some(msg.into_vec()),
-            Ok(Err(_)) | Err(_) => {
+            Ok(Ok(frames)) => Some(frames),
+            Ok(Err(e)) => {
+                report_violation(self.shared, self.replica, &dealer.peer(), &e);
+                self.dealer = None;
+                None
+            }
+            Err(_) => {
                 self.dealer = None;
                 None
             }
@@ -324,7 +428,8 @@ impl<'a, R: Replay> Stream<'a, R> {
     }
 
     /// Handles one live message (`[topic, seq, payload]` or `[seq, payload]`).
-    pub async fn on_live(&mut self, frames: Vec<Bytes>) {
+    pub async fn on_live<F: Into<Frame>>(&mut self, frames: Vec<F>) {
+        let frames: Vec<Frame> = frames.into_iter().map(Into::into).collect();
         let (seq_frame, payload) = match frames.as_slice() {
             [_, seq, payload] | [seq, payload] => (seq, payload),
             _ => {
@@ -335,11 +440,11 @@ impl<'a, R: Replay> Stream<'a, R> {
                 return;
             }
         };
-        let Some(seq) = wire::decode_seq(seq_frame) else {
+        let Some(seq) = seq_frame.data().and_then(|f| wire::decode_seq(f)) else {
             self.shared.metrics.decode_errors.inc(["seq"]);
             return;
         };
-        let live_digest = digest(payload);
+        let live_digest = frame_digest(payload);
         match self.tracker.classify(seq, live_digest) {
             Verdict::Apply => self.apply(seq, payload),
             Verdict::Duplicate => self.shared.metrics.duplicates.inc(),
@@ -382,9 +487,18 @@ impl<'a, R: Replay> Stream<'a, R> {
         }
     }
 
-    fn apply(&mut self, seq: u64, payload: &[u8]) {
+    fn apply(&mut self, seq: u64, payload: &Frame) {
         self.tracker.applied(seq);
-        match wire::decode_batch(payload, &self.shared.config.limits) {
+        let limits = &self.shared.config.limits;
+        let decoded = match payload {
+            Frame::Data(bytes) => wire::decode_batch(bytes, limits),
+            // Discarded unread by the transport: what the decoder says of it.
+            Frame::Oversized(_) => Err(DecodeError::TooLarge {
+                what: "frame",
+                limit: limits.max_frame_bytes,
+            }),
+        };
+        match decoded {
             Ok(batch) => self.shared.ingest(self.replica, &batch),
             Err(e) => {
                 self.shared.metrics.decode_errors.inc([e.label()]);
@@ -415,7 +529,7 @@ impl<'a, R: Replay> Stream<'a, R> {
                 };
             };
             let body = match frames.split_first() {
-                Some((first, rest)) if first.is_empty() => rest,
+                Some((Frame::Data(first), rest)) if first.is_empty() => rest,
                 _ => frames.as_slice(),
             };
             let (seq_frame, payload) = match body {
@@ -426,7 +540,7 @@ impl<'a, R: Replay> Stream<'a, R> {
                     continue;
                 }
             };
-            let Some(seq) = wire::decode_seq(seq_frame) else {
+            let Some(seq) = seq_frame.data().and_then(|f| wire::decode_seq(f)) else {
                 self.shared.metrics.decode_errors.inc(["seq"]);
                 complete = false;
                 continue;
@@ -451,7 +565,7 @@ impl<'a, R: Replay> Stream<'a, R> {
                 }
             }
             expected = seq.saturating_add(1);
-            self.tracker.note_replayed(seq, digest(payload));
+            self.tracker.note_replayed(seq, frame_digest(payload));
             if self.tracker.next.is_some_and(|n| seq < n) {
                 continue;
             }

@@ -135,8 +135,9 @@ impl Replay for FakeReplay {
         true
     }
 
-    async fn next_reply(&mut self) -> Option<Vec<Bytes>> {
-        self.queue.pop_front()
+    async fn next_reply(&mut self) -> Option<Vec<Frame>> {
+        let frames = self.queue.pop_front()?;
+        Some(frames.into_iter().map(Frame::from).collect())
     }
 }
 

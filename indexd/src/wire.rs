@@ -41,10 +41,13 @@ impl fmt::Debug for EngineHash {
     }
 }
 
-/// Caps on what one frame may make the decoder allocate.
+/// Caps on what a peer's frames may make indexd allocate (transport and
+/// payload decoder alike).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Limits {
-    /// Largest payload frame accepted, in bytes.
+    /// Largest payload frame accepted, in bytes. The ZMTP transport never
+    /// buffers a longer frame: it discards it as it arrives and the batch
+    /// counts as a decode error (`too_large`).
     pub max_frame_bytes: usize,
     /// Most events in one batch.
     pub max_events_per_batch: usize,
@@ -52,6 +55,13 @@ pub struct Limits {
     pub max_blocks_per_event: usize,
     /// Most token ids in one `BlockStored`.
     pub max_tokens_per_event: usize,
+    /// Largest ZMTP message (its frames' lengths summed, discarded ones
+    /// included): a peer claiming more is disconnected. At least
+    /// `max_frame_bytes`.
+    pub max_message_bytes: usize,
+    /// Most publishers connected at once to one bound (`events_bind`)
+    /// endpoint; more are refused.
+    pub max_publisher_connections: usize,
 }
 
 impl Default for Limits {
@@ -61,6 +71,8 @@ impl Default for Limits {
             max_events_per_batch: 16_384,
             max_blocks_per_event: 8_192,
             max_tokens_per_event: 1 << 20,
+            max_message_bytes: 16 << 20,
+            max_publisher_connections: 16,
         }
     }
 }

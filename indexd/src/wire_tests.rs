@@ -341,6 +341,7 @@ fn caps_are_enforced() {
         max_events_per_batch: 2,
         max_blocks_per_event: 3,
         max_tokens_per_event: 8,
+        ..Limits::default()
     };
     let batch =
         |events: Vec<Value>| encode(&Value::Array(vec![Value::from(0), Value::Array(events)]));

@@ -1134,3 +1134,9 @@ async fn bad_frames_are_counted_and_the_stream_goes_on() {
     assert_eq!(d.pick(&keys, 16).await.candidates[0].matched_blocks, 1);
     d.stop().await;
 }
+
+#[path = "integration/zmtp_faults.rs"]
+mod zmtp_faults;
+
+#[path = "integration/libzmq.rs"]
+mod libzmq;
