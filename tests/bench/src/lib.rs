@@ -15,18 +15,26 @@
 //! - [`output`]: what a run or `summarize` writes into its directory.
 //! - [`overhead`]: what kvroute adds to a request's latency against Envoy
 //!   alone, open loop at fixed rates (`overhead`, `summarize-overhead`).
+//! - [`soak`]: Envoy's memory under a long steady mix through the filter,
+//!   every request accounted for (`soak`, `summarize-soak`).
+//! - [`bodies`]: the filter's work and memory in Wasm on big bodies, and
+//!   their latency against Envoy alone (`bodies`, `summarize-bodies`).
+//! - [`procfs`]: RSS and CPU time from `/proc`.
 //! - [`peers`]: vllm-router and sglang-router from PyPI as extra profiles.
 //! - [`rng`]: the seeded generator behind every workload.
 
+pub mod bodies;
 pub mod charts;
 pub mod client;
 mod error;
 pub mod output;
 pub mod overhead;
 pub mod peers;
+pub mod procfs;
 pub mod rng;
 pub mod runner;
 pub mod sample;
+pub mod soak;
 pub mod stats;
 pub mod summary;
 pub mod workload;

@@ -99,6 +99,22 @@ enum Command {
         /// The directory of an `overhead` run (overhead.csv, overhead-histograms.csv, overhead-run.csv).
         dir: PathBuf,
     },
+    /// Soak: a long steady mix through Envoy + kvroute filter + indexd; Envoy's memory over time.
+    #[command(long_about = kvroute_bench::soak::ABOUT)]
+    Soak(kvroute_bench::soak::Args),
+    /// Rewrite soak.md from the CSV files of a `soak` run.
+    SummarizeSoak {
+        /// The directory of a `soak` run (soak.csv, soak-kinds.csv, soak-run.csv).
+        dir: PathBuf,
+    },
+    /// Big bodies: the filter's work and memory in Wasm, and the latency against Envoy alone.
+    #[command(long_about = kvroute_bench::bodies::ABOUT)]
+    Bodies(kvroute_bench::bodies::Args),
+    /// Rewrite bodies.md from the CSV files of a `bodies` run.
+    SummarizeBodies {
+        /// The directory of a `bodies` run (bodies.csv, bodies-phases.csv, bodies-histograms.csv, bodies-run.csv).
+        dir: PathBuf,
+    },
 }
 
 fn main() -> ExitCode {
@@ -137,6 +153,18 @@ fn main() -> ExitCode {
         }
         Command::SummarizeOverhead { dir } => {
             kvroute_bench::overhead::summarize(&dir).map(|r| print!("{}", r.to_markdown()))
+        }
+        Command::Soak(args) => {
+            kvroute_bench::soak::run(&args).map(|r| print!("{}", r.to_markdown()))
+        }
+        Command::SummarizeSoak { dir } => {
+            kvroute_bench::soak::summarize(&dir).map(|r| print!("{}", r.to_markdown()))
+        }
+        Command::Bodies(args) => {
+            kvroute_bench::bodies::run(&args).map(|r| print!("{}", r.to_markdown()))
+        }
+        Command::SummarizeBodies { dir } => {
+            kvroute_bench::bodies::summarize(&dir).map(|r| print!("{}", r.to_markdown()))
         }
     };
     match result {

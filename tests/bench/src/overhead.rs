@@ -8,10 +8,13 @@
 //! rate both get the same open-loop schedule of identical chat requests,
 //! interleaved request by request ([`load`]). After each rate the filter's
 //! own histograms (Envoy admin) and indexd's Pick histogram are captured as
-//! that rate's bins ([`histogram`]). Everything lands in three CSV files
-//! ([`record`]) from which `overhead.md` is computed ([`report`]), so
-//! `kvroute-bench summarize-overhead <dir>` rewrites it byte for byte.
+//! that rate's bins ([`histogram`]), and the CPU each process used during
+//! the rate's load is read from `/proc` ([`cpu`]). Everything lands in four
+//! CSV files ([`record`], [`cpu`]) from which `overhead.md` is computed
+//! ([`report`]), so `kvroute-bench summarize-overhead <dir>` rewrites it
+//! byte for byte.
 
+pub mod cpu;
 pub mod histogram;
 pub mod load;
 pub mod record;
@@ -37,13 +40,16 @@ open-loop schedule of streamed chat requests (~1.5k-token prompts: a shared 1,02
 prompt and a 512-token message of their own, max_tokens 4), interleaved request by request, from a
 bounded pool of sender threads. After each rate the filter's histograms (kvroute.filter_duration_us,
 kvroute.tokenizer_duration_us, kvroute.index_duration_us from Envoy's admin) and indexd's
-indexd_pick_latency_seconds are captured for that rate alone.
+indexd_pick_latency_seconds are captured for that rate alone, and the CPU time of each Envoy, of
+indexd, of each stack's replicas and of the client during the rate's load is read from /proc
+(CPU-ms per request).
 
 Writes overhead.csv (one row per request), overhead-histograms.csv (histogram bins per rate),
-overhead-run.csv (settings) and overhead.md (tables and a reading, recomputable from the CSVs with
-`kvroute-bench summarize-overhead <dir>`). Build the bench optimised (`make bench-overhead` uses
-the `perf` profile): the mock replicas and indexd run inside the bench process. Defaults take
-about 1.5 minutes.";
+overhead-cpu.csv (CPU per process per rate), overhead-run.csv (settings) and overhead.md (tables
+and a reading, recomputable from the CSVs with `kvroute-bench summarize-overhead <dir>`). Build
+the bench optimised (`make bench-overhead` uses the `perf` profile): the mock replicas and indexd
+run inside the bench process, each stack's runtime and indexd's on threads of their own names.
+Defaults take about 2 minutes.";
 
 /// Per-request timeout.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
@@ -60,7 +66,7 @@ const TIME_SCALE: f64 = 0.0;
 #[derive(Debug, Clone, clap::Args)]
 pub struct Args {
     /// Requests per second per profile, one phase each.
-    #[arg(long, value_delimiter = ',', default_values_t = [10.0, 50.0, 100.0])]
+    #[arg(long, value_delimiter = ',', default_values_t = [10.0, 50.0, 100.0, 250.0, 500.0])]
     pub rates: Vec<f64>,
     /// Seconds of schedule per rate.
     #[arg(long, default_value_t = 15.0)]
@@ -115,17 +121,18 @@ pub fn run(args: &Args) -> Result<Report, BenchError> {
     }
     std::fs::create_dir_all(&args.out).map_err(|e| BenchError::io(&args.out, e))?;
     let started = Instant::now();
-    let stack = |routing| {
+    let stack = |routing, threads: &str| {
         Stack::start(StackOptions {
             routing,
             replicas: REPLICAS,
             time_scale: TIME_SCALE,
             seed: args.seed,
+            thread_label: Some(threads.to_owned()),
             ..StackOptions::default()
         })
     };
-    let kvroute = stack(Routing::Precise)?;
-    let baseline = stack(Routing::LeastRequest)?;
+    let kvroute = stack(Routing::Precise, cpu::KVROUTE_THREADS)?;
+    let baseline = stack(Routing::LeastRequest, cpu::BASELINE_THREADS)?;
     let targets = [
         Target {
             profile: KVROUTE,
@@ -148,14 +155,18 @@ pub fn run(args: &Args) -> Result<Report, BenchError> {
     let prompts = Prompts::new(args.seed);
     let mut requests = Vec::new();
     let mut histograms = Vec::new();
+    let mut cpu_rows = Vec::new();
     let measured = measure(
         args,
-        &kvroute,
+        [&kvroute, &baseline],
         &targets,
         &agent,
         &prompts,
-        &mut requests,
-        &mut histograms,
+        &mut Rows {
+            requests: &mut requests,
+            histograms: &mut histograms,
+            cpu: &mut cpu_rows,
+        },
     );
     drop(baseline);
     drop(kvroute);
@@ -164,6 +175,8 @@ pub fn run(args: &Args) -> Result<Report, BenchError> {
     sample::write_csv(&path, &requests)?;
     let path = args.out.join(record::HISTOGRAMS_CSV);
     sample::write_csv(&path, &histograms)?;
+    let path = args.out.join(cpu::CPU_CSV);
+    sample::write_csv(&path, &cpu_rows)?;
     let path = args.out.join(record::RUN_CSV);
     sample::write_csv(&path, &settings)?;
     let report = summarize(&args.out)?;
@@ -181,22 +194,37 @@ pub fn summarize(dir: &Path) -> Result<Report, BenchError> {
     let requests: Vec<RequestRow> = sample::read_csv(&dir.join(record::REQUESTS_CSV))?;
     let histograms: Vec<HistogramRow> = sample::read_csv(&dir.join(record::HISTOGRAMS_CSV))?;
     let settings: Vec<RunRow> = sample::read_csv(&dir.join(record::RUN_CSV))?;
-    let report = report::compute(&requests, &histograms, &settings);
+    // Runs from before CPU was recorded have no CPU file.
+    let cpu_path = dir.join(cpu::CPU_CSV);
+    let cpu_rows: Vec<cpu::CpuRow> = if cpu_path.exists() {
+        sample::read_csv(&cpu_path)?
+    } else {
+        Vec::new()
+    };
+    let mut report = report::compute(&requests, &histograms, &settings);
+    report.cpu = cpu::compute(&requests, &cpu_rows);
     let path = dir.join(record::MARKDOWN);
     std::fs::write(&path, report.to_markdown()).map_err(|e| BenchError::io(&path, e))?;
     Ok(report)
 }
 
+/// Where a run's rows go as they come.
+struct Rows<'a> {
+    requests: &'a mut Vec<RequestRow>,
+    histograms: &'a mut Vec<HistogramRow>,
+    cpu: &'a mut Vec<cpu::CpuRow>,
+}
+
 /// The warm-up, then one phase per rate; rows are appended as they come.
 fn measure(
     args: &Args,
-    kvroute: &Stack,
+    [kvroute, baseline]: [&Stack; 2],
     targets: &[Target],
     agent: &ureq::Agent,
     prompts: &Prompts,
-    requests: &mut Vec<RequestRow>,
-    histograms: &mut Vec<HistogramRow>,
+    out: &mut Rows<'_>,
 ) -> Result<(), BenchError> {
+    let envoy_pids = (kvroute.envoy().pid(), baseline.envoy().pid());
     // Filter decisions Envoy should have recorded so far.
     let mut decided = 0u64;
     for seq in 0..args.warmup {
@@ -213,12 +241,20 @@ fn measure(
         let n = load::per_profile(rate, args.secs);
         let phase = phase as u64 + 1;
         let bodies: Vec<_> = (0..n).map(|seq| prompts.body(phase, seq)).collect();
+        let cpu_before = cpu::snapshot(envoy_pids.0, envoy_pids.1);
         let began = Instant::now();
         let mut rows = load::run(agent, targets, rate, &jobs, &bodies, args.senders);
         let took = began.elapsed();
+        let cpu_after = cpu::snapshot(envoy_pids.0, envoy_pids.1);
+        out.cpu.extend(cpu::rows(
+            rate,
+            &cpu_before,
+            &cpu_after,
+            u64::try_from(took.as_millis()).unwrap_or(u64::MAX),
+        ));
         decided += rows.iter().filter(|r| !r.decision.is_empty()).count() as u64;
         let errors = rows.iter().filter(|r| !r.ok()).count();
-        requests.append(&mut rows);
+        out.requests.append(&mut rows);
         let envoy_after = envoy_snapshot(kvroute, decided)?;
         let indexd_after = indexd_snapshot(kvroute)?;
         for name in [
@@ -228,14 +264,14 @@ fn measure(
         ] {
             let after = envoy_after.get(name).cloned().unwrap_or_default();
             let before = envoy_before.get(name).cloned().unwrap_or_default();
-            histograms.extend(report::histogram_rows(
+            out.histograms.extend(report::histogram_rows(
                 rate,
                 "envoy",
                 name,
                 &after.since(&before),
             ));
         }
-        histograms.extend(report::histogram_rows(
+        out.histograms.extend(report::histogram_rows(
             rate,
             "indexd",
             PICK_LATENCY,
@@ -254,7 +290,7 @@ fn measure(
 
 /// The filter's histograms once Envoy's stats flush has merged at least
 /// `decided` filter decisions (or after [`FLUSH_TIMEOUT`], with a warning).
-fn envoy_snapshot(
+pub(crate) fn envoy_snapshot(
     stack: &Stack,
     decided: u64,
 ) -> Result<std::collections::BTreeMap<String, Hist>, BenchError> {

@@ -1,6 +1,7 @@
-//! A real (smoke-scale) run through Envoy, then `kvroute-bench summarize` on
-//! its samples.csv alone: every derived file must come out byte for byte.
-//! Needs the built filter and Envoy, as the e2e tests do (`make wasm`).
+//! Real (smoke-scale) runs through Envoy, then the matching `summarize`
+//! command on their CSV files alone: every derived file must come out byte
+//! for byte. `run` (W1, W4, W5), `soak` (300 requests) and `bodies` (1 MiB
+//! bodies). Needs the built filter and Envoy, as the e2e tests do (`make wasm`).
 
 #![allow(clippy::unwrap_used)] // helpers outside #[test] fns unwrap too
 
@@ -147,4 +148,96 @@ fn gateways_and_faults_keep_every_request_answered() {
     }
     let summary = std::fs::read_to_string(run.path().join("summary.md")).unwrap();
     assert!(summary.contains("### w5 by fault phase"), "{summary}");
+}
+
+/// `md` as the run wrote it, and as the summarize `command` rewrites it from the CSV files alone.
+fn markdown_after_summarize(dir: &Path, md: &str, command: &str) -> (String, String) {
+    let path = dir.join(md);
+    let written = std::fs::read_to_string(&path).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    bench(&[command, dir.to_str().unwrap()]);
+    (written, std::fs::read_to_string(&path).unwrap())
+}
+
+#[test]
+fn soak_loses_nothing_and_summarize_soak_reproduces_it() {
+    use kvroute_bench::soak::report::{KindRow, SampleRow};
+    let run = tempfile::tempdir().unwrap();
+    bench(&[
+        "soak",
+        "--requests",
+        "300",
+        "--rate",
+        "100",
+        "--sample-secs",
+        "0.5",
+        "--warmup-secs",
+        "0.5",
+        "--out",
+        run.path().to_str().unwrap(),
+    ]);
+    let kinds: Vec<KindRow> =
+        kvroute_bench::sample::read_csv(&run.path().join("soak-kinds.csv")).unwrap();
+    assert_eq!(
+        kinds.iter().map(|k| k.requests).sum::<u64>(),
+        300,
+        "{kinds:#?}"
+    );
+    assert!(kinds.iter().all(|k| k.errors == 0), "{kinds:#?}");
+    // The Responses continuations ran, and were picked by their previous turn.
+    let next = kinds
+        .iter()
+        .find(|k| k.kind == "responses-continue")
+        .unwrap();
+    assert!(
+        next.requests > 0 && next.decisions.contains("affinity"),
+        "{next:?}"
+    );
+    let samples: Vec<SampleRow> =
+        kvroute_bench::sample::read_csv(&run.path().join("soak.csv")).unwrap();
+    assert!(samples.len() >= 2, "{samples:#?}");
+    assert!(samples.iter().all(|s| s.envoy_rss_kib.is_some()));
+    let last = samples.last().unwrap();
+    assert_eq!((last.requests, last.errors), (300, 0));
+    assert!(last.wasm_memory_bytes.is_some_and(|b| b > 0), "{last:?}");
+    let (written, again) = markdown_after_summarize(run.path(), "soak.md", "summarize-soak");
+    assert!(written.contains("Requests lost: **0** of 300"), "{written}");
+    assert_eq!(written, again, "summarize-soak must reproduce soak.md");
+}
+
+#[test]
+fn big_bodies_are_routed_and_summarize_bodies_reproduces_them() {
+    use kvroute_bench::bodies::report::{PhaseRow, RequestRow};
+    let run = tempfile::tempdir().unwrap();
+    bench(&[
+        "bodies",
+        "--size-bytes",
+        "1048576",
+        "--small-bytes",
+        "0",
+        "--repeat",
+        "1",
+        "--out",
+        run.path().to_str().unwrap(),
+    ]);
+    let requests: Vec<RequestRow> =
+        kvroute_bench::sample::read_csv(&run.path().join("bodies.csv")).unwrap();
+    // Three APIs, one send each to both stacks.
+    assert_eq!(requests.len(), 6, "{requests:#?}");
+    assert!(requests.iter().all(RequestRow::ok), "{requests:#?}");
+    assert!(requests.iter().all(|r| r.bytes > 1_000_000));
+    // Every large body was routed (buffered whole and keyed), not passed as too large.
+    for r in requests.iter().filter(|r| r.profile == "kvroute-precise") {
+        assert!(["precise", "load"].contains(&r.decision.as_str()), "{r:?}");
+    }
+    let phases: Vec<PhaseRow> =
+        kvroute_bench::sample::read_csv(&run.path().join("bodies-phases.csv")).unwrap();
+    assert!(
+        phases
+            .iter()
+            .any(|p| p.metric == "wasm_memory_bytes" && p.after.is_some_and(|b| b > 0)),
+        "{phases:#?}"
+    );
+    let (written, again) = markdown_after_summarize(run.path(), "bodies.md", "summarize-bodies");
+    assert_eq!(written, again, "summarize-bodies must reproduce bodies.md");
 }

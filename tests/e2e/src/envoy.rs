@@ -190,6 +190,11 @@ impl Envoy {
         })
     }
 
+    /// Envoy's process id (for `/proc/<pid>/status` and `/proc/<pid>/stat`).
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+
     /// `http://127.0.0.1:port` of the admin endpoint.
     pub fn admin_url(&self) -> &str {
         &self.admin

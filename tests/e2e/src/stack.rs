@@ -78,6 +78,16 @@ pub struct StackOptions {
     pub reasoning_tokens: u32,
     /// Gateways (Envoy + its own indexd each) in front of the same replicas.
     pub gateways: usize,
+    /// The replicas' `max_model_len` (their caches must hold it: raise
+    /// `num_gpu_blocks` along).
+    pub max_model_len: u32,
+    /// Envoy's `per_connection_buffer_limit_bytes` on the inference listener:
+    /// the largest request body it buffers for the filter.
+    pub buffer_limit_bytes: u32,
+    /// When set, the stack's tokio threads are named after it and indexd runs
+    /// on a runtime of its own, threads named `<label>-indexd` (a thread name
+    /// keeps 15 bytes), so `/proc/self/task/*/stat` tells their CPU apart.
+    pub thread_label: Option<String>,
 }
 
 impl Default for StackOptions {
@@ -100,6 +110,9 @@ impl Default for StackOptions {
             chat_template: mock_vllm::ChatTemplate::RoleMarkers,
             reasoning_tokens: 0,
             gateways: 1,
+            max_model_len: 32_768,
+            buffer_limit_bytes: 8 * 1024 * 1024,
+            thread_label: None,
         }
     }
 }
@@ -131,6 +144,7 @@ pub struct Stack {
     endpoints: Vec<indexd::EndpointConfig>,
     replicas: Vec<mock_vllm::Handle>,
     real: Vec<RealVllm>,
+    indexd_runtime: Option<Runtime>,
     runtime: Runtime,
 }
 
@@ -155,7 +169,7 @@ impl Stack {
     /// Starts mock replicas, indexd (unless least-request) and Envoy, and
     /// waits until indexd sees every replica fresh and healthy.
     pub fn start(options: StackOptions) -> Result<Self, HarnessError> {
-        let runtime = runtime()?;
+        let runtime = runtime(options.thread_label.as_deref())?;
         let mut replicas = Vec::with_capacity(options.replicas);
         for _ in 0..options.replicas {
             let config = mock_config(&options);
@@ -193,7 +207,7 @@ impl Stack {
     /// Starts `options.replicas` real vLLM servers (CPU, the tiny model) with
     /// their KV events flowing into indexd, then indexd and Envoy.
     pub fn start_real_vllm(options: StackOptions) -> Result<Self, HarnessError> {
-        let runtime = runtime()?;
+        let runtime = runtime(options.thread_label.as_deref())?;
         let mut plans = Vec::new();
         for i in 0..options.replicas {
             let vllm = VllmOptions {
@@ -239,11 +253,18 @@ impl Stack {
     ) -> Result<Self, HarnessError> {
         let mut addresses: Vec<SocketAddr> = endpoints.iter().map(|e| e.id.address).collect();
         addresses.dedup();
+        let indexd_runtime = match &options.thread_label {
+            Some(label) if options.routing != Routing::LeastRequest => {
+                Some(self::runtime(Some(&format!("{label}-indexd")))?)
+            }
+            _ => None,
+        };
+        let indexd_rt = indexd_runtime.as_ref().unwrap_or(&runtime);
         let (indexd, indexd_grpc, indexd_link) = if options.routing == Routing::LeastRequest {
             (None, SocketAddr::from(([127, 0, 0, 1], 9)), None)
         } else {
             let config = indexd_config(&options, &endpoints, SocketAddr::from(([127, 0, 0, 1], 0)));
-            let (running, grpc) = start_indexd(&runtime, config)?;
+            let (running, grpc) = start_indexd(indexd_rt, config)?;
             // With `slow_indexd_link`, Envoy reaches indexd through a relay the
             // test can slow down.
             let link = if options.slow_indexd_link {
@@ -267,7 +288,7 @@ impl Stack {
                 // make every gateway send the same first requests to the same
                 // replicas.
                 config.seed = Some(options.seed.wrapping_add(gateway as u64));
-                let (running, grpc) = start_indexd(&runtime, config)?;
+                let (running, grpc) = start_indexd(indexd_rt, config)?;
                 (Some(running), grpc)
             };
             let envoy = Envoy::start(&envoy_config(&options, &addresses, grpc)?)?;
@@ -283,6 +304,7 @@ impl Stack {
             endpoints,
             replicas,
             real,
+            indexd_runtime,
             runtime,
         };
         stack.wait_index_ready(Duration::from_secs(60))?;
@@ -385,7 +407,8 @@ impl Stack {
             return Ok(());
         }
         let config = indexd_config(&self.options, &self.endpoints, self.indexd_grpc);
-        let (running, _) = start_indexd(&self.runtime, config)?;
+        let rt = self.indexd_runtime.as_ref().unwrap_or(&self.runtime);
+        let (running, _) = start_indexd(rt, config)?;
         self.indexd = Some(running);
         self.wait_index_ready(Duration::from_secs(20))
     }
@@ -510,13 +533,15 @@ fn mock_config(options: &StackOptions) -> mock_vllm::Config {
         // PYTHONHASHSEED would have; indexd must not depend on it either way.
         hash_seed: Some("kvroute-e2e".into()),
         data_parallel_size: options.data_parallel_size,
+        max_model_len: options.max_model_len,
         ..mock_vllm::Config::default()
     };
     config.latency.time_scale = options.time_scale;
     config
 }
 
-fn runtime() -> Result<Runtime, HarnessError> {
+/// A 2-thread runtime, its threads named `label` when given.
+fn runtime(label: Option<&str>) -> Result<Runtime, HarnessError> {
     // KVROUTE_E2E_LOG=indexd=debug,mock_vllm=info shows the in-process
     // components' logs on stderr.
     if let Ok(filter) = std::env::var("KVROUTE_E2E_LOG") {
@@ -525,7 +550,11 @@ fn runtime() -> Result<Runtime, HarnessError> {
             .with_writer(std::io::stderr)
             .try_init();
     }
-    tokio::runtime::Builder::new_multi_thread()
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(label) = label {
+        builder.thread_name(label);
+    }
+    builder
         .worker_threads(2)
         .enable_all()
         .build()
@@ -621,6 +650,6 @@ fn envoy_config(
         }
     };
     let mut listener = http_listener(LISTENER, filters, vec![route]);
-    listener["per_connection_buffer_limit_bytes"] = json!(8 * 1024 * 1024);
+    listener["per_connection_buffer_limit_bytes"] = json!(options.buffer_limit_bytes);
     Ok(EnvoyConfig::new(vec![listener], clusters))
 }

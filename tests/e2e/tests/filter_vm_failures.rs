@@ -124,7 +124,10 @@ fn assert_served_and_unpinned(envoy: &Envoy, replicas: &[SocketAddr]) {
         assert_eq!(seen, "", "routing headers reached {by}");
         served.insert(by.to_owned());
     }
-    assert!(served.len() > 1, "the client's pin was honoured: {served:?}");
+    assert!(
+        served.len() > 1,
+        "the client's pin was honoured: {served:?}"
+    );
 }
 
 #[test]

@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
+use crate::overhead::cpu::{self, CpuFigures};
 use crate::overhead::histogram::{
     Bin, FILTER_DURATION, Hist, INDEX_DURATION, PICK_LATENCY, TOKENIZER_DURATION,
 };
@@ -152,6 +153,8 @@ pub struct Report {
     pub settings: Vec<RunRow>,
     /// One entry per rate, ascending.
     pub rates: Vec<RateFigures>,
+    /// CPU per request per rate (empty: the run recorded none).
+    pub cpu: Vec<CpuFigures>,
 }
 
 /// Computes the report from the CSV rows.
@@ -190,6 +193,7 @@ pub fn compute(
     Report {
         settings: settings.to_vec(),
         rates: figures,
+        cpu: Vec::new(),
     }
 }
 
@@ -357,6 +361,7 @@ impl Report {
                 opt(r.added_p50_without_tokenizer(), us),
             );
         }
+        out.push_str(&cpu::markdown(&self.cpu));
         out.push_str("\n## Reading\n\n");
         for r in &self.rates {
             let _ = writeln!(
@@ -390,7 +395,7 @@ impl Report {
             out,
             "- Read the absolute numbers with care: everything shares {cores} cores — the client \
              and its sender threads, both Envoys (2 workers each), indexd and the mock replicas \
-             (in the bench process, one 2-thread tokio runtime per stack) — and the machine sees \
+             (in the bench process, {runtimes}) — and the machine sees \
              twice the listed rate (both profiles). The send-lag column shows how late requests \
              left when the client itself fell behind; other builds or CI on the machine at the \
              same time land in both profiles alike, since they are interleaved.\n\
@@ -410,6 +415,11 @@ impl Report {
              so its p50 is an interpolation inside a bucket; its mean is exact (`_sum / _count`). \
              Quantiles are linear inside the bin holding their rank.\n",
             cores = self.setting("cores"),
+            runtimes = if self.cpu.is_empty() {
+                "one 2-thread tokio runtime per stack"
+            } else {
+                "one 2-thread tokio runtime per stack and one for indexd"
+            },
         );
         out
     }
