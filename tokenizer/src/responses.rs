@@ -1,0 +1,318 @@
+//! vLLM's Responses → chat conversion for `/v1/responses/render`
+//! (`construct_input_messages` and `construct_tool_dicts` in
+//! `vllm/entrypoints/openai/responses/utils.py`):
+//!
+//! - `instructions` becomes a first system message; a string `input` a user
+//!   message;
+//! - `function_call` (and `custom_tool_call`) items become assistant tool
+//!   calls, merged into a directly preceding assistant message;
+//! - `reasoning` items become an assistant message's `reasoning` (the first
+//!   content text, else the first summary text), merged likewise;
+//! - assistant output messages become assistant content (first part's
+//!   text), merged into a preceding assistant message without content;
+//! - `function_call_output` becomes a tool message;
+//! - other items with a `role` pass as chat messages;
+//! - a final assistant message or reasoning item whose status is
+//!   `in_progress` or `incomplete` is continued (`continue_final_message`);
+//! - function tools (namespaces flattened to `ns__name`, custom tools as a
+//!   one-string function) become chat tool dicts.
+
+use minijinja::Value;
+
+use crate::chat::function_definition;
+use crate::error::RequestError;
+use crate::value::{Map, entries, get, get_some, is_map, is_str, items, object, opt_str, s};
+
+/// The messages, tool dicts and continuation flag of a Responses request.
+#[derive(Debug)]
+pub struct Converted {
+    /// Chat messages (before chat parsing).
+    pub messages: Vec<Value>,
+    /// Tool dicts, `None` without function tools.
+    pub tools: Option<Value>,
+    /// Whether the last input item is a partial assistant message.
+    pub continue_final: bool,
+}
+
+const CUSTOM_TOOL_INPUT_KEY: &str = "input";
+
+/// Converts `request` (a Responses body).
+pub fn convert(request: &Value) -> Result<Converted, RequestError> {
+    if get_some(request, "previous_response_id").is_some() {
+        return Err(RequestError::invalid(
+            "previous_response_id",
+            "previous_response_id is not supported by the stateless render endpoint.",
+        ));
+    }
+    let input = get(request, "input")
+        .ok_or_else(|| RequestError::invalid("input", "input: Field required"))?;
+    let mut messages = Vec::new();
+    if let Some(instructions) =
+        opt_str(request, "instructions", "instructions")?.filter(|i| !i.is_empty())
+    {
+        messages.push(message("system", Some(s(&instructions))));
+    }
+    let mut continue_final = false;
+    if is_str(&input) {
+        messages.push(message("user", Some(input.clone())));
+    } else {
+        let list = items(&input).ok_or_else(|| {
+            RequestError::invalid("input", "input: Input should be a valid string or list")
+        })?;
+        for (i, item) in list.iter().enumerate() {
+            if !is_map(item) {
+                return Err(RequestError::invalid(
+                    format!("input.{i}"),
+                    format!("input.{i}: Input should be a valid dictionary"),
+                ));
+            }
+            add_item(&mut messages, item, &format!("input.{i}"))?;
+        }
+        continue_final = list.last().is_some_and(is_partial);
+    }
+    Ok(Converted {
+        messages,
+        tools: tools(request)?,
+        continue_final,
+    })
+}
+
+fn message(role: &str, content: Option<Value>) -> Value {
+    let mut m = Map::new();
+    m.insert(s("role"), s(role));
+    if let Some(c) = content {
+        m.insert(s("content"), c);
+    }
+    object(m)
+}
+
+fn item_type(item: &Value) -> Option<String> {
+    get_some(item, "type").and_then(|t| t.as_str().map(str::to_owned))
+}
+
+fn is_partial(item: &Value) -> bool {
+    let kind = item_type(item).unwrap_or_else(|| "message".to_owned());
+    if kind != "message" && kind != "reasoning" {
+        return false;
+    }
+    matches!(
+        get_some(item, "status").as_ref().and_then(Value::as_str),
+        Some("in_progress" | "incomplete")
+    )
+}
+
+/// The last message if it is an assistant's (to merge into).
+fn prev_assistant(messages: &mut [Value]) -> Option<&mut Value> {
+    messages
+        .last_mut()
+        .filter(|m| get(m, "role").as_ref().and_then(Value::as_str) == Some("assistant"))
+}
+
+fn set_field(msg: &mut Value, key: &str, v: Value) {
+    let mut e = entries(msg);
+    e.insert(s(key), v);
+    *msg = object(e);
+}
+
+fn add_item(messages: &mut Vec<Value>, item: &Value, at: &str) -> Result<(), RequestError> {
+    let kind = item_type(item);
+    let call = match kind.as_deref() {
+        Some("function_call") => {
+            let mut name = crate::value::req_str(item, "name", &format!("{at}.name"))?;
+            if let Some(ns) =
+                opt_str(item, "namespace", &format!("{at}.namespace"))?.filter(|n| !n.is_empty())
+            {
+                name = format!("{ns}__{name}");
+            }
+            let args = crate::value::req_str(item, "arguments", &format!("{at}.arguments"))?;
+            let id = crate::value::req_str(item, "call_id", &format!("{at}.call_id"))?;
+            Some(tool_call(&id, &name, &args))
+        }
+        Some("custom_tool_call") => {
+            let name = crate::value::req_str(item, "name", &format!("{at}.name"))?;
+            let id = crate::value::req_str(item, "call_id", &format!("{at}.call_id"))?;
+            let payload = opt_str(item, "input", &format!("{at}.input"))?.unwrap_or_default();
+            let mut m = Map::new();
+            m.insert(s(CUSTOM_TOOL_INPUT_KEY), s(&payload));
+            let args = crate::json::dumps(&object(m), &crate::json::DumpOptions::default())
+                .map_err(RequestError::message)?;
+            Some(tool_call(&id, &name, &args))
+        }
+        _ => None,
+    };
+    if let Some(call) = call {
+        if let Some(prev) = prev_assistant(messages) {
+            match get(prev, "tool_calls") {
+                None => {
+                    set_field(prev, "tool_calls", Value::from(vec![call]));
+                    return Ok(());
+                }
+                Some(tc) => {
+                    if let Some(mut list) = items(&tc) {
+                        list.push(call);
+                        set_field(prev, "tool_calls", Value::from(list));
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        let mut m = Map::new();
+        m.insert(s("role"), s("assistant"));
+        m.insert(s("tool_calls"), Value::from(vec![call]));
+        messages.push(object(m));
+        return Ok(());
+    }
+    match kind.as_deref() {
+        Some("reasoning") => {
+            if get_some(item, "encrypted_content").is_some_and(|e| e.is_true()) {
+                return Err(RequestError::invalid(
+                    "input",
+                    "Encrypted content is not supported.",
+                ));
+            }
+            let first_text = |key: &str| {
+                get_some(item, key)
+                    .and_then(|c| items(&c))
+                    .and_then(|l| l.first().cloned())
+                    .and_then(|p| get_some(&p, "text"))
+            };
+            let reasoning = first_text("content")
+                .or_else(|| first_text("summary"))
+                .unwrap_or_else(|| s(""));
+            if let Some(prev) = prev_assistant(messages)
+                && get_some(prev, "reasoning").is_none()
+            {
+                set_field(prev, "reasoning", reasoning);
+                return Ok(());
+            }
+            let mut m = Map::new();
+            m.insert(s("role"), s("assistant"));
+            m.insert(s("reasoning"), reasoning);
+            messages.push(object(m));
+            Ok(())
+        }
+        Some("function_call_output" | "custom_tool_call_output") => {
+            let mut m = Map::new();
+            m.insert(s("role"), s("tool"));
+            m.insert(s("content"), get(item, "output").unwrap_or(Value::from(())));
+            m.insert(
+                s("tool_call_id"),
+                get(item, "call_id").unwrap_or(Value::from(())),
+            );
+            messages.push(object(m));
+            Ok(())
+        }
+        _ if get(item, "role").as_ref().and_then(Value::as_str) == Some("assistant") => {
+            let content = get(item, "content").unwrap_or_default();
+            let text = if is_str(&content) {
+                Some(content)
+            } else {
+                items(&content)
+                    .and_then(|l| l.first().cloned())
+                    .and_then(|p| get_some(&p, "text"))
+            };
+            match text {
+                Some(text) => {
+                    if let Some(prev) = prev_assistant(messages)
+                        && get_some(prev, "content").is_none()
+                    {
+                        set_field(prev, "content", text);
+                        return Ok(());
+                    }
+                    messages.push(message("assistant", Some(text)));
+                    Ok(())
+                }
+                None => {
+                    messages.push(item.clone());
+                    Ok(())
+                }
+            }
+        }
+        _ if get(item, "role").is_some() => {
+            messages.push(item.clone());
+            Ok(())
+        }
+        other => Err(RequestError::invalid(
+            "input",
+            format!("Unsupported input item type: {}", other.unwrap_or("None")),
+        )),
+    }
+}
+
+fn tool_call(id: &str, name: &str, arguments: &str) -> Value {
+    let mut f = Map::new();
+    f.insert(s("name"), s(name));
+    f.insert(s("arguments"), s(arguments));
+    let mut c = Map::new();
+    c.insert(s("id"), s(id));
+    c.insert(s("function"), object(f));
+    c.insert(s("type"), s("function"));
+    object(c)
+}
+
+/// The request's function tools as chat tool dicts.
+fn tools(request: &Value) -> Result<Option<Value>, RequestError> {
+    let Some(list) = get_some(request, "tools") else {
+        return Ok(None);
+    };
+    let list = items(&list)
+        .ok_or_else(|| RequestError::invalid("tools", "tools: Input should be a valid list"))?;
+    if list.is_empty() {
+        return Ok(None);
+    }
+    let mut out = Vec::new();
+    for (i, tool) in list.iter().enumerate() {
+        let at = format!("tools.{i}");
+        match item_type(tool).as_deref() {
+            Some("function") => out.push(wrap(function_definition(tool, None, &at)?)),
+            Some("namespace") => {
+                let ns = crate::value::req_str(tool, "name", &format!("{at}.name"))?;
+                for (j, inner) in items(&get(tool, "tools").unwrap_or_default())
+                    .unwrap_or_default()
+                    .iter()
+                    .enumerate()
+                {
+                    if item_type(inner).as_deref() != Some("function") {
+                        continue;
+                    }
+                    let name =
+                        crate::value::req_str(inner, "name", &format!("{at}.tools.{j}.name"))?;
+                    let mut e = entries(inner);
+                    e.insert(s("name"), s(&format!("{ns}__{name}")));
+                    out.push(wrap(function_definition(
+                        &object(e),
+                        None,
+                        &format!("{at}.tools.{j}"),
+                    )?));
+                }
+            }
+            Some("custom") => {
+                let mut e = Map::new();
+                e.insert(
+                    s("name"),
+                    s(&crate::value::req_str(tool, "name", &format!("{at}.name"))?),
+                );
+                e.insert(
+                    s("description"),
+                    get_some(tool, "description").unwrap_or(Value::from(())),
+                );
+                e.insert(s("parameters"), custom_tool_parameters());
+                out.push(wrap(function_definition(&object(e), None, &at)?));
+            }
+            _ => {}
+        }
+    }
+    Ok(Some(Value::from(out)))
+}
+
+fn wrap(function: Value) -> Value {
+    let mut m = Map::new();
+    m.insert(s("type"), s("function"));
+    m.insert(s("function"), function);
+    object(m)
+}
+
+fn custom_tool_parameters() -> Value {
+    let text = r#"{"type": "object", "properties": {"input": {"type": "string", "description": "The freeform text payload for this tool."}}, "required": ["input"], "additionalProperties": false}"#;
+    crate::json::parse(text.as_bytes()).unwrap_or_default()
+}

@@ -1,0 +1,124 @@
+//! The native tokenizer against transformers (tests/reference/expected.py,
+//! itself checked against live vLLM 0.32 by tests/vllm/live_ids.py) on
+//! generated requests: chat (system, tools, tool calls and results, content
+//! parts, reasoning, developer roles, continue_final_message, kwargs),
+//! completions and Responses (input items, instructions, tools), unicode and
+//! whitespace edge cases, and conversations of 10k to 40k tokens, for both
+//! model families. Every token id must match.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use std::collections::HashMap;
+
+use kvroute_tokenizer::{ResponsesRequest, TokenizeRequest, Tokenizer};
+use serde_json::Value;
+
+/// The body's JSON text as written (key order matters: `serde_json::Value`
+/// would sort keys). gen_requests.py writes `"body"` last.
+fn raw_body(line: &str) -> &str {
+    let start = line.find("\"body\": ").expect("a body") + "\"body\": ".len();
+    line[start..]
+        .trim_end()
+        .strip_suffix('}')
+        .expect("a closing brace")
+}
+
+fn ids_of(tok: &Tokenizer, endpoint: &str, body: &str) -> Result<Vec<u32>, String> {
+    let bytes = body.as_bytes();
+    if endpoint == "tokenize" {
+        let req = TokenizeRequest::from_json(bytes).map_err(|e| e.to_string())?;
+        tok.tokenize(&req)
+            .map(|r| r.tokens)
+            .map_err(|e| e.to_string())
+    } else {
+        let req = ResponsesRequest::from_json(bytes).map_err(|e| e.to_string())?;
+        tok.render_responses(&req)
+            .map(|r| r.token_ids)
+            .map_err(|e| e.to_string())
+    }
+}
+
+fn read_jsonl(path: &std::path::Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn every_generated_request_matches_transformers() {
+    let scratch = common::scratch("differential");
+    let python = common::reference_python();
+    let requests = scratch.join("requests.jsonl");
+    common::run(&python, "gen_requests.py", &[&requests]);
+    let lines = std::fs::read_to_string(&requests).unwrap();
+    let lines: Vec<&str> = lines.lines().collect();
+    let reqs = read_jsonl(&requests);
+    assert!(reqs.len() >= 1000);
+
+    let mut total = 0usize;
+    let mut longest = 0usize;
+    for (family, dir) in common::families() {
+        let expected_path = scratch.join(format!("expected-{family}.jsonl"));
+        common::run(&python, "expected.py", &[&dir, &requests, &expected_path]);
+        let expected: HashMap<u64, Value> = read_jsonl(&expected_path)
+            .into_iter()
+            .map(|e| (e["id"].as_u64().unwrap(), e))
+            .collect();
+        let tok = common::load(&dir);
+        let mut mismatches = Vec::new();
+        for (req, line) in reqs.iter().zip(&lines) {
+            let id = req["id"].as_u64().unwrap();
+            let want = &expected[&id];
+            let got = ids_of(&tok, req["endpoint"].as_str().unwrap(), raw_body(line));
+            match (want.get("tokens"), &got) {
+                (Some(w), Ok(g)) => {
+                    let w: Vec<u32> = serde_json::from_value(w.clone()).unwrap();
+                    longest = longest.max(w.len());
+                    if &w != g {
+                        let at = w
+                            .iter()
+                            .zip(g)
+                            .position(|(a, b)| a != b)
+                            .unwrap_or(w.len().min(g.len()));
+                        mismatches.push(format!(
+                            "{family} #{id}: first difference at token {at} ({} vs {} tokens)",
+                            w.len(),
+                            g.len()
+                        ));
+                    }
+                }
+                (None, Err(_)) => {}
+                (Some(_), Err(e)) => mismatches.push(format!("{family} #{id}: refused: {e}")),
+                (None, Ok(_)) => mismatches.push(format!(
+                    "{family} #{id}: accepted, reference refused: {}",
+                    want["error"]
+                )),
+            }
+            total += 1;
+        }
+        assert!(
+            mismatches.is_empty(),
+            "{} mismatches on {family}:\n{}",
+            mismatches.len(),
+            mismatches
+                .iter()
+                .take(20)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+    assert!(
+        longest > 30_000,
+        "the longest conversation has only {longest} tokens"
+    );
+    eprintln!("{total} requests matched, the longest {longest} tokens");
+}

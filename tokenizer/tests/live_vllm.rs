@@ -1,0 +1,235 @@
+//! The real-vLLM tier's differential test (`make test-vllm`): the native
+//! tokenizer against live vLLM 0.32 itself, on both model families, for the
+//! generated requests of tests/reference/gen_requests.py (chat with system
+//! prompts, tools, tool calls and results, content parts and reasoning;
+//! completions; Responses input items and instructions; unicode and
+//! whitespace edge cases; conversations past 30k tokens). vLLM runs as its
+//! GPU-less render server (tests/vllm/render_server.py: `/tokenize` and the
+//! render endpoints, no engine), one per model. Every token id must match,
+//! and every refusal must be a refusal on both sides.
+//!
+//! Ignored by default: it needs the vLLM venv (tests/vllm/install.sh).
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+mod common;
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvroute_tokenizer::{ResponsesRequest, TokenizeRequest, Tokenizer};
+use serde_json::Value;
+
+/// How long a render server may take to start.
+const START: Duration = Duration::from_secs(180);
+
+fn vllm_python() -> PathBuf {
+    let venv = std::env::var_os("KVROUTE_VLLM_VENV").map_or_else(
+        || PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/kvroute/vllm-venv"),
+        PathBuf::from,
+    );
+    let python = venv.join("bin/python");
+    assert!(
+        python.is_file(),
+        "no vLLM venv at {} (bash tests/vllm/install.sh)",
+        venv.display()
+    );
+    python
+}
+
+/// A render server, killed (with its process group) on drop.
+struct RenderServer {
+    child: Child,
+    url: String,
+    log: PathBuf,
+}
+
+impl Drop for RenderServer {
+    fn drop(&mut self) {
+        // SIGKILL to the group: the server's workers die with it.
+        let pid = self.child.id();
+        let _ = Command::new("kill")
+            .args(["-9", &format!("-{pid}")])
+            .status();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn post(url: &str, body: &str) -> (u16, Value) {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(Duration::from_secs(300)))
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let mut r = agent
+        .post(url)
+        .header("content-type", "application/json")
+        .send(body.as_bytes())
+        .unwrap_or_else(|e| panic!("{url}: {e}"));
+    let status = r.status().as_u16();
+    let text = r.body_mut().read_to_string().unwrap_or_default();
+    (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+}
+
+fn start(model_dir: &Path, scratch: &Path, name: &str) -> RenderServer {
+    use std::os::unix::process::CommandExt;
+    let port = free_port();
+    let log = scratch.join(format!("render-{name}.log"));
+    let out = std::fs::File::create(&log).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/vllm/render_server.py");
+    let mut cmd = Command::new(vllm_python());
+    cmd.arg(script)
+        .arg("--model")
+        .arg(model_dir)
+        .args(["--served-model-name", "test", "--host", "127.0.0.1", "--port"])
+        .arg(port.to_string())
+        .env("HF_HUB_OFFLINE", "1")
+        .env("VLLM_LOGGING_LEVEL", "WARNING")
+        .stdout(Stdio::from(out.try_clone().unwrap()))
+        .stderr(Stdio::from(out))
+        .process_group(0);
+    let child = cmd.spawn().expect("start the render server");
+    let server = RenderServer {
+        child,
+        url: format!("http://127.0.0.1:{port}"),
+        log,
+    };
+    let started = Instant::now();
+    loop {
+        let probe = ureq::get(&format!("{}/health", server.url)).call();
+        if probe.is_ok_and(|r| r.status() == 200) {
+            return server;
+        }
+        if started.elapsed() > START {
+            let mut text = String::new();
+            let _ = std::fs::File::open(&server.log).and_then(|mut f| f.read_to_string(&mut text));
+            panic!("the render server for {name} did not start:\n{text}");
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// The body's JSON text as written (key order reaches the template).
+fn raw_body(line: &str) -> &str {
+    let start = line.find("\"body\": ").expect("a body") + "\"body\": ".len();
+    line[start..]
+        .trim_end()
+        .strip_suffix('}')
+        .expect("a closing brace")
+}
+
+/// The body with `"model": "test"` first (the server's name for it).
+fn with_model(body: &str) -> String {
+    let rest = body.trim_start().strip_prefix('{').expect("an object");
+    if rest.trim_start().starts_with('}') {
+        "{\"model\":\"test\"}".to_owned()
+    } else {
+        format!("{{\"model\":\"test\",{rest}")
+    }
+}
+
+fn local(tok: &Tokenizer, endpoint: &str, body: &str) -> Result<Vec<u32>, String> {
+    if endpoint == "tokenize" {
+        TokenizeRequest::from_json(body.as_bytes())
+            .and_then(|r| tok.tokenize(&r))
+            .map(|r| r.tokens)
+            .map_err(|e| e.to_string())
+    } else {
+        ResponsesRequest::from_json(body.as_bytes())
+            .and_then(|r| tok.render_responses(&r))
+            .map(|r| r.token_ids)
+            .map_err(|e| e.to_string())
+    }
+}
+
+fn live_ids(answer: &Value) -> Option<Vec<u32>> {
+    let v = match answer {
+        Value::Array(items) if items.len() == 1 => &items[0],
+        other => other,
+    };
+    let ids = v.get("tokens").or_else(|| v.get("token_ids"))?;
+    serde_json::from_value(ids.clone()).ok()
+}
+
+#[test]
+#[ignore = "needs real vLLM: make test-vllm"]
+fn every_generated_request_matches_live_vllm() {
+    let scratch = common::scratch("live-vllm");
+    let requests = scratch.join("requests.jsonl");
+    common::run(&common::reference_python(), "gen_requests.py", &[&requests]);
+    let text = std::fs::read_to_string(&requests).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(lines.len() >= 1000, "only {} requests", lines.len());
+
+    let mut checked = 0usize;
+    let mut longest = 0usize;
+    for (family, dir) in common::families() {
+        let server = start(&dir, &scratch, family);
+        let tok = common::load(&dir);
+        let mut mismatches = Vec::new();
+        for line in &lines {
+            let req: Value = serde_json::from_str(line).unwrap();
+            let id = req["id"].as_u64().unwrap();
+            let endpoint = req["endpoint"].as_str().unwrap();
+            let body = with_model(raw_body(line));
+            let path = if endpoint == "tokenize" {
+                "/tokenize"
+            } else {
+                "/v1/responses/render"
+            };
+            let (status, answer) = post(&format!("{}{path}", server.url), &body);
+            assert!(
+                status < 500,
+                "{family} #{id}: vLLM answered {status}: {answer}"
+            );
+            let theirs = (status == 200).then(|| live_ids(&answer)).flatten();
+            let mine = local(&tok, endpoint, &body);
+            match (theirs, mine) {
+                (Some(w), Ok(g)) => {
+                    longest = longest.max(w.len());
+                    if w != g {
+                        let at = w
+                            .iter()
+                            .zip(&g)
+                            .position(|(a, b)| a != b)
+                            .unwrap_or(w.len().min(g.len()));
+                        mismatches.push(format!(
+                            "{family} #{id}: first difference at token {at} ({} vs {} tokens)",
+                            w.len(),
+                            g.len()
+                        ));
+                    }
+                }
+                (None, Err(_)) => {}
+                (Some(_), Err(e)) => mismatches.push(format!("{family} #{id}: vLLM took it, we refused: {e}")),
+                (None, Ok(_)) => mismatches.push(format!("{family} #{id}: vLLM refused ({status}: {answer}), we took it")),
+            }
+            checked += 1;
+        }
+        assert!(
+            mismatches.is_empty(),
+            "{} token-id mismatches against live vLLM on {family}:\n{}",
+            mismatches.len(),
+            mismatches.iter().take(20).cloned().collect::<Vec<_>>().join("\n")
+        );
+        eprintln!("{family}: {} requests, 0 mismatches against live vLLM", lines.len());
+    }
+    assert!(longest > 30_000, "the longest prompt has only {longest} tokens");
+    eprintln!("{checked} requests matched live vLLM, the longest {longest} tokens");
+}
