@@ -8,7 +8,10 @@
 //!   failure more than `window_ms` after the previous one starts over.
 //!   `failures` consecutive failures open the breaker.
 //! - Open for `cooldown_ms`: requests skip the peer (`breaker_open`,
-//!   `tokenizer_breaker_open`).
+//!   `tokenizer_breaker_open`) — but one request every `probe_ms` (0: none)
+//!   still goes, so a peer that is back (an indexd restarted in a second) is
+//!   seen within `probe_ms`, not at the end of the cool-down. A probe's
+//!   success closes the breaker; its failure leaves it open.
 //! - Half-open after the cool-down: requests go to the peer again; the first
 //!   failure re-opens at once, the first success closes.
 //!
@@ -37,7 +40,7 @@ impl Breaker {
     }
 }
 const ATTEMPTS: usize = 4;
-const LEN: usize = 21;
+const LEN: usize = 29;
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 struct State {
@@ -45,6 +48,8 @@ struct State {
     last_failure_ms: u64,
     open_until_ms: u64,
     half_open: bool,
+    /// While open: when the next probe may go.
+    next_probe_ms: u64,
 }
 
 impl State {
@@ -56,7 +61,8 @@ impl State {
             .into_iter()
             .chain(self.last_failure_ms.to_le_bytes())
             .chain(self.open_until_ms.to_le_bytes())
-            .chain([u8::from(self.half_open)]);
+            .chain([u8::from(self.half_open)])
+            .chain(self.next_probe_ms.to_le_bytes());
         for (dst, src) in out.iter_mut().zip(parts) {
             *dst = src;
         }
@@ -68,11 +74,13 @@ impl State {
         let last_failure_ms = u64::from_le_bytes(bytes.get(4..12)?.try_into().ok()?);
         let open_until_ms = u64::from_le_bytes(bytes.get(12..20)?.try_into().ok()?);
         let half_open = *bytes.get(20)? != 0;
+        let next_probe_ms = u64::from_le_bytes(bytes.get(21..29)?.try_into().ok()?);
         (bytes.len() == LEN).then_some(Self {
             failures,
             last_failure_ms,
             open_until_ms,
             half_open,
+            next_probe_ms,
         })
     }
 }
@@ -86,6 +94,34 @@ fn read(store: &dyn SharedData, which: Breaker) -> (State, Option<u32>) {
 /// Whether requests must skip the peer now.
 pub fn is_open(store: &dyn SharedData, which: Breaker, now_ms: u64) -> bool {
     now_ms < read(store, which).0.open_until_ms
+}
+
+/// Whether this request may call the peer: the breaker is closed, or it is
+/// open and this request is the next probe (at most one per `probe_ms`
+/// across the workers).
+pub fn admits(
+    store: &mut dyn SharedData,
+    which: Breaker,
+    cfg: &BreakerConfig,
+    now_ms: u64,
+) -> bool {
+    for _ in 0..ATTEMPTS {
+        let (mut state, cas) = read(store, which);
+        if now_ms >= state.open_until_ms {
+            return true;
+        }
+        if cfg.probe_ms == 0 || now_ms < state.next_probe_ms {
+            return false;
+        }
+        state.next_probe_ms = now_ms.saturating_add(cfg.probe_ms);
+        match store.set_shared(which.key(), &state.encode(), cas) {
+            Ok(()) => return true,
+            // Another worker took this probe.
+            Err(SharedError::CasMismatch) => {}
+            Err(SharedError::Failed) => return false,
+        }
+    }
+    false
 }
 
 /// Counts a failure; returns true if this failure opened the breaker.
@@ -113,6 +149,7 @@ pub fn record_failure(
         if opened {
             state.failures = 0;
             state.open_until_ms = now_ms.saturating_add(cfg.cooldown_ms);
+            state.next_probe_ms = now_ms.saturating_add(cfg.probe_ms);
             state.half_open = true;
         }
         match store.set_shared(which.key(), &state.encode(), cas) {
@@ -124,16 +161,19 @@ pub fn record_failure(
     false
 }
 
-/// Counts a success: closes a half-open breaker, resets the count.
+/// Counts a success: closes an open (a probe answered) or half-open
+/// breaker, resets the count.
 pub fn record_success(store: &mut dyn SharedData, which: Breaker, now_ms: u64) {
     for _ in 0..ATTEMPTS {
         let (state, cas) = read(store, which);
-        if (state.failures == 0 && !state.half_open) || now_ms < state.open_until_ms {
+        let open = now_ms < state.open_until_ms;
+        if state.failures == 0 && !state.half_open && !open {
             return;
         }
         let closed = State {
             failures: 0,
             half_open: false,
+            open_until_ms: 0,
             ..state
         };
         match store.set_shared(which.key(), &closed.encode(), cas) {
@@ -153,6 +193,7 @@ mod tests {
         failures: 3,
         window_ms: 1_000,
         cooldown_ms: 5_000,
+        probe_ms: 0,
     };
 
     #[test]
@@ -207,6 +248,38 @@ mod tests {
     }
 
     #[test]
+    fn an_open_breaker_lets_one_probe_through_per_interval_and_a_success_closes_it() {
+        let cfg = BreakerConfig {
+            probe_ms: 200,
+            ..CFG
+        };
+        let mut h = FakeHost::default();
+        for t in 0..3 {
+            record_failure(&mut h, I, &cfg, t);
+        }
+        assert!(is_open(&h, I, 10));
+        assert!(!admits(&mut h, I, &cfg, 10), "no probe at once");
+        assert!(admits(&mut h, I, &cfg, 202), "the first probe");
+        assert!(!admits(&mut h, I, &cfg, 203), "one per interval");
+        assert!(
+            !record_failure(&mut h, I, &cfg, 210),
+            "a failed probe keeps it open"
+        );
+        assert!(is_open(&h, I, 300));
+        assert!(admits(&mut h, I, &cfg, 402), "the next probe");
+        record_success(&mut h, I, 410);
+        assert!(!is_open(&h, I, 411), "its success closes the breaker");
+        assert!(admits(&mut h, I, &cfg, 412));
+        // Without probing, nothing goes until the cool-down ends.
+        let mut n = FakeHost::default();
+        for t in 0..3 {
+            record_failure(&mut n, I, &CFG, t);
+        }
+        assert!(!admits(&mut n, I, &CFG, 4_000));
+        assert!(admits(&mut n, I, &CFG, 5_003));
+    }
+
+    #[test]
     fn the_two_breakers_are_independent() {
         let mut h = FakeHost::default();
         for t in 0..3 {
@@ -225,8 +298,9 @@ mod tests {
             last_failure_ms: u64::MAX,
             open_until_ms: 42,
             half_open: true,
+            next_probe_ms: 9,
         };
         assert_eq!(State::decode(&s.encode()), Some(s));
-        assert_eq!(State::decode(&s.encode()[..20]), None);
+        assert_eq!(State::decode(&s.encode()[..28]), None);
     }
 }

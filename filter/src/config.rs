@@ -79,6 +79,9 @@ pub struct BreakerConfig {
     pub window_ms: u64,
     /// How long the breaker stays open.
     pub cooldown_ms: u64,
+    /// While open, one request per this many ms still calls the peer (0:
+    /// none).
+    pub probe_ms: u64,
 }
 
 /// The validated configuration.
@@ -200,6 +203,7 @@ struct RawBreaker {
     failures: Option<u32>,
     window_ms: Option<u64>,
     cooldown_ms: Option<u64>,
+    probe_ms: Option<u64>,
 }
 
 /// Defaults, also quoted in the README.
@@ -225,6 +229,8 @@ pub mod defaults {
     pub const BREAKER_WINDOW_MS: u64 = 10_000;
     /// `breaker.cooldown_ms`.
     pub const BREAKER_COOLDOWN_MS: u64 = 5_000;
+    /// `breaker.probe_ms`.
+    pub const BREAKER_PROBE_MS: u64 = 250;
     /// `approximate_chunk_bytes`.
     pub const APPROXIMATE_CHUNK_BYTES: u32 = 256;
     /// `response_scan_bytes`.
@@ -469,10 +475,12 @@ fn breaker_config(field: &str, raw: RawBreaker) -> Result<BreakerConfig, ConfigE
     if cooldown_ms == 0 {
         return Err(at_least_one("cooldown_ms"));
     }
+    let probe_ms = raw.probe_ms.unwrap_or(defaults::BREAKER_PROBE_MS);
     Ok(BreakerConfig {
         failures,
         window_ms,
         cooldown_ms,
+        probe_ms,
     })
 }
 

@@ -181,7 +181,8 @@ impl Flow {
             route,
             started_us: host.now_us(),
         };
-        if breaker::is_open(host, Breaker::Index, now_ms(host)) {
+        let now = now_ms(host);
+        if !breaker::admits(host, Breaker::Index, &self.cfg.breaker, now) {
             return self.conclude(host, Reason::BreakerOpen, Via::Callback);
         }
         if end_of_stream {
@@ -286,7 +287,8 @@ impl Flow {
                 .saturating_add(self.cfg.index_timeout);
             return self.dispatch_pick(host, routed, &message, timeout, Via::Callback);
         }
-        if breaker::is_open(host, Breaker::Tokenizer, now_ms(host)) {
+        let now = now_ms(host);
+        if !breaker::admits(host, Breaker::Tokenizer, &self.cfg.tokenizer_breaker, now) {
             return self.conclude_routed(host, routed, Reason::TokenizerBreakerOpen, Via::Callback);
         }
         let tok_body = tokenize::request_body(routed.route.call, &req, &routed.model, body);

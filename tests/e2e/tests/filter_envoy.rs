@@ -270,6 +270,38 @@ fn the_breaker_opens_and_closes() {
 }
 
 #[test]
+fn an_open_breaker_probes_and_closes_once_indexd_is_back() {
+    // A cool-down far longer than the test: only a probe can close it.
+    let f = fleet(&json!({
+        "breaker": {"failures": 3, "window_ms": 30000, "cooldown_ms": 600000, "probe_ms": 100}
+    }));
+    f.index.set(Script::Status(503));
+    for _ in 0..3 {
+        assert_eq!(decision(&f.chat(&[])), "index_unavailable");
+    }
+    assert_eq!(decision(&f.chat(&[])), "breaker_open");
+    f.index
+        .set(Script::Answer(pick_answer(PRECISE, &[f.replicas[2]])));
+    let mut routed = None;
+    for _ in 0..50 {
+        std::thread::sleep(Duration::from_millis(50));
+        let r = f.chat(&[]);
+        if decision(&r) == "precise" {
+            routed = Some(r);
+            break;
+        }
+        assert_eq!(decision(&r), "breaker_open");
+    }
+    let r = routed.expect("no probe reached indexd");
+    assert_eq!(r.body, f.replicas[2].to_string());
+    // Closed for everyone: the next requests are routed without waiting.
+    for _ in 0..5 {
+        assert_eq!(decision(&f.chat(&[])), "precise");
+    }
+    assert_no_wasm_failure(&f.gateway);
+}
+
+#[test]
 fn responses_ids_are_observed_and_continuations_follow_them() {
     let f = fleet(&json!({}));
     f.tokenizer.set(Script::Answer(
@@ -320,7 +352,10 @@ fn config_errors_make_envoy_refuse_the_plugin() {
     let replicas = [replica()];
     let addr: SocketAddr = "127.0.0.1:1".parse().unwrap();
     for (bad, field) in [
-        (json!({"index_cluster": "indexd"}), "tokenizer_cluster"),
+        (
+            json!({"index_cluster": "indexd", "tokenize_at": "cluster"}),
+            "tokenizer_cluster",
+        ),
         (
             json!({"index_cluster": "indexd", "tokenizer_cluster": "t", "blok_size": 64}),
             "unknown field `blok_size`",

@@ -146,7 +146,7 @@ fn index_faults_never_trap_the_vm() {
 #[test]
 fn a_stalling_tokenizer_stops_costing_its_timeout() {
     let f = fleet_with(&json!({
-        "tokenizer_breaker": {"failures": 3, "window_ms": 10000, "cooldown_ms": 60000}
+        "tokenizer_breaker": {"failures": 3, "window_ms": 10000, "cooldown_ms": 60000, "probe_ms": 0}
     }));
     f.tokenizer.set(Fault::HeadersThenStall);
     for _ in 0..3 {

@@ -266,7 +266,7 @@ pub fn plugin_config(extra: &Value) -> Value {
         "index_timeout_ms": 400,
         "block_size": 4,
         "decision_header": DECISION,
-        "breaker": {"failures": 3, "window_ms": 30000, "cooldown_ms": 1500},
+        "breaker": {"failures": 3, "window_ms": 30000, "cooldown_ms": 1500, "probe_ms": 0},
     });
     for (k, v) in extra.as_object().into_iter().flatten() {
         cfg[k] = v.clone();
