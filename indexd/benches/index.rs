@@ -15,10 +15,11 @@ use std::time::Instant;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use indexd::config::{Config, EndpointConfig};
-use indexd::index::{ApplyStats, Index, ReplicaSlot};
+use indexd::event::{BlockStored, EngineHash, EventBatch, ExtraKeys, KvEvent};
+use indexd::index::{ApplyStats, Index};
 use indexd::state::Shared;
-use indexd::wire::{self, BlockStored, EngineHash, EventBatch, ExtraKeys, KvEvent, Limits};
-use indexd::{Tier, pick};
+use indexd::wire::{self, Limits};
+use indexd::{ReplicaSlot, Tier, pick};
 use kvroute_proto::keys::{BlockSize, block_keys};
 use kvroute_proto::v1::{Mode, PickRequest};
 use rmpv::Value;
@@ -41,7 +42,7 @@ fn stored(hashes: std::ops::Range<u64>, parent: Option<u64>, tokens: Vec<u32>) -
         block_size: BS,
         tier: Tier::Gpu,
         lora_name: None,
-        extra_keys: vec![ExtraKeys::None; n],
+        extra_keys: Some(vec![ExtraKeys::None; n]),
         group_idx: 0,
     })
 }

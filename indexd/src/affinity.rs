@@ -8,17 +8,33 @@ use kvroute_proto::keys::BlockKey;
 
 use crate::config::EndpointId;
 use crate::credits::Credits;
-use crate::index::{PartitionId, PrefixMatch, ReplicaSlot};
+use crate::ids::{PartitionId, ReplicaSlot};
+use crate::index::PrefixMatch;
 
-/// `response id → replica`, bounded (oldest insertion out first) with a TTL.
+/// `response id → (replica, model)`, bounded (oldest insertion out first)
+/// with a TTL. The model is the request's (a base model or a LoRA adapter):
+/// an entry answers only a Pick for that same model.
 #[derive(Debug)]
 pub struct Affinity {
-    map: HashMap<String, (EndpointId, Instant, u64)>,
+    map: HashMap<String, Recorded>,
     order: VecDeque<(String, u64)>,
     next: u64,
     capacity: usize,
     ttl: Duration,
 }
+
+/// One recorded response: who served it, for which model, until when, and
+/// its insertion generation.
+#[derive(Debug)]
+struct Recorded {
+    endpoint: EndpointId,
+    model: String,
+    expires: Instant,
+    generation: u64,
+}
+
+/// Longest model name recorded with a response id.
+pub const MAX_MODEL: usize = 256;
 
 /// Longest response id accepted (longer ones are not recorded).
 pub const MAX_RESPONSE_ID: usize = 256;
@@ -40,47 +56,61 @@ impl Affinity {
         self.map.len()
     }
 
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.map.is_empty()
-    }
-
-    /// Remembers that `response_id` was served by `endpoint`.
-    pub fn insert(&mut self, response_id: &str, endpoint: EndpointId, now: Instant) -> bool {
-        if self.capacity == 0 || response_id.is_empty() || response_id.len() > MAX_RESPONSE_ID {
+    /// Remembers that `response_id` was served by `endpoint` for a request
+    /// naming `model`.
+    pub fn insert(
+        &mut self,
+        response_id: &str,
+        endpoint: EndpointId,
+        model: &str,
+        now: Instant,
+    ) -> bool {
+        if self.capacity == 0
+            || response_id.is_empty()
+            || response_id.len() > MAX_RESPONSE_ID
+            || model.len() > MAX_MODEL
+        {
             return false;
         }
-        let gen_ = self.next;
+        let generation = self.next;
         self.next += 1;
-        self.map
-            .insert(response_id.to_owned(), (endpoint, now + self.ttl, gen_));
-        self.order.push_back((response_id.to_owned(), gen_));
+        self.map.insert(
+            response_id.to_owned(),
+            Recorded {
+                endpoint,
+                model: model.to_owned(),
+                expires: now + self.ttl,
+                generation,
+            },
+        );
+        self.order.push_back((response_id.to_owned(), generation));
         while self.map.len() > self.capacity {
             self.pop_oldest();
         }
         if self.order.len() > 2 * self.capacity.max(1024) {
             let map = &self.map;
             self.order
-                .retain(|(id, g)| map.get(id).is_some_and(|(_, _, cur)| cur == g));
+                .retain(|(id, g)| map.get(id).is_some_and(|r| r.generation == *g));
         }
         true
     }
 
     fn pop_oldest(&mut self) {
         while let Some((id, g)) = self.order.pop_front() {
-            if self.map.get(&id).is_some_and(|(_, _, cur)| *cur == g) {
+            if self.map.get(&id).is_some_and(|r| r.generation == g) {
                 self.map.remove(&id);
                 return;
             }
         }
     }
 
-    /// The replica that served `response_id`, if known and unexpired.
-    pub fn get(&self, response_id: &str, now: Instant) -> Option<&EndpointId> {
+    /// The replica that served `response_id` and the model the request
+    /// named, if known and unexpired.
+    pub fn get(&self, response_id: &str, now: Instant) -> Option<(&EndpointId, &str)> {
         self.map
             .get(response_id)
-            .filter(|(_, exp, _)| *exp > now)
-            .map(|(ep, ..)| ep)
+            .filter(|r| r.expires > now)
+            .map(|r| (&r.endpoint, r.model.as_str()))
     }
 }
 
@@ -105,11 +135,6 @@ impl Approximate {
     /// `(key, replica)` entries held.
     pub fn len(&self) -> usize {
         self.learned.len()
-    }
-
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.learned.is_empty()
     }
 
     /// Leading keys each candidate was credited with (all as GPU).
@@ -178,19 +203,20 @@ mod tests {
     fn affinity_is_bounded_and_expires() {
         let now = Instant::now();
         let mut a = Affinity::new(2, Duration::from_secs(10));
-        assert!(a.insert("r1", ep(1), now));
-        assert!(a.insert("r2", ep(2), now));
-        assert!(a.insert("r3", ep(3), now));
+        assert!(a.insert("r1", ep(1), "m", now));
+        assert!(a.insert("r2", ep(2), "m", now));
+        assert!(a.insert("r3", ep(3), "lora", now));
         assert_eq!(a.len(), 2);
         assert_eq!(a.get("r1", now), None);
-        assert_eq!(a.get("r3", now), Some(&ep(3)));
+        assert_eq!(a.get("r3", now), Some((&ep(3), "lora")));
         assert_eq!(a.get("r3", now + Duration::from_secs(11)), None);
-        assert!(!a.insert("", ep(1), now));
-        assert!(!a.insert(&"x".repeat(MAX_RESPONSE_ID + 1), ep(1), now));
+        assert!(!a.insert("", ep(1), "m", now));
+        assert!(!a.insert(&"x".repeat(MAX_RESPONSE_ID + 1), ep(1), "m", now));
+        assert!(!a.insert("r4", ep(1), &"m".repeat(MAX_MODEL + 1), now));
         // Re-inserting refreshes instead of double counting.
-        assert!(a.insert("r2", ep(4), now));
+        assert!(a.insert("r2", ep(4), "m", now));
         assert_eq!(a.len(), 2);
-        assert_eq!(a.get("r2", now), Some(&ep(4)));
+        assert_eq!(a.get("r2", now), Some((&ep(4), "m")));
     }
 
     #[test]

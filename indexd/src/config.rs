@@ -190,6 +190,10 @@ pub struct Config {
     pub weights: Weights,
     /// Seed of the tie-breaking RNG (None: from entropy).
     pub seed: Option<u64>,
+    /// Index snapshots (restart without a full replay).
+    pub snapshot: crate::snapshot::SnapshotConfig,
+    /// Tokenization: local tokenizers, the replica fallback, the gate.
+    pub tokenize: crate::tokenize::TokenizeConfig,
 }
 
 impl Config {
@@ -220,6 +224,8 @@ impl Config {
             limits: Limits::default(),
             weights: Weights::default(),
             seed: None,
+            snapshot: crate::snapshot::SnapshotConfig::default(),
+            tokenize: crate::tokenize::TokenizeConfig::default(),
         }
     }
 
@@ -274,6 +280,22 @@ impl Config {
             ));
         }
         self.weights.validate()?;
+        let s = &self.snapshot;
+        for (field, d) in [
+            ("snapshot_interval", s.interval),
+            ("max_snapshot_write_time", s.max_write_time),
+        ] {
+            if d.is_zero() {
+                return Err(ConfigError::field(field, "must be positive"));
+            }
+        }
+        if s.max_bytes < 64 {
+            return Err(ConfigError::field(
+                "max_snapshot_bytes",
+                "must be at least 64",
+            ));
+        }
+        crate::tokenize::config::validate(&self.tokenize)?;
         Ok(())
     }
 }
@@ -349,14 +371,14 @@ pub fn parse_duration(text: &str) -> Option<Duration> {
     Duration::try_from_secs_f64(value * scale).ok()
 }
 
-#[derive(Deserialize)]
+#[derive(Debug, Deserialize)]
 #[serde(untagged)]
-enum RawDuration {
+pub(crate) enum RawDuration {
     Secs(f64),
     Text(String),
 }
 
-fn duration(
+pub(crate) fn duration(
     field: &str,
     raw: Option<RawDuration>,
     default: Duration,
@@ -493,6 +515,12 @@ struct RawConfig {
     max_publisher_connections: Option<usize>,
     weights: Option<Weights>,
     seed: Option<u64>,
+    snapshot_path: Option<PathBuf>,
+    snapshot_interval: Option<RawDuration>,
+    max_snapshot_bytes: Option<u64>,
+    max_snapshot_age: Option<RawDuration>,
+    max_snapshot_write_time: Option<RawDuration>,
+    tokenize: Option<crate::tokenize::config::RawTokenize>,
 }
 
 impl RawConfig {
@@ -560,122 +588,24 @@ impl RawConfig {
             c.weights = w;
         }
         c.seed = self.seed;
+        let s = &mut c.snapshot;
+        s.path = self.snapshot_path;
+        s.interval = duration("snapshot_interval", self.snapshot_interval, s.interval)?;
+        s.max_bytes = self.max_snapshot_bytes.unwrap_or(s.max_bytes);
+        s.max_age = duration("max_snapshot_age", self.max_snapshot_age, s.max_age)?;
+        s.max_write_time = duration(
+            "max_snapshot_write_time",
+            self.max_snapshot_write_time,
+            s.max_write_time,
+        )?;
+        if let Some(t) = self.tokenize {
+            c.tokenize = t.into_config()?;
+        }
         c.validate()?;
         Ok(c)
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn yaml_round_trip_and_defaults() {
-        let c = Config::from_yaml(
-            "grpc_listen: 127.0.0.1:0\nblock_size: 32\nscrape_interval: 250ms\nendpoints:\n  - address: 10.0.0.1:8000\n    model: m\n    events: tcp://10.0.0.1:5557\n    replay: tcp://10.0.0.1:5558\n    metrics_url: http://10.0.0.1:8000/metrics\n  - address: 10.0.0.1:8000\n    data_parallel_rank: 1\n    model: m\n",
-        )
-        .unwrap();
-        assert_eq!(c.block_size.get(), 32);
-        assert_eq!(c.scrape_interval, Duration::from_millis(250));
-        assert_eq!(c.endpoints.len(), 2);
-        assert_eq!(c.endpoints[1].id.rank, Some(1));
-        assert_eq!(
-            c.endpoints[0].metrics_url,
-            Some(HttpUrl {
-                authority: "10.0.0.1:8000".into(),
-                path: "/metrics".into()
-            })
-        );
-        assert_eq!(c.speculative_ttl, Duration::from_secs(5));
-        let w = Config::from_yaml("weights: {credit_cpu: 0.5}\n")
-            .unwrap()
-            .weights;
-        assert_eq!((w.credit_cpu, w.credit_gpu), (0.5, 1.0));
-        assert!(Config::from_yaml("weights: {credit_tpu: 1}\n").is_err());
-        let err = Config::from_yaml(
-            "endpoints:\n  - {address: 1.2.3.4:1, model: m, events_bind: true}\n",
-        )
-        .unwrap_err();
-        assert!(
-            err.to_string().contains("endpoints[0].events_bind"),
-            "{err}"
-        );
-        let star = "endpoints:\n  - {address: 1.2.3.4:1, model: m, events: 'tcp://*:5557'}\n";
-        let err = Config::from_yaml(star).unwrap_err();
-        assert!(err.to_string().contains("endpoints[0].events"), "{err}");
-        let bind = "endpoints:\n  - {address: 1.2.3.4:1, model: m, events: 'tcp://*:5557', events_bind: true}\n";
-        assert!(Config::from_yaml(bind).is_ok());
-        for (bad, field) in [
-            ("events: 'ipc:///tmp/kv'", "endpoints[0].events"),
-            ("events: 'tcp://host'", "endpoints[0].events"),
-            ("replay: 'tcp://*:5558'", "endpoints[0].replay"),
-            ("replay: 'inproc://r'", "endpoints[0].replay"),
-        ] {
-            let yaml = format!("endpoints:\n  - {{address: 1.2.3.4:1, model: m, {bad}}}\n");
-            let err = Config::from_yaml(&yaml).unwrap_err().to_string();
-            assert!(err.contains(field), "{bad}: {err}");
-        }
-        let named = "endpoints:\n  - {address: 1.2.3.4:1, model: m, events: 'tcp://vllm-0:5557', replay: 'tcp://vllm-0:5558'}\n";
-        assert!(Config::from_yaml(named).is_ok());
-    }
-
-    #[test]
-    fn errors_name_the_field() {
-        let err = Config::from_yaml("endpoints:\n  - address: nope\n    model: m\n").unwrap_err();
-        assert!(err.to_string().contains("endpoints[0].address"), "{err}");
-        let err = Config::from_yaml("scrape_interval: soon\n").unwrap_err();
-        assert!(err.to_string().contains("scrape_interval"), "{err}");
-        let err = Config::from_yaml("block_size: 0\n").unwrap_err();
-        assert!(err.to_string().contains("block_size"), "{err}");
-        let err = Config::from_yaml("endpoints:\n  - address: 1.2.3.4:1\n    model: m\n  - address: 1.2.3.4:1\n    model: m\n")
-            .unwrap_err();
-        assert!(err.to_string().contains("endpoints[1].address"), "{err}");
-        let err = Config::from_yaml("bogus: 1\n").unwrap_err();
-        assert!(err.to_string().contains("bogus"), "{err}");
-    }
-
-    #[test]
-    fn transport_limits_are_read_and_checked() {
-        let c = Config::from_yaml("max_message_bytes: 9000000\nmax_publisher_connections: 2\n")
-            .unwrap();
-        assert_eq!(c.limits.max_message_bytes, 9_000_000);
-        assert_eq!(c.limits.max_publisher_connections, 2);
-        assert_eq!(
-            Config::new(Vec::new()).limits.max_message_bytes,
-            Limits::default().max_message_bytes
-        );
-        for (yaml, field) in [
-            ("max_message_bytes: 1000\n", "max_message_bytes"),
-            ("max_frame_bytes: 0\n", "max_frame_bytes"),
-            (
-                "max_publisher_connections: 0\n",
-                "max_publisher_connections",
-            ),
-        ] {
-            let err = Config::from_yaml(yaml).unwrap_err().to_string();
-            assert!(err.contains(field), "{yaml}: {err}");
-        }
-    }
-
-    #[test]
-    fn endpoint_flag() {
-        let e = parse_endpoint("{address: 127.0.0.1:8000, model: m, events: tcp://127.0.0.1:5557, data_parallel_rank: 1}").unwrap();
-        assert_eq!(e.id.rank, Some(1));
-        assert_eq!(e.events.as_deref(), Some("tcp://127.0.0.1:5557"));
-        assert!(
-            parse_endpoint("{address: x, model: m}")
-                .unwrap_err()
-                .to_string()
-                .contains("--endpoint.address")
-        );
-    }
-
-    #[test]
-    fn durations() {
-        assert_eq!(parse_duration("1.5s"), Some(Duration::from_millis(1500)));
-        assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
-        assert_eq!(parse_duration("7"), Some(Duration::from_secs(7)));
-        assert_eq!(parse_duration("-1s"), None);
-        assert_eq!(parse_duration("x"), None);
-    }
-}
+#[path = "config_tests.rs"]
+mod tests;

@@ -18,7 +18,7 @@ use std::time::Instant;
 use kvroute_proto::keys::BlockKey;
 use smallvec::SmallVec;
 
-use crate::index::{PartitionId, ReplicaSlot};
+use crate::ids::{PartitionId, ReplicaSlot};
 
 /// Records filed under one first key (oldest dropped beyond this).
 const MAX_PER_START: usize = 64;
@@ -63,6 +63,7 @@ impl Credits {
     }
 
     /// True when nothing is credited.
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.keys == 0
     }

@@ -23,9 +23,11 @@ pub fn start_endpoint(shared: &Arc<Shared>, config: EndpointConfig) -> bool {
 
 /// Starts the subscription and scrape tasks of a registered replica.
 pub fn spawn_tasks(shared: &Arc<Shared>, replica: Arc<Replica>) {
-    shared
-        .tasks
-        .spawn(subscriber::run(Arc::clone(shared), Arc::clone(&replica)));
+    let subscription = subscriber::run(Arc::clone(shared), Arc::clone(&replica));
+    match shared.ingest.get() {
+        Some(ingest) => shared.tasks.spawn_on(subscription, ingest),
+        None => shared.tasks.spawn(subscription),
+    };
     shared.tasks.spawn(load::run(Arc::clone(shared), replica));
 }
 
@@ -68,6 +70,8 @@ pub async fn watch(shared: Arc<Shared>, path: PathBuf) {
         shared.metrics.discovery.inc(["ok"]);
         last_seen = stamp;
         reconcile(&shared, &mut known, endpoints);
+        // A snapshot's replicas the file no longer lists are gone.
+        crate::state::lock(&shared.restores).clear();
     }
 }
 

@@ -52,6 +52,12 @@ pub enum StartError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// The subscriptions' runtime could not be started.
+    #[error("cannot start the ingest runtime: {source}")]
+    Runtime {
+        /// The OS error.
+        source: std::io::Error,
+    },
     /// A server stopped with an error.
     #[error("{what} server failed: {reason}")]
     Serve {
@@ -60,6 +66,9 @@ pub enum StartError {
         /// The error.
         reason: String,
     },
+    /// A local tokenizer did not load.
+    #[error(transparent)]
+    Tokenizer(#[from] crate::tokenize::LoadError),
 }
 
 /// A Pick or Observe the daemon refuses.

@@ -1,5 +1,7 @@
-//! The HTTP side: Prometheus `/metrics`, `/healthz` (the process is up) and
-//! `/readyz` (some replica is healthy and fresh).
+//! The HTTP side: Prometheus `/metrics`, `/healthz` (the process is up),
+//! `/readyz` (some replica is healthy and fresh; the body also names each
+//! local tokenizer's gate), and the vLLM-compatible tokenizer endpoints of
+//! [`crate::tokenize::http`].
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -13,24 +15,37 @@ use axum::routing::get;
 use crate::metrics::gauge;
 use crate::state::{Shared, lock, read};
 
-/// The router serving `/metrics`, `/healthz`, `/readyz`.
+/// The router serving `/metrics`, `/healthz`, `/readyz`, `/tokenize` and
+/// `/v1/responses/render`.
 pub fn router(shared: Arc<Shared>) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
+        .merge(crate::tokenize::http::routes(&shared))
         .with_state(shared)
 }
 
 async fn readyz(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
-    if shared.is_ready() {
-        (StatusCode::OK, "ready\n")
+    let mut body = if shared.is_ready() {
+        "ready\n".to_owned()
     } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "no healthy, fresh replica\n",
-        )
+        "no healthy, fresh replica\n".to_owned()
+    };
+    for (model, local) in shared.tokenizers.locals() {
+        let state = local.gate.state();
+        let _ = write!(body, "tokenizer {model}: {}", state.label());
+        if state == crate::tokenize::GateState::Closed {
+            let _ = write!(body, " ({})", local.gate.detail());
+        }
+        body.push('\n');
     }
+    let status = if shared.is_ready() {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, body)
 }
 
 async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
@@ -45,6 +60,7 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
 pub fn render(shared: &Shared) -> String {
     let mut out = String::with_capacity(8192);
     shared.metrics.render(&mut out);
+    shared.tokenizers.render_metrics(&mut out);
     let (entries, keys, bytes, spec) = {
         let index = read(&shared.index);
         (

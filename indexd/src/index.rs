@@ -7,10 +7,23 @@
 //! - Per replica, `engine hash → (Chain, key)`: how a later `BlockStored`
 //!   naming a block as its parent is keyed (via `kvroute_proto::keys`), and how
 //!   a `BlockRemoved` finds the key to drop.
+//! - Salts and partitions are never guessed. The salt comes from block 0's
+//!   `extra_keys` and travels down the chain; a child continues its parent's
+//!   chain in its parent's partition (an event claiming another partition is
+//!   skipped). An event without `extra_keys` (offloading connectors, the
+//!   CPU/storage tiers, older vLLM) cannot say whether a prompt's first block
+//!   was salted: such a block is indexed only if its engine hash is known
+//!   already (then it gains the tier), never as unsalted. Its descendants in
+//!   the event follow the same rule; with a known parent they are keyed from
+//!   the parent's chain.
 //! - A hard bound on `(block, replica)` entries: beyond it the oldest entries
 //!   are evicted first (global FIFO; a parent goes before its children).
 //! - Speculative entries ([`Credits`]): credit for a picked replica for a few
 //!   seconds, bounded.
+//!
+//! - Per replica, the last batch applied (seq and payload digest), so that a
+//!   snapshot of its blocks says where its event stream resumes
+//!   ([`crate::snapshot`]).
 //!
 //! The index has a single owner (`RwLock` in [`crate::state`]); every method
 //! here is synchronous and allocation-bounded.
@@ -18,88 +31,88 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
-use kvroute_proto::keys::{BlockKey, BlockSize, Chain, KeyChain};
+use kvroute_proto::keys::{BlockKey, Chain};
 use smallvec::SmallVec;
 
+pub use apply::ApplyStats;
+pub(crate) use saved::{Applied, SavedBlock};
+
 use crate::credits::Credits;
-use crate::wire::{BlockRemoved, BlockStored, EngineHash, ExtraKeys, KvEvent};
+use crate::event::{EngineHash, Tier};
+use crate::ids::{PartitionId, ReplicaSlot};
 
-/// A storage tier, best first.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Tier {
-    /// Device memory.
-    Gpu,
-    /// Host memory (offloaded).
-    Cpu,
-    /// Disk or remote storage.
-    Storage,
+/// `(partition, key) → holders`, in shards by key: a map of a million keys
+/// rehashing under the index's write lock (growth, or clearing tombstones)
+/// would stall Picks for tens of milliseconds; a shard takes a 64th of that.
+#[derive(Debug)]
+struct KeyMap {
+    shards: Vec<HashMap<(PartitionId, BlockKey), Holders>>,
 }
 
-impl Tier {
-    /// All tiers, best first.
-    pub const ALL: [Tier; 3] = [Tier::Gpu, Tier::Cpu, Tier::Storage];
+const KEY_SHARDS: usize = 64;
 
-    const fn bit(self) -> u8 {
-        match self {
-            Tier::Gpu => 1,
-            Tier::Cpu => 2,
-            Tier::Storage => 4,
+impl KeyMap {
+    fn new() -> Self {
+        Self {
+            shards: (0..KEY_SHARDS).map(|_| HashMap::new()).collect(),
         }
     }
 
-    /// The best tier in a non-empty mask.
-    fn best(mask: u8) -> Option<Tier> {
-        Self::ALL.into_iter().find(|t| mask & t.bit() != 0)
+    fn index(key: &(PartitionId, BlockKey)) -> usize {
+        // Keys are SHA-256 prefixes: their low bits are uniform.
+        (key.1.as_u64() % KEY_SHARDS as u64) as usize
     }
 
-    /// The label used in metrics and logs.
-    pub const fn label(self) -> &'static str {
-        match self {
-            Tier::Gpu => "gpu",
-            Tier::Cpu => "cpu",
-            Tier::Storage => "storage",
-        }
+    fn get(&self, key: &(PartitionId, BlockKey)) -> Option<&Holders> {
+        self.shards.get(Self::index(key))?.get(key)
+    }
+
+    fn get_mut(&mut self, key: &(PartitionId, BlockKey)) -> Option<&mut Holders> {
+        self.shards.get_mut(Self::index(key))?.get_mut(key)
+    }
+
+    fn shard_mut(
+        &mut self,
+        key: &(PartitionId, BlockKey),
+    ) -> Option<&mut HashMap<(PartitionId, BlockKey), Holders>> {
+        self.shards.get_mut(Self::index(key))
+    }
+
+    fn len(&self) -> usize {
+        self.shards.iter().map(HashMap::len).sum()
+    }
+
+    fn capacity(&self) -> usize {
+        self.shards.iter().map(HashMap::capacity).sum()
     }
 }
 
-/// A replica's dense identity inside the index (never reused).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct ReplicaSlot(pub u32);
-
-/// A model/adapter partition.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PartitionId(u32);
-
-impl PartitionId {
-    pub(crate) const fn new(id: u32) -> Self {
-        Self(id)
+/// Gives memory back from a map that emptied out: the bound is on entries,
+/// and a map keeps the capacity of its peak otherwise (per-replica maps
+/// ratchet up as the global FIFO moves entries between replicas). Below a
+/// fifth of its capacity it is rehashed to twice its length: amortized
+/// O(1). Not sooner: a churning map that doubles to clear its tombstones
+/// lands just above a quarter full, and shrinking it back would only
+/// rehash it twice as often.
+fn shrink_if_sparse<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
+    let (len, cap) = (map.len(), map.capacity());
+    if cap > 1024 && len.saturating_mul(5) < cap {
+        map.shrink_to(len.saturating_mul(2));
     }
 }
 
-/// What applying events did, for metrics.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ApplyStats {
-    /// Blocks newly indexed (or re-stored).
-    pub stored: u64,
-    /// Blocks re-announced in another tier (no tokens).
-    pub tier_moves: u64,
-    /// Blocks removed from a tier.
-    pub removed: u64,
-    /// Purges (AllBlocksCleared).
-    pub cleared: u64,
-    /// Blocks skipped because the parent is unknown.
-    pub skipped_unknown_parent: u64,
-    /// Blocks skipped because their extra keys are not keyable (and their
-    /// descendants in the event).
-    pub skipped_unkeyable: u64,
-    /// Blocks skipped because `group_idx` ≠ 0.
-    pub skipped_group: u64,
-    /// Blocks skipped because `token_ids` ≠ blocks × block_size.
-    pub skipped_bad_length: u64,
-    /// Events of unknown type.
-    pub unknown_events: u64,
-    /// Entries evicted by the memory bound.
-    pub evicted: u64,
+/// A tier's bit in a tier mask.
+const fn tier_bit(tier: Tier) -> u8 {
+    match tier {
+        Tier::Gpu => 1,
+        Tier::Cpu => 2,
+        Tier::Storage => 4,
+    }
+}
+
+/// The best tier in a non-empty mask.
+fn best_tier(mask: u8) -> Option<Tier> {
+    Tier::ALL.into_iter().find(|t| mask & tier_bit(*t) != 0)
 }
 
 /// Per-candidate result of a prefix walk.
@@ -151,6 +164,9 @@ struct BlockEntry {
 #[derive(Debug, Default)]
 struct ReplicaBlocks {
     blocks: HashMap<EngineHash, BlockEntry>,
+    /// The last batch whose events `blocks` reflects (None after a purge,
+    /// until the next batch).
+    applied: Option<Applied>,
 }
 
 /// The block index. See the module docs.
@@ -158,7 +174,7 @@ struct ReplicaBlocks {
 pub struct Index {
     partitions: HashMap<String, PartitionId>,
     max_partitions: usize,
-    keys: HashMap<(PartitionId, BlockKey), Holders>,
+    keys: KeyMap,
     replicas: HashMap<ReplicaSlot, ReplicaBlocks>,
     order: VecDeque<(ReplicaSlot, EngineHash, u64)>,
     next_seq: u64,
@@ -174,7 +190,7 @@ impl Index {
         Self {
             partitions: HashMap::new(),
             max_partitions: 4096,
-            keys: HashMap::new(),
+            keys: KeyMap::new(),
             replicas: HashMap::new(),
             order: VecDeque::new(),
             next_seq: 0,
@@ -233,127 +249,9 @@ impl Index {
         if self.partitions.len() >= self.max_partitions {
             return None;
         }
-        let id = PartitionId(u32::try_from(self.partitions.len()).ok()?);
+        let id = PartitionId::new(u32::try_from(self.partitions.len()).ok()?);
         self.partitions.insert(model.to_owned(), id);
         Some(id)
-    }
-
-    /// Applies one event from `slot`, whose configured model is `model`.
-    pub fn apply(
-        &mut self,
-        slot: ReplicaSlot,
-        model: &str,
-        event: &KvEvent,
-        stats: &mut ApplyStats,
-    ) {
-        match event {
-            KvEvent::BlockStored(stored) => self.store(slot, model, stored, stats),
-            KvEvent::BlockRemoved(removed) => self.remove(slot, removed, stats),
-            KvEvent::AllBlocksCleared => {
-                self.purge(slot);
-                stats.cleared += 1;
-            }
-            KvEvent::Unknown => stats.unknown_events += 1,
-        }
-    }
-
-    fn store(&mut self, slot: ReplicaSlot, model: &str, ev: &BlockStored, stats: &mut ApplyStats) {
-        let n = ev.block_hashes.len() as u64;
-        if ev.group_idx != 0 {
-            stats.skipped_group += n;
-            return;
-        }
-        if ev.token_ids.is_empty() {
-            self.tier_move(slot, ev, stats);
-            return;
-        }
-        let Some(block_size) = BlockSize::new(ev.block_size) else {
-            stats.skipped_bad_length += n;
-            return;
-        };
-        let bs = ev.block_size as usize;
-        if ev.token_ids.len() != ev.block_hashes.len().saturating_mul(bs) {
-            stats.skipped_bad_length += n;
-            return;
-        }
-        let first_extra = ev.extra_keys.first().unwrap_or(&ExtraKeys::None);
-        let root = match (ev.parent, first_extra) {
-            (None, ExtraKeys::None) => Chain::root(None),
-            (None, ExtraKeys::Salt(salt)) => Chain::root(Some(salt)),
-            (Some(parent), ExtraKeys::None) => {
-                match self.replicas.get(&slot).and_then(|r| r.blocks.get(&parent)) {
-                    Some(entry) => entry.chain,
-                    None => {
-                        stats.skipped_unknown_parent += n;
-                        return;
-                    }
-                }
-            }
-            // A salt below a parent, or media/embedding identities.
-            _ => {
-                stats.skipped_unkeyable += n;
-                return;
-            }
-        };
-        let partition_name = ev.lora_name.as_deref().unwrap_or(model);
-        let Some(partition) = self.partition_or_insert(partition_name) else {
-            stats.skipped_unkeyable += n;
-            return;
-        };
-        let mut chain = KeyChain::from_parent(block_size, root);
-        for (i, (hash, tokens)) in ev
-            .block_hashes
-            .iter()
-            .zip(ev.token_ids.chunks_exact(bs))
-            .enumerate()
-        {
-            if i > 0 && !matches!(ev.extra_keys.get(i), None | Some(ExtraKeys::None)) {
-                stats.skipped_unkeyable += n - i as u64;
-                return;
-            }
-            let Ok(next) = chain.push_block(tokens) else {
-                stats.skipped_bad_length += n - i as u64;
-                return;
-            };
-            self.insert(slot, *hash, next, partition, ev.tier.bit(), stats);
-            stats.stored += 1;
-        }
-    }
-
-    fn tier_move(&mut self, slot: ReplicaSlot, ev: &BlockStored, stats: &mut ApplyStats) {
-        for hash in &ev.block_hashes {
-            let Some(entry) = self.block_mut(slot, hash) else {
-                stats.skipped_unknown_parent += 1;
-                continue;
-            };
-            entry.tiers |= ev.tier.bit();
-            let (key, tiers) = ((entry.partition, entry.key), entry.tiers);
-            if let Some(h) = self.holder_mut(key, slot) {
-                h.tiers |= tiers;
-            }
-            stats.tier_moves += 1;
-        }
-    }
-
-    fn remove(&mut self, slot: ReplicaSlot, ev: &BlockRemoved, stats: &mut ApplyStats) {
-        if ev.group_idx != 0 {
-            return;
-        }
-        for hash in &ev.block_hashes {
-            let Some(entry) = self.block_mut(slot, hash) else {
-                continue;
-            };
-            entry.tiers &= !ev.tier.bit();
-            let (key, tiers) = ((entry.partition, entry.key), entry.tiers);
-            if tiers == 0 {
-                self.drop_entry(slot, *hash);
-            } else if let Some(h) = self.holder_mut(key, slot)
-                && h.refs == 1
-            {
-                h.tiers = tiers;
-            }
-            stats.removed += 1;
-        }
     }
 
     fn holder_mut(
@@ -402,17 +300,19 @@ impl Index {
             .or_default()
             .blocks
             .insert(hash, entry);
-        let holders = self.keys.entry((partition, key)).or_default();
-        match holders.iter_mut().find(|h| h.slot == slot) {
-            Some(h) => {
-                h.refs = h.refs.saturating_add(1);
-                h.tiers |= tier_bit;
+        if let Some(shard) = self.keys.shard_mut(&(partition, key)) {
+            let holders = shard.entry((partition, key)).or_default();
+            match holders.iter_mut().find(|h| h.slot == slot) {
+                Some(h) => {
+                    h.refs = h.refs.saturating_add(1);
+                    h.tiers |= tier_bit;
+                }
+                None => holders.push(Holder {
+                    slot,
+                    tiers: tier_bit,
+                    refs: 1,
+                }),
             }
-            None => holders.push(Holder {
-                slot,
-                tiers: tier_bit,
-                refs: 1,
-            }),
         }
         self.entries += 1;
         self.order.push_back((slot, hash, seq));
@@ -450,6 +350,13 @@ impl Index {
                 .and_then(|r| r.blocks.get(hash))
                 .is_some_and(|e| e.seq == *seq)
         });
+        if self.order.capacity() > 4 * self.order.len() + 1024 {
+            self.order.shrink_to(2 * self.order.len() + 1024);
+        }
+    }
+
+    fn block(&self, slot: ReplicaSlot, hash: &EngineHash) -> Option<&BlockEntry> {
+        self.replicas.get(&slot).and_then(|r| r.blocks.get(hash))
     }
 
     fn block_mut(&mut self, slot: ReplicaSlot, hash: &EngineHash) -> Option<&mut BlockEntry> {
@@ -459,13 +366,13 @@ impl Index {
     }
 
     fn drop_entry(&mut self, slot: ReplicaSlot, hash: EngineHash) {
-        let Some(entry) = self
-            .replicas
-            .get_mut(&slot)
-            .and_then(|r| r.blocks.remove(&hash))
-        else {
+        let Some(replica) = self.replicas.get_mut(&slot) else {
             return;
         };
+        let Some(entry) = replica.blocks.remove(&hash) else {
+            return;
+        };
+        shrink_if_sparse(&mut replica.blocks);
         self.entries = self.entries.saturating_sub(1);
         self.release_holder((entry.partition, entry.key), slot);
     }
@@ -480,8 +387,11 @@ impl Index {
                     holders.swap_remove(pos);
                 }
             }
-            if holders.is_empty() {
-                self.keys.remove(&key);
+            if holders.is_empty()
+                && let Some(shard) = self.keys.shard_mut(&key)
+            {
+                shard.remove(&key);
+                shrink_if_sparse(shard);
             }
         }
     }
@@ -493,6 +403,7 @@ impl Index {
         let Some(replica) = self.replicas.get_mut(&slot) else {
             return;
         };
+        replica.applied = None;
         let blocks = std::mem::take(&mut replica.blocks);
         for entry in blocks.values() {
             self.entries = self.entries.saturating_sub(1);
@@ -535,7 +446,7 @@ impl Index {
                 };
                 let indexed = holders
                     .and_then(|hs| hs.iter().find(|h| h.slot == *slot))
-                    .and_then(|h| Tier::best(h.tiers));
+                    .and_then(|h| best_tier(h.tiers));
                 let tier = indexed.or_else(|| {
                     if pos < *until {
                         return Some(Tier::Gpu);
@@ -573,6 +484,13 @@ impl Index {
     }
 }
 
+mod apply;
+mod saved;
+
 #[cfg(test)]
 #[path = "index_tests.rs"]
-pub(crate) mod tests;
+mod tests;
+
+#[cfg(test)]
+#[path = "index_model_tests.rs"]
+pub(crate) mod model;

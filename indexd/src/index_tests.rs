@@ -1,19 +1,13 @@
-use std::collections::{BTreeSet, HashMap};
-use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::{Duration, Instant};
 
-use kvroute_proto::keys::{BlockKey, BlockSize, Chain, KeyChain, block_keys};
-use proptest::prelude::*;
+use kvroute_proto::keys::{BlockKey, block_keys};
 
+use super::model::bs;
 use super::*;
-use crate::wire::{BlockRemoved, BlockStored, EngineHash, ExtraKeys, KvEvent};
+use crate::event::{BlockRemoved, BlockStored, EngineHash, ExtraKeys, KvEvent};
 
 const R0: ReplicaSlot = ReplicaSlot(0);
 const R1: ReplicaSlot = ReplicaSlot(1);
-
-pub(crate) fn bs(n: u32) -> BlockSize {
-    BlockSize::new(n).unwrap()
-}
 
 fn store(
     hashes: &[u64],
@@ -33,7 +27,7 @@ fn store(
         block_size,
         tier: Tier::Gpu,
         lora_name: None,
-        extra_keys: extra,
+        extra_keys: Some(extra),
         group_idx: 0,
     })
 }
@@ -137,7 +131,7 @@ fn unknown_parent_unkeyable_and_other_groups_are_skipped_with_descendants() {
     let KvEvent::BlockStored(mut s) = store(&[1, 2, 3], None, tokens.clone(), 4, None) else {
         panic!()
     };
-    s.extra_keys[1] = ExtraKeys::Unkeyable;
+    s.extra_keys.as_mut().unwrap()[1] = ExtraKeys::Unkeyable;
     ix.apply(R0, "m", &KvEvent::BlockStored(s.clone()), &mut st);
     assert_eq!((st.stored, st.skipped_unkeyable), (1, 2));
     // A child of a skipped block has no known parent.
@@ -145,7 +139,7 @@ fn unknown_parent_unkeyable_and_other_groups_are_skipped_with_descendants() {
     assert_eq!(st.skipped_unknown_parent, 2);
 
     s.group_idx = 1;
-    s.extra_keys = vec![ExtraKeys::None; 3];
+    s.extra_keys = Some(vec![ExtraKeys::None; 3]);
     s.block_hashes = vec![EngineHash(21), EngineHash(22), EngineHash(23)];
     ix.apply(R0, "m", &KvEvent::BlockStored(s), &mut st);
     assert_eq!(st.skipped_group, 3);
@@ -302,303 +296,4 @@ fn speculation_resumes_where_partly_arrived_events_stop() {
     other[13] += 1;
     let m = ix.match_prefix(Some(p), &block_keys(&other, bs(4), None), &[R0], now);
     assert_eq!(m[0].blocks, 3);
-}
-
-// ---- Differential test against a naive model ----
-
-/// One stored block in the naive model: partition, key, chain, tiers.
-type NaiveBlock = (String, BlockKey, Chain, BTreeSet<Tier>);
-
-/// A naive reference: per replica, a flat map of stored blocks.
-#[derive(Default)]
-pub(crate) struct Naive {
-    pub(crate) replicas: HashMap<u32, HashMap<u64, NaiveBlock>>,
-}
-
-impl Naive {
-    pub(crate) fn apply(&mut self, slot: u32, model: &str, ev: &KvEvent) {
-        let rep = self.replicas.entry(slot).or_default();
-        match ev {
-            KvEvent::AllBlocksCleared => rep.clear(),
-            KvEvent::Unknown => {}
-            KvEvent::BlockRemoved(r) => {
-                if r.group_idx != 0 {
-                    return;
-                }
-                for h in &r.block_hashes {
-                    if let Some(e) = rep.get_mut(&h.0) {
-                        e.3.remove(&r.tier);
-                        if e.3.is_empty() {
-                            rep.remove(&h.0);
-                        }
-                    }
-                }
-            }
-            KvEvent::BlockStored(s) => {
-                if s.group_idx != 0 {
-                    return;
-                }
-                if s.token_ids.is_empty() {
-                    for h in &s.block_hashes {
-                        if let Some(e) = rep.get_mut(&h.0) {
-                            e.3.insert(s.tier);
-                        }
-                    }
-                    return;
-                }
-                let n = s.block_size as usize;
-                if s.token_ids.len() != s.block_hashes.len() * n {
-                    return;
-                }
-                let root = match (s.parent, s.extra_keys.first()) {
-                    (None, None | Some(ExtraKeys::None)) => Chain::root(None),
-                    (None, Some(ExtraKeys::Salt(salt))) => Chain::root(Some(salt)),
-                    (Some(p), None | Some(ExtraKeys::None)) => match rep.get(&p.0) {
-                        Some(e) => e.2,
-                        None => return,
-                    },
-                    _ => return,
-                };
-                let part = s.lora_name.clone().unwrap_or_else(|| model.to_owned());
-                let mut chain = KeyChain::from_parent(bs(s.block_size), root);
-                for (i, h) in s.block_hashes.iter().enumerate() {
-                    if i > 0 && !matches!(s.extra_keys.get(i), None | Some(ExtraKeys::None)) {
-                        return;
-                    }
-                    let c = chain.push_block(&s.token_ids[i * n..(i + 1) * n]).unwrap();
-                    match rep.get_mut(&h.0) {
-                        Some(e) if e.0 == part && e.1 == c.key() => {
-                            e.3.insert(s.tier);
-                        }
-                        _ => {
-                            rep.insert(h.0, (part.clone(), c.key(), c, BTreeSet::from([s.tier])));
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    pub(crate) fn matched(&self, slot: u32, model: &str, keys: &[BlockKey]) -> (u32, [u32; 3]) {
-        let mut per_tier = [0; 3];
-        let mut n = 0;
-        let empty = HashMap::new();
-        let rep = self.replicas.get(&slot).unwrap_or(&empty);
-        for k in keys {
-            let best = rep
-                .values()
-                .filter(|e| e.0 == model && e.1 == *k)
-                .flat_map(|e| e.3.iter().copied())
-                .min();
-            match best {
-                Some(t) => {
-                    per_tier[t as usize] += 1;
-                    n += 1;
-                }
-                None => break,
-            }
-        }
-        (n, per_tier)
-    }
-}
-
-pub(crate) const BLOCK: u32 = 2;
-
-/// A prompt: salt, adapter, and a path of block ids (each id is a fixed
-/// token block, so prompts share prefixes).
-#[derive(Clone, Debug)]
-pub(crate) struct Prompt {
-    pub(crate) salt: Option<&'static str>,
-    pub(crate) lora: Option<&'static str>,
-    pub(crate) ids: Vec<u8>,
-}
-
-impl Prompt {
-    pub(crate) fn tokens(&self, range: std::ops::Range<usize>) -> Vec<u32> {
-        self.ids[range]
-            .iter()
-            .flat_map(|id| [u32::from(*id) * 10, u32::from(*id) * 10 + 1])
-            .collect()
-    }
-
-    /// The engine's hash of block `i`: a function of everything before it.
-    fn hash(&self, i: usize) -> u64 {
-        let mut h = DefaultHasher::new();
-        (self.salt, self.lora, &self.ids[..=i]).hash(&mut h);
-        h.finish()
-    }
-
-    pub(crate) fn model(&self) -> &'static str {
-        self.lora.unwrap_or("m")
-    }
-}
-
-#[derive(Clone, Debug)]
-pub(crate) enum Op {
-    Store {
-        slot: u32,
-        p: Prompt,
-        start: usize,
-        tier: Tier,
-        group: u32,
-        unkeyable_at: Option<usize>,
-    },
-    Move {
-        slot: u32,
-        p: Prompt,
-        start: usize,
-        tier: Tier,
-    },
-    Remove {
-        slot: u32,
-        p: Prompt,
-        at: usize,
-        tier: Tier,
-    },
-    Clear {
-        slot: u32,
-    },
-    Purge {
-        slot: u32,
-    },
-    Query {
-        p: Prompt,
-    },
-}
-
-pub(crate) fn prompt() -> impl Strategy<Value = Prompt> {
-    (
-        prop::sample::select(vec![None, Some("a"), Some("b")]),
-        prop::sample::select(vec![None, None, Some("L")]),
-        prop::collection::vec(0u8..3, 1..6),
-    )
-        .prop_map(|(salt, lora, ids)| Prompt { salt, lora, ids })
-}
-
-fn tier() -> impl Strategy<Value = Tier> {
-    prop::sample::select(vec![Tier::Gpu, Tier::Gpu, Tier::Cpu, Tier::Storage])
-}
-
-pub(crate) fn op() -> impl Strategy<Value = Op> {
-    let slot = 0u32..3;
-    prop_oneof![
-        6 => (slot.clone(), prompt(), any::<prop::sample::Index>(), tier(), prop::sample::select(vec![0u32, 0, 0, 1]), prop::option::weighted(0.1, 0usize..5))
-            .prop_map(|(slot, p, s, tier, group, unkeyable_at)| {
-                let start = s.index(p.ids.len());
-                Op::Store { slot, p, start, tier, group, unkeyable_at }
-            }),
-        1 => (slot.clone(), prompt(), any::<prop::sample::Index>(), tier())
-            .prop_map(|(slot, p, s, tier)| { let start = s.index(p.ids.len()); Op::Move { slot, p, start, tier } }),
-        3 => (slot.clone(), prompt(), any::<prop::sample::Index>(), tier())
-            .prop_map(|(slot, p, s, tier)| { let at = s.index(p.ids.len()); Op::Remove { slot, p, at, tier } }),
-        1 => slot.clone().prop_map(|slot| Op::Clear { slot }),
-        1 => slot.prop_map(|slot| Op::Purge { slot }),
-        4 => prompt().prop_map(|p| Op::Query { p }),
-    ]
-}
-
-pub(crate) fn event(op: &Op) -> Option<(u32, KvEvent)> {
-    match op {
-        Op::Store {
-            slot,
-            p,
-            start,
-            tier,
-            group,
-            unkeyable_at,
-        } => {
-            let n = p.ids.len();
-            let mut extra: Vec<ExtraKeys> = (*start..n)
-                .map(|i| match (i, p.salt) {
-                    (0, Some(s)) => ExtraKeys::Salt(s.into()),
-                    _ => ExtraKeys::None,
-                })
-                .collect();
-            if let Some(u) = unkeyable_at
-                && let Some(e) = extra.get_mut(*u)
-            {
-                *e = ExtraKeys::Unkeyable;
-            }
-            Some((
-                *slot,
-                KvEvent::BlockStored(BlockStored {
-                    block_hashes: (*start..n).map(|i| EngineHash(p.hash(i))).collect(),
-                    parent: (*start > 0).then(|| EngineHash(p.hash(start - 1))),
-                    token_ids: p.tokens(*start..n),
-                    block_size: BLOCK,
-                    tier: *tier,
-                    lora_name: p.lora.map(str::to_owned),
-                    extra_keys: extra,
-                    group_idx: *group,
-                }),
-            ))
-        }
-        Op::Move {
-            slot,
-            p,
-            start,
-            tier,
-        } => Some((
-            *slot,
-            KvEvent::BlockStored(BlockStored {
-                block_hashes: (*start..p.ids.len())
-                    .map(|i| EngineHash(p.hash(i)))
-                    .collect(),
-                parent: None,
-                token_ids: vec![],
-                block_size: BLOCK,
-                tier: *tier,
-                lora_name: p.lora.map(str::to_owned),
-                extra_keys: vec![],
-                group_idx: 0,
-            }),
-        )),
-        Op::Remove { slot, p, at, tier } => Some((*slot, removed(&[p.hash(*at)], *tier))),
-        Op::Clear { slot } => Some((*slot, KvEvent::AllBlocksCleared)),
-        Op::Purge { .. } | Op::Query { .. } => None,
-    }
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
-
-    #[test]
-    fn index_agrees_with_the_naive_model(ops in prop::collection::vec(op(), 1..80)) {
-        let mut ix = Index::new(1 << 20, 1 << 10);
-        let mut naive = Naive::default();
-        let mut stats = ApplyStats::default();
-        let slots = [ReplicaSlot(0), ReplicaSlot(1), ReplicaSlot(2)];
-        let check = |ix: &Index, naive: &Naive, p: &Prompt| {
-            let keys = block_keys(&p.tokens(0..p.ids.len()), bs(BLOCK), p.salt);
-            let got = ix.match_prefix(ix.partition(p.model()), &keys, &slots, Instant::now());
-            for (i, g) in got.iter().enumerate() {
-                let want = naive.matched(i as u32, p.model(), &keys);
-                prop_assert_eq!((g.blocks, g.per_tier), want, "replica {} prompt {:?}", i, p);
-            }
-            Ok(())
-        };
-        for op in &ops {
-            match op {
-                Op::Purge { slot } => {
-                    ix.purge(ReplicaSlot(*slot));
-                    naive.replicas.remove(slot);
-                }
-                Op::Query { p } => check(&ix, &naive, p)?,
-                _ => {
-                    if let Some((slot, ev)) = event(op) {
-                        ix.apply(ReplicaSlot(slot), "m", &ev, &mut stats);
-                        naive.apply(slot, "m", &ev);
-                    }
-                }
-            }
-            let naive_entries: usize = naive.replicas.values().map(HashMap::len).sum();
-            prop_assert_eq!(ix.entries(), naive_entries);
-        }
-        // Every prompt the stream touched agrees at the end.
-        for op in &ops {
-            if let Op::Store { p, .. } | Op::Remove { p, .. } | Op::Query { p } | Op::Move { p, .. } = op {
-                check(&ix, &naive, p)?;
-            }
-        }
-    }
 }

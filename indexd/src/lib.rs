@@ -5,247 +5,64 @@
 //! `kvroute.v1.Index/Pick` from memory.
 //!
 //! - [`config`]: typed configuration (YAML or code), valid by construction.
-//! - [`wire`]: vLLM's msgpack KV events → indexd's own types, bounded.
+//! - [`event`]: indexd's own KV-event types (a leaf module); `ids`: the
+//!   dense replica and partition identities.
+//! - [`wire`]: vLLM's msgpack KV events → [`event`] types, bounded.
 //! - [`zmtp`]: indexd's own bounded ZMTP 3.x transport (SUB, DEALER, NULL
 //!   mechanism): a pure decoder that checks every cap before buffering.
-//! - [`subscriber`]: one SUB task per endpoint; its [`subscriber::Stream`]
-//!   tracks seqs, replays over DEALER (or any [`subscriber::Replay`]), purges.
-//! - [`index`]: the block index (partitions, tiers); [`credits`]: speculative
+//! - `subscriber`: one SUB task per endpoint; its stream tracks seqs,
+//!   replays over DEALER, purges.
+//! - [`index`]: the block index (partitions, tiers); `credits`: speculative
 //!   entries and approximate-mode keys (runs credited for a while).
-//! - [`score`]: the cost model, a pure function over a snapshot.
+//! - `score`: the cost model, a pure function over a snapshot.
 //! - [`load`]: background scrape of each replica's /metrics.
-//! - [`affinity`]: response-id affinity and approximate-mode keys.
-//! - [`pick`]: Pick/Observe decisions; [`server`]: their tonic glue.
-//! - [`http`]: Prometheus `/metrics`, `/healthz`, `/readyz`.
-//! - [`discovery`]: static endpoints plus a watched discovery file.
-//! - [`state`], [`metrics`], [`error`]: shared state, counters, errors.
+//! - `affinity`: response-id affinity and approximate-mode keys.
+//! - [`pick`]: Pick/Observe decisions; `server`: their tonic glue.
+//! - [`tokenize`]: request bodies → vLLM's exact token ids (a local
+//!   tokenizer behind an exactness gate, else a replica's), for Picks that
+//!   carry their body and for vLLM-compatible `/tokenize` and
+//!   `/v1/responses/render`.
+//! - `http`: Prometheus `/metrics`, `/healthz`, `/readyz`.
+//! - `discovery`: static endpoints plus a watched discovery file.
+//! - `snapshot`: the index saved periodically and at shutdown, restored at
+//!   start and proven by each replica's replay ([`SnapshotConfig`]).
+//! - [`message`]: vLLM's live messages and replay answers, frame by frame.
+//! - [`state`], `metrics`, [`error`]: shared state, counters, errors.
+//! - `daemon`: [`Server`], [`Bound`] and [`Handle`], the daemon as a whole.
 //!
 //! Start in-process with [`Server::bind`] (port 0 works), read the bound
 //! addresses, then [`Bound::serve`] until the shutdown token fires.
 
-pub mod affinity;
+mod affinity;
 pub mod config;
-pub mod credits;
-pub mod discovery;
+mod credits;
+mod daemon;
+mod discovery;
 pub mod error;
-pub mod http;
+pub mod event;
+mod http;
+mod ids;
 pub mod index;
 pub mod load;
-pub mod metrics;
+pub mod message;
+mod metrics;
 pub mod pick;
-pub mod score;
-pub mod server;
+mod score;
+mod server;
+mod snapshot;
 pub mod state;
-pub mod subscriber;
+mod subscriber;
+pub mod tokenize;
 pub mod wire;
 pub mod zmtp;
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-
-use tokio::net::TcpListener;
-use tokio_util::sync::CancellationToken;
-
 pub use config::{Config, EndpointConfig, EndpointId, HttpUrl};
+pub use daemon::{Bound, Handle, ReplicaStatus, Server, run};
 pub use error::{ConfigError, StartError};
-pub use index::{Index, ReplicaSlot, Tier};
+pub use event::Tier;
+pub use ids::{PartitionId, ReplicaSlot};
+pub use index::Index;
 pub use score::Weights;
-pub use server::IndexService;
+pub use snapshot::SnapshotConfig;
 pub use state::Shared;
 pub use wire::Limits;
-
-/// Entry point for starting indexd.
-#[derive(Debug)]
-pub struct Server;
-
-impl Server {
-    /// Validates `config` and binds both listeners; nothing runs yet.
-    pub async fn bind(config: Config) -> Result<Bound, StartError> {
-        config.validate()?;
-        let bind = |what: &'static str, addr: SocketAddr| async move {
-            TcpListener::bind(addr)
-                .await
-                .map_err(|source| StartError::Bind { what, addr, source })
-        };
-        let grpc = bind("grpc", config.grpc_listen).await?;
-        let http = bind("http", config.http_listen).await?;
-        let addr = |what: &'static str, l: &TcpListener, fallback: SocketAddr| {
-            l.local_addr().map_err(|source| StartError::Bind {
-                what,
-                addr: fallback,
-                source,
-            })
-        };
-        let grpc_addr = addr("grpc", &grpc, config.grpc_listen)?;
-        let http_addr = addr("http", &http, config.http_listen)?;
-        let stop = CancellationToken::new();
-        let shared = Arc::new(Shared::new(config, stop.clone()));
-        // Static endpoints are known (and visible through the handle) from
-        // here on; their tasks start with `serve`.
-        for endpoint in shared.config.endpoints.clone() {
-            shared.add_replica(endpoint);
-        }
-        Ok(Bound {
-            grpc,
-            http,
-            grpc_addr,
-            http_addr,
-            shared,
-            stop,
-        })
-    }
-}
-
-/// Listeners bound, ready to serve.
-#[derive(Debug)]
-pub struct Bound {
-    grpc: TcpListener,
-    http: TcpListener,
-    grpc_addr: SocketAddr,
-    http_addr: SocketAddr,
-    shared: Arc<Shared>,
-    stop: CancellationToken,
-}
-
-impl Bound {
-    /// The gRPC address actually bound.
-    pub fn grpc_addr(&self) -> SocketAddr {
-        self.grpc_addr
-    }
-
-    /// The HTTP address actually bound.
-    pub fn http_addr(&self) -> SocketAddr {
-        self.http_addr
-    }
-
-    /// A handle on the state, for tests and embedding.
-    pub fn handle(&self) -> Handle {
-        Handle {
-            shared: Arc::clone(&self.shared),
-        }
-    }
-
-    /// Starts the endpoint tasks and serves gRPC and HTTP until `shutdown`
-    /// fires; then stops every task and returns.
-    pub async fn serve(self, shutdown: CancellationToken) -> Result<(), StartError> {
-        let Self {
-            grpc,
-            http,
-            shared,
-            stop,
-            ..
-        } = self;
-        for replica in state::read(&shared.registry).all() {
-            discovery::spawn_tasks(&shared, replica);
-        }
-        if let Some(path) = shared.config.discovery_file.clone() {
-            shared
-                .tasks
-                .spawn(discovery::watch(Arc::clone(&shared), path));
-        }
-        // Either server stopping (shutdown, or an error) stops the other.
-        let local = shutdown.child_token();
-        let grpc_stop = local.clone();
-        let grpc_service = IndexService::new(Arc::clone(&shared)).into_server();
-        let grpc_incoming =
-            tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
-        let grpc_done = local.clone();
-        let grpc_fut = async move {
-            let r = tonic::transport::Server::builder()
-                .add_service(grpc_service)
-                .serve_with_incoming_shutdown(
-                    grpc_incoming,
-                    async move { grpc_stop.cancelled().await },
-                )
-                .await;
-            grpc_done.cancel();
-            r
-        };
-        let http_stop = local.clone();
-        let http_done = local.clone();
-        let http_router = http::router(Arc::clone(&shared));
-        let http_fut = async move {
-            let r = axum::serve(http, http_router)
-                .with_graceful_shutdown(async move { http_stop.cancelled().await })
-                .await;
-            http_done.cancel();
-            r
-        };
-        let (g, h) = tokio::join!(grpc_fut, http_fut);
-        // Stop every subscription, scrape and watch, and wait for them (a
-        // scrape in flight ends within its timeout).
-        stop.cancel();
-        shared.tasks.close();
-        let grace = shared.config.scrape_timeout + std::time::Duration::from_secs(1);
-        if tokio::time::timeout(grace, shared.tasks.wait())
-            .await
-            .is_err()
-        {
-            tracing::warn!("some background tasks did not stop in time");
-        }
-        g.map_err(|e| StartError::Serve {
-            what: "grpc",
-            reason: e.to_string(),
-        })?;
-        h.map_err(|e| StartError::Serve {
-            what: "http",
-            reason: e.to_string(),
-        })?;
-        Ok(())
-    }
-}
-
-/// Binds and serves until `shutdown` fires.
-pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), StartError> {
-    Server::bind(config).await?.serve(shutdown).await
-}
-
-/// A read-mostly view of a running indexd.
-#[derive(Debug, Clone)]
-pub struct Handle {
-    shared: Arc<Shared>,
-}
-
-/// One replica as seen through a [`Handle`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReplicaStatus {
-    /// Subscribed with no unrecovered gap.
-    pub fresh: bool,
-    /// Scrapes succeed (or none configured).
-    pub healthy: bool,
-    /// Blocks indexed for it.
-    pub entries: usize,
-}
-
-impl Handle {
-    /// The shared state (advanced use).
-    pub fn shared(&self) -> &Arc<Shared> {
-        &self.shared
-    }
-
-    /// The Prometheus page.
-    pub fn metrics_text(&self) -> String {
-        http::render(&self.shared)
-    }
-
-    /// The status of one replica.
-    pub fn replica(&self, id: &EndpointId) -> Option<ReplicaStatus> {
-        let r = state::read(&self.shared.registry).get(id)?;
-        let entries = state::read(&self.shared.index).replica_entries(r.slot);
-        Some(ReplicaStatus {
-            fresh: r.is_fresh(),
-            healthy: r.is_healthy(),
-            entries,
-        })
-    }
-
-    /// Adds an endpoint at runtime (as discovery does).
-    pub fn add_endpoint(&self, config: EndpointConfig) -> bool {
-        discovery::start_endpoint(&self.shared, config)
-    }
-
-    /// Removes an endpoint at runtime.
-    pub fn remove_endpoint(&self, id: &EndpointId) -> bool {
-        self.shared.remove_replica(id)
-    }
-}

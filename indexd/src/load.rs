@@ -21,10 +21,10 @@ use crate::error::ScrapeError;
 use crate::state::{Replica, Shared};
 
 /// Largest response body read.
-pub const MAX_BODY: usize = 4 << 20;
+pub(crate) const MAX_BODY: usize = 4 << 20;
 
 /// Scrapes `replica` until it is cancelled.
-pub async fn run(shared: Arc<Shared>, replica: Arc<Replica>) {
+pub(crate) async fn run(shared: Arc<Shared>, replica: Arc<Replica>) {
     if replica.config.metrics_url.is_none() && replica.config.capacity_url.is_none() {
         return;
     }
@@ -47,7 +47,7 @@ pub async fn run(shared: Arc<Shared>, replica: Arc<Replica>) {
 }
 
 /// One scrape of metrics and capacity.
-pub async fn scrape_once(shared: &Shared, replica: &Replica, client: &reqwest::Client) {
+pub(crate) async fn scrape_once(shared: &Shared, replica: &Replica, client: &reqwest::Client) {
     let timeout = shared.config.scrape_timeout;
     if let Some(url) = &replica.config.metrics_url {
         let started = std::time::Instant::now();
@@ -86,7 +86,7 @@ pub async fn scrape_once(shared: &Shared, replica: &Replica, client: &reqwest::C
 
 /// Load figures from one /metrics page.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct ScrapedLoad {
+pub(crate) struct ScrapedLoad {
     /// Running requests.
     pub running: f64,
     /// Waiting requests.
@@ -96,7 +96,7 @@ pub struct ScrapedLoad {
 }
 
 /// Parses vLLM's Prometheus text (see the module docs).
-pub fn parse_vllm_metrics(text: &str, rank: Option<u32>) -> ScrapedLoad {
+pub(crate) fn parse_vllm_metrics(text: &str, rank: Option<u32>) -> ScrapedLoad {
     let rank_label = rank.map(|r| r.to_string());
     let has_engine_label = text
         .lines()
@@ -161,7 +161,7 @@ fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
 }
 
 /// Parses `{"occupancy": 0..1, "cache_available": bool}`.
-pub fn parse_capacity(body: &[u8]) -> (Option<f64>, Option<bool>) {
+pub(crate) fn parse_capacity(body: &[u8]) -> (Option<f64>, Option<bool>) {
     let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) else {
         return (None, None);
     };

@@ -36,6 +36,11 @@ struct Args {
     /// with several indexd, or they all break ties the same way).
     #[arg(long)]
     seed: Option<u64>,
+    /// A local tokenizer (repeatable): the model name requests carry, and a
+    /// directory with its tokenizer.json, tokenizer_config.json and chat
+    /// template (added to the file's `tokenize.tokenizers`).
+    #[arg(long = "tokenizer", value_name = "NAME=DIR")]
+    tokenizers: Vec<String>,
     /// Once listening, print {"grpc":"ip:port","http":"ip:port"} on stdout.
     #[arg(long)]
     print_addresses: bool,
@@ -63,6 +68,11 @@ fn config(args: &Args) -> anyhow::Result<indexd::Config> {
     }
     if args.seed.is_some() {
         c.seed = args.seed;
+    }
+    for text in &args.tokenizers {
+        c.tokenize
+            .tokenizers
+            .push(indexd::tokenize::config::parse_flag(text)?);
     }
     c.validate()?;
     Ok(c)

@@ -19,7 +19,11 @@ pub struct CounterVec<const N: usize> {
 }
 
 impl<const N: usize> CounterVec<N> {
-    const fn new(name: &'static str, help: &'static str, labels: [&'static str; N]) -> Self {
+    pub(crate) const fn new(
+        name: &'static str,
+        help: &'static str,
+        labels: [&'static str; N],
+    ) -> Self {
         Self {
             name,
             help,
@@ -46,6 +50,7 @@ impl<const N: usize> CounterVec<N> {
     }
 
     /// The current value of one series.
+    #[cfg(test)]
     pub fn get(&self, values: [&'static str; N]) -> u64 {
         let map = self
             .values
@@ -54,7 +59,7 @@ impl<const N: usize> CounterVec<N> {
         map.get(&values).copied().unwrap_or(0)
     }
 
-    fn render(&self, out: &mut String) {
+    pub(crate) fn render(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "# HELP {} {}\n# TYPE {} counter",
@@ -85,7 +90,7 @@ pub struct Counter {
 }
 
 impl Counter {
-    const fn new(name: &'static str, help: &'static str) -> Self {
+    pub(crate) const fn new(name: &'static str, help: &'static str) -> Self {
         Self {
             name,
             help,
@@ -108,7 +113,7 @@ impl Counter {
         self.value.load(Ordering::Relaxed)
     }
 
-    fn render(&self, out: &mut String) {
+    pub(crate) fn render(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "# HELP {0} {1}\n# TYPE {0} counter\n{0} {2}",
@@ -116,6 +121,38 @@ impl Counter {
             self.help,
             self.get()
         );
+    }
+}
+
+/// A gauge holding the last value set.
+#[derive(Debug)]
+pub struct Gauge {
+    name: &'static str,
+    help: &'static str,
+    bits: AtomicU64,
+}
+
+impl Gauge {
+    pub(crate) const fn new(name: &'static str, help: &'static str) -> Self {
+        Self {
+            name,
+            help,
+            bits: AtomicU64::new(0),
+        }
+    }
+
+    /// Sets the value.
+    pub fn set(&self, value: f64) {
+        self.bits.store(value.to_bits(), Ordering::Relaxed);
+    }
+
+    /// The current value.
+    pub fn get(&self) -> f64 {
+        f64::from_bits(self.bits.load(Ordering::Relaxed))
+    }
+
+    pub(crate) fn render(&self, out: &mut String) {
+        gauge(out, self.name, self.help, self.get());
     }
 }
 
@@ -137,7 +174,7 @@ pub struct Histogram {
 }
 
 impl Histogram {
-    const fn new(name: &'static str, help: &'static str) -> Self {
+    pub(crate) const fn new(name: &'static str, help: &'static str) -> Self {
         Self {
             name,
             help,
@@ -165,7 +202,7 @@ impl Histogram {
         self.count.load(Ordering::Relaxed)
     }
 
-    fn render(&self, out: &mut String) {
+    pub(crate) fn render(&self, out: &mut String) {
         let _ = writeln!(
             out,
             "# HELP {0} {1}\n# TYPE {0} histogram",
@@ -223,6 +260,22 @@ pub struct Metrics {
     pub observes: CounterVec<1>,
     /// Discovery file reloads by result.
     pub discovery: CounterVec<1>,
+    /// `previous_response_id` lookups by result (hit, or why not).
+    pub affinity_lookups: CounterVec<1>,
+    /// Replays asked for, by where they start (start, snapshot, gap).
+    pub replay_requests: CounterVec<1>,
+    /// Replicas resumed from a snapshot (proven) or not, and why.
+    pub snapshot_resumes: CounterVec<1>,
+    /// Snapshot writes by result.
+    pub snapshot_writes: CounterVec<1>,
+    /// Snapshot loads at start by result.
+    pub snapshot_loads: CounterVec<1>,
+    /// Size of the last snapshot written.
+    pub snapshot_bytes: Gauge,
+    /// Duration of the last snapshot write.
+    pub snapshot_write_seconds: Gauge,
+    /// Entries restored from the snapshot at start.
+    pub snapshot_loaded_entries: Gauge,
     /// ZMTP connections closed (or refused) for what the peer did, by reason.
     pub zmtp_violations: CounterVec<1>,
 }
@@ -297,6 +350,43 @@ impl Metrics {
                 "Discovery file reloads by result.",
                 ["result"],
             ),
+            affinity_lookups: CounterVec::new(
+                "indexd_affinity_lookups_total",
+                "previous_response_id lookups by result (hit, unknown, model_mismatch, replica_gone, model_not_served, unhealthy, stale).",
+                ["result"],
+            ),
+            replay_requests: CounterVec::new(
+                "indexd_replay_requests_total",
+                "Replays asked for, by where they start: start (seq 0), snapshot (a snapshot's saved seq), gap.",
+                ["from"],
+            ),
+            snapshot_resumes: CounterVec::new(
+                "indexd_snapshot_resumes_total",
+                "Replicas restored from a snapshot, by whether the replay proved it (proven, proven_partial) or not (gone, restarted, unreadable, unavailable).",
+                ["result"],
+            ),
+            snapshot_writes: CounterVec::new(
+                "indexd_snapshot_writes_total",
+                "Snapshot writes by result (ok, truncated, timeout, error).",
+                ["result"],
+            ),
+            snapshot_loads: CounterVec::new(
+                "indexd_snapshot_loads_total",
+                "Snapshot loads at start by result (ok, missing, corrupt, version, too_old, too_large, foreign, error).",
+                ["result"],
+            ),
+            snapshot_bytes: Gauge::new(
+                "indexd_snapshot_bytes",
+                "Size of the last snapshot written, in bytes.",
+            ),
+            snapshot_write_seconds: Gauge::new(
+                "indexd_snapshot_write_seconds",
+                "Duration of the last snapshot write (capture, encode, write, fsync, rename).",
+            ),
+            snapshot_loaded_entries: Gauge::new(
+                "indexd_snapshot_loaded_entries",
+                "Block entries restored from the snapshot at start.",
+            ),
             zmtp_violations: CounterVec::new(
                 "indexd_zmtp_violations_total",
                 "ZMTP connections closed or refused for a protocol violation, by reason.",
@@ -322,6 +412,14 @@ impl Metrics {
         self.rank_mismatch.render(out);
         self.observes.render(out);
         self.discovery.render(out);
+        self.affinity_lookups.render(out);
+        self.replay_requests.render(out);
+        self.snapshot_resumes.render(out);
+        self.snapshot_writes.render(out);
+        self.snapshot_loads.render(out);
+        self.snapshot_bytes.render(out);
+        self.snapshot_write_seconds.render(out);
+        self.snapshot_loaded_entries.render(out);
         self.zmtp_violations.render(out);
     }
 }

@@ -2,8 +2,10 @@
 //! replicas (or a stale answer), using [`crate::score`] over a snapshot.
 //!
 //! Decision kinds (proto `DecisionKind`):
-//! - `AFFINITY`: `previous_response_id` names a known, healthy replica: that
-//!   replica alone (its response store is the only one holding the id).
+//! - `AFFINITY`: `previous_response_id` names a response recorded for the same
+//!   model (base or adapter) on a replica that still serves it and is healthy
+//!   and fresh: that replica alone (its response store is the only one
+//!   holding the id). Any other case takes the paths below.
 //! - `PRECISE` / `APPROXIMATE`: some candidate holds a prefix of the keys.
 //! - `LOAD`: nobody holds anything (or the block size differs, reason
 //!   `block_size_mismatch`): ranked by load alone.
@@ -19,7 +21,8 @@ use kvroute_proto::v1::{
 
 use crate::config::EndpointId;
 use crate::error::RequestError;
-use crate::index::{PrefixMatch, Tier};
+use crate::event::Tier;
+use crate::index::PrefixMatch;
 use crate::score::{self, Input};
 use crate::state::{Replica, Shared, lock, read, write};
 
@@ -108,6 +111,39 @@ fn complete_pick(shared: &Shared, request_id: &str) {
     }
 }
 
+/// The replica holding the stored response `previous_response_id` names, if
+/// it may answer this Pick: recorded for this very model (the base model or
+/// the LoRA adapter the request names), still registered and serving that
+/// model, healthy and fresh, like every candidate of every other path.
+/// Otherwise the miss's metric label.
+fn affinity_target(
+    shared: &Shared,
+    req: &PickRequest,
+    now: Instant,
+) -> Result<Arc<Replica>, &'static str> {
+    let (id, same_model) = {
+        let affinity = lock(&shared.affinity);
+        let (id, model) = affinity
+            .get(&req.previous_response_id, now)
+            .ok_or("unknown")?;
+        (id.clone(), model == req.model)
+    };
+    if !same_model {
+        return Err("model_mismatch");
+    }
+    let r = read(&shared.registry).find(&id).ok_or("replica_gone")?;
+    if !r.serves(&req.model) {
+        return Err("model_not_served");
+    }
+    if !r.is_healthy() {
+        return Err("unhealthy");
+    }
+    if !r.is_fresh() {
+        return Err("stale");
+    }
+    Ok(r)
+}
+
 /// Answers one Pick at `now`.
 pub fn pick(
     shared: &Shared,
@@ -146,21 +182,19 @@ pub fn pick(
         .collect();
 
     if !req.previous_response_id.is_empty() {
-        let target = lock(&shared.affinity)
-            .get(&req.previous_response_id, now)
-            .cloned();
-        if let Some(id) = target
-            && let Some(r) = read(&shared.registry).find(&id)
-            && r.is_healthy()
-        {
-            r.note_pick(now, &req.request_id, f64::from(req.prompt_tokens));
-            let c = candidate(&r, &PrefixMatch::default(), req.block_size, 0.0);
-            return Ok(answer(
-                shared,
-                DecisionKind::Affinity,
-                "previous_response_id",
-                vec![c],
-            ));
+        match affinity_target(shared, req, now) {
+            Ok(r) => {
+                shared.metrics.affinity_lookups.inc(["hit"]);
+                r.note_pick(now, &req.request_id, f64::from(req.prompt_tokens));
+                let c = candidate(&r, &PrefixMatch::default(), req.block_size, 0.0);
+                return Ok(answer(
+                    shared,
+                    DecisionKind::Affinity,
+                    "previous_response_id",
+                    vec![c],
+                ));
+            }
+            Err(miss) => shared.metrics.affinity_lookups.inc([miss]),
         }
     }
 
@@ -313,7 +347,7 @@ pub fn observe(shared: &Shared, req: &ObserveRequest, now: Instant) -> Result<()
         address,
         rank: req.data_parallel_rank,
     };
-    let recorded = lock(&shared.affinity).insert(&req.response_id, id, now);
+    let recorded = lock(&shared.affinity).insert(&req.response_id, id, &req.model, now);
     shared
         .metrics
         .observes

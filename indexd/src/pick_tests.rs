@@ -7,7 +7,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::*;
 use crate::config::{Config, EndpointConfig};
-use crate::wire::{BlockStored, EngineHash, EventBatch, ExtraKeys, KvEvent};
+use crate::event::{BlockStored, EngineHash, EventBatch, ExtraKeys, KvEvent};
 
 fn shared(n: u16, tweak: impl FnOnce(&mut Config)) -> (Shared, Vec<Arc<Replica>>) {
     let eps: Vec<EndpointConfig> = (0..n)
@@ -39,9 +39,9 @@ fn store(s: &Shared, r: &Replica, tokens: &[u32]) {
         parent: None,
         token_ids: tokens.to_vec(),
         block_size: 4,
-        tier: crate::index::Tier::Gpu,
+        tier: crate::event::Tier::Gpu,
         lora_name: None,
-        extra_keys: vec![ExtraKeys::None; n],
+        extra_keys: Some(vec![ExtraKeys::None; n]),
         group_idx: 0,
     });
     s.ingest(
@@ -170,6 +170,7 @@ fn pending_picks_spread_load_until_a_scrape_sees_them() {
 fn affinity_by_address_when_the_rank_is_unknown() {
     let (s, _) = shared(2, |_| {});
     let obs = ObserveRequest {
+        model: "m".into(),
         endpoint: "10.0.0.1:8001".into(),
         response_id: "resp_1".into(),
         data_parallel_rank: Some(3),
@@ -275,4 +276,73 @@ fn a_continuation_of_a_pending_pick_stays_on_its_replica() {
     let resp = pick(&s, &next, now).unwrap();
     assert_eq!(resp.candidates[0].address, warm);
     assert_eq!(resp.decision, DecisionKind::Precise as i32);
+}
+
+#[test]
+fn affinity_checks_the_model_the_adapter_and_freshness() {
+    let eps: Vec<EndpointConfig> = (0..2)
+        .map(|i| {
+            let mut e = EndpointConfig::new(SocketAddr::from(([10, 0, 0, 1], 8000 + i)), "m");
+            e.adapters = vec!["L".into()];
+            e
+        })
+        .collect();
+    let s = Shared::new(Config::new(eps.clone()), CancellationToken::new());
+    let replicas: Vec<_> = eps.into_iter().map(|e| s.add_replica(e).unwrap()).collect();
+    let now = Instant::now();
+    let seen = |id: &str, endpoint: &str, model: &str| {
+        let o = ObserveRequest {
+            model: model.into(),
+            endpoint: endpoint.into(),
+            response_id: id.into(),
+            ..ObserveRequest::default()
+        };
+        observe(&s, &o, now).unwrap();
+    };
+    let follow = |id: &str, model: &str| {
+        let mut r = req(&[1]);
+        r.model = model.into();
+        r.previous_response_id = id.into();
+        pick(&s, &r, now).unwrap()
+    };
+    let affinity = DecisionKind::Affinity as i32;
+    seen("r_base", "10.0.0.1:8001", "m");
+    seen("r_lora", "10.0.0.1:8001", "L");
+    // Recorded for the base model: never answers for the adapter, nor the
+    // other way round.
+    assert_ne!(follow("r_base", "L").decision, affinity);
+    assert_ne!(follow("r_lora", "m").decision, affinity);
+    assert_eq!(s.metrics.affinity_lookups.get(["model_mismatch"]), 2);
+    let hit = follow("r_lora", "L");
+    assert_eq!(
+        (hit.decision, hit.candidates[0].address.as_str()),
+        (affinity, "10.0.0.1:8001")
+    );
+    // A stale replica is not named, by affinity or otherwise.
+    replicas[1].set_fresh(false);
+    let r = follow("r_lora", "L");
+    assert_ne!(r.decision, affinity);
+    assert!(r.candidates.iter().all(|c| c.address != "10.0.0.1:8001"));
+    assert_eq!(s.metrics.affinity_lookups.get(["stale"]), 1);
+    // Nor an unhealthy one.
+    replicas[1].set_fresh(true);
+    assert!(replicas[1].scrape_failed(1));
+    let r = follow("r_base", "m");
+    assert_ne!(r.decision, affinity);
+    assert!(r.candidates.iter().all(|c| c.address != "10.0.0.1:8001"));
+    assert_eq!(s.metrics.affinity_lookups.get(["unhealthy"]), 1);
+    // A replica that left, or one that does not serve the model.
+    seen("r_gone", "10.0.0.9:1", "m");
+    assert_ne!(follow("r_gone", "m").decision, affinity);
+    seen("r_other", "10.0.0.1:8000", "other");
+    let r = follow("r_other", "other");
+    assert_eq!(r.decision, DecisionKind::Stale as i32);
+    assert_eq!(
+        (
+            s.metrics.affinity_lookups.get(["replica_gone"]),
+            s.metrics.affinity_lookups.get(["model_not_served"]),
+            s.metrics.affinity_lookups.get(["hit"]),
+        ),
+        (1, 1, 1)
+    );
 }

@@ -31,7 +31,8 @@ use rand::Rng;
 use serde::Deserialize;
 
 use crate::error::ConfigError;
-use crate::index::{PrefixMatch, Tier};
+use crate::event::Tier;
+use crate::index::PrefixMatch;
 
 /// The cost model's weights (config `weights:`).
 #[derive(Clone, Copy, Debug, PartialEq, Deserialize)]

@@ -6,11 +6,16 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvroute_proto::v1::index_server::{Index, IndexServer};
-use kvroute_proto::v1::{ObserveRequest, ObserveResponse, PickRequest, PickResponse};
+use kvroute_proto::v1::{
+    Api as WireApi, DecisionKind, ObserveRequest, ObserveResponse, PickRequest, PickResponse,
+    TokenizerSource,
+};
+use kvroute_proto::{BlockSize, block_keys};
 use tonic::{Request, Response, Status};
 
 use crate::pick;
 use crate::state::Shared;
+use crate::tokenize::{Api, Source};
 
 /// The tonic service over the shared state.
 #[derive(Debug, Clone)]
@@ -24,17 +29,28 @@ impl IndexService {
         Self { shared }
     }
 
-    /// The tonic server wrapper.
+    /// The tonic server wrapper; a Pick may carry a request body up to
+    /// `tokenize.max_body_bytes`.
     pub fn into_server(self) -> IndexServer<Self> {
-        IndexServer::new(self)
+        let limit = self
+            .shared
+            .tokenizers
+            .config()
+            .max_body_bytes
+            .saturating_add(64 << 10);
+        IndexServer::new(self).max_decoding_message_size(limit)
     }
 }
 
 #[tonic::async_trait]
 impl Index for IndexService {
     async fn pick(&self, request: Request<PickRequest>) -> Result<Response<PickResponse>, Status> {
+        let mut req = request.into_inner();
+        if !req.body.is_empty() {
+            return Ok(Response::new(self.pick_body(&mut req).await?));
+        }
         let started = Instant::now();
-        let result = pick::pick(&self.shared, request.get_ref(), started);
+        let result = pick::pick(&self.shared, &req, started);
         self.shared.metrics.pick_latency.observe(started.elapsed());
         Ok(Response::new(result?))
     }
@@ -45,5 +61,63 @@ impl Index for IndexService {
     ) -> Result<Response<ObserveResponse>, Status> {
         pick::observe(&self.shared, request.get_ref(), Instant::now())?;
         Ok(Response::new(ObserveResponse {}))
+    }
+}
+
+impl IndexService {
+    /// A Pick carrying its request body: tokenize (locally or by a replica),
+    /// key the full blocks, pick. A body that cannot be tokenized is
+    /// answered UNTOKENIZED, so the filter goes on without an override.
+    async fn pick_body(&self, req: &mut PickRequest) -> Result<PickResponse, Status> {
+        let api = match WireApi::try_from(req.api) {
+            Ok(WireApi::Completions) => Api::Completions,
+            Ok(WireApi::Chat) => Api::Chat,
+            Ok(WireApi::Responses) => Api::Responses,
+            Ok(WireApi::Unspecified) | Err(_) => {
+                return Err(Status::invalid_argument("a Pick with a body needs its api"));
+            }
+        };
+        if !req.block_keys.is_empty() {
+            return Err(Status::invalid_argument(
+                "a Pick carries block_keys or a body, not both",
+            ));
+        }
+        let body = bytes::Bytes::from(std::mem::take(&mut req.body));
+        let tokenized = self
+            .shared
+            .tokenizers
+            .tokenize(&self.shared, api, &req.model, body)
+            .await;
+        let t = match tokenized {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::debug!(model = %req.model, error = %e, "Pick body not tokenized");
+                self.shared
+                    .metrics
+                    .decisions
+                    .inc(["untokenized", e.label()]);
+                return Ok(PickResponse {
+                    decision: DecisionKind::Untokenized as i32,
+                    reason: e.to_string(),
+                    ..PickResponse::default()
+                });
+            }
+        };
+        let block_size = BlockSize::new(req.block_size).unwrap_or(self.shared.config.block_size);
+        let keys = block_keys(&t.ids, block_size, t.salt.as_deref());
+        let cap = self.shared.config.max_pick_keys;
+        req.block_keys = keys.iter().take(cap).map(|k| k.as_u64()).collect();
+        req.block_size = block_size.get();
+        req.prompt_tokens = u32::try_from(t.ids.len()).unwrap_or(u32::MAX);
+        let started = Instant::now();
+        let result = pick::pick(&self.shared, req, started);
+        self.shared.metrics.pick_latency.observe(started.elapsed());
+        let mut answer = result?;
+        answer.prompt_tokens = req.prompt_tokens;
+        answer.tokenizer = match t.source {
+            Source::Local => TokenizerSource::Local,
+            Source::Replica => TokenizerSource::Replica,
+        } as i32;
+        Ok(answer)
     }
 }

@@ -8,10 +8,28 @@
 //! - per-replica load, freshness and health: atomics and small mutexes inside
 //!   [`Replica`], written by that replica's own tasks.
 //! - `affinity`, `approximate`, `rng`: short `Mutex`es.
+//! - `tokenizers`: no lock — the set of models is fixed at start; each
+//!   model's gate is atomics plus a `Mutex` over its closing reason, and its
+//!   tokenizer's segment cache locks itself briefly (never while encoding).
+//!   Local tokenization runs on the blocking pool, never under a lock here.
+//! - `restores` (a snapshot's replicas not registered yet): a short `Mutex`,
+//!   taken when a replica is added; restoring its blocks then takes the
+//!   `index` write lock once (start-up or discovery, not the request path).
+//!   The snapshot writer reads the index one replica at a time, under the
+//!   read lock, in a blocking task (no `.await` while held); `snapshot_lock`
+//!   serializes writers (the periodic one and the one at shutdown).
+//! - per-replica resume point (from a snapshot): a short `Mutex`, taken once
+//!   by the replica's subscription.
+//!
+//! Subscriptions run on their own runtime (`ingest`, one thread less than
+//! the CPUs, at least one), so a flood of events cannot queue Picks behind
+//! it, and at most that many writers contend for `index` with Pick's readers.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{
+    Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
+};
 use std::time::{Duration, Instant};
 
 use rand::SeedableRng;
@@ -21,24 +39,27 @@ use tokio_util::task::TaskTracker;
 
 use crate::affinity::{Affinity, Approximate};
 use crate::config::{Config, EndpointConfig, EndpointId};
-use crate::index::{ApplyStats, Index, ReplicaSlot};
+use crate::event::{EventBatch, KvEvent};
+use crate::ids::ReplicaSlot;
+use crate::index::{Applied, ApplyStats, Index};
 use crate::metrics::Metrics;
 use crate::score::Load;
-use crate::wire::{EventBatch, KvEvent};
+use crate::snapshot::Pending;
+use crate::tokenize::Tokenizers;
 
 /// Locks a mutex, ignoring poisoning (no invariant spans a panic: there are
 /// none outside tests).
-pub fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Read-locks, ignoring poisoning.
-pub fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
+pub(crate) fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
     l.read().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Write-locks, ignoring poisoning.
-pub fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
+pub(crate) fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     l.write().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -57,11 +78,11 @@ struct Scraped {
 #[derive(Debug)]
 pub struct Replica {
     /// Its configuration.
-    pub config: EndpointConfig,
+    pub(crate) config: EndpointConfig,
     /// Its slot in the index.
-    pub slot: ReplicaSlot,
+    pub(crate) slot: ReplicaSlot,
     /// Cancels its tasks when it is removed or indexd stops.
-    pub cancel: CancellationToken,
+    pub(crate) cancel: CancellationToken,
     fresh: AtomicBool,
     healthy: AtomicBool,
     scraped: Mutex<Scraped>,
@@ -70,6 +91,8 @@ pub struct Replica {
     block_size_warned: AtomicBool,
     loras: Mutex<BTreeSet<String>>,
     last_warning: Mutex<Option<Instant>>,
+    /// Where its event stream resumes, when a snapshot restored its blocks.
+    resume: Mutex<Option<Applied>>,
 }
 
 const MAX_PENDING: usize = 4096;
@@ -102,12 +125,13 @@ impl Replica {
             block_size_warned: AtomicBool::new(false),
             loras: Mutex::new(BTreeSet::new()),
             last_warning: Mutex::new(None),
+            resume: Mutex::new(None),
         }
     }
 
     /// True at most once per 10 s: bad input from one replica is counted
     /// always but logged sparingly.
-    pub fn may_warn(&self) -> bool {
+    pub(crate) fn may_warn(&self) -> bool {
         let now = Instant::now();
         let mut last = lock(&self.last_warning);
         if last.is_some_and(|t| now.saturating_duration_since(t) < Duration::from_secs(10)) {
@@ -115,6 +139,16 @@ impl Replica {
         }
         *last = Some(now);
         true
+    }
+
+    /// Takes the point a snapshot says its stream resumes from.
+    pub(crate) fn take_resume(&self) -> Option<Applied> {
+        lock(&self.resume).take()
+    }
+
+    /// Records the point its stream resumes from (its blocks were restored).
+    pub(crate) fn set_resume(&self, point: Applied) {
+        *lock(&self.resume) = Some(point);
     }
 
     /// Its identity.
@@ -128,7 +162,7 @@ impl Replica {
     }
 
     /// Marks the event stream complete (or not).
-    pub fn set_fresh(&self, fresh: bool) {
+    pub(crate) fn set_fresh(&self, fresh: bool) {
         self.fresh.store(fresh, Ordering::Release);
     }
 
@@ -143,17 +177,17 @@ impl Replica {
     }
 
     /// The block size its events carry (0: none seen).
-    pub fn block_size_seen(&self) -> u32 {
+    pub(crate) fn block_size_seen(&self) -> u32 {
         self.block_size_seen.load(Ordering::Relaxed)
     }
 
     /// True if it serves `model` (configured, or a LoRA seen in its events).
-    pub fn serves(&self, model: &str) -> bool {
+    pub(crate) fn serves(&self, model: &str) -> bool {
         self.config.serves(model) || lock(&self.loras).contains(model)
     }
 
     /// Records a successful scrape that started at `started`.
-    pub fn scrape_ok(&self, running: f64, waiting: f64, kv_usage: f64, started: Instant) {
+    pub(crate) fn scrape_ok(&self, running: f64, waiting: f64, kv_usage: f64, started: Instant) {
         {
             let mut s = lock(&self.scraped);
             s.running = running;
@@ -172,7 +206,7 @@ impl Replica {
 
     /// Records a failed scrape; returns true if the replica just became
     /// unhealthy.
-    pub fn scrape_failed(&self, unhealthy_after: u32) -> bool {
+    pub(crate) fn scrape_failed(&self, unhealthy_after: u32) -> bool {
         let failures = {
             let mut s = lock(&self.scraped);
             s.consecutive_failures = s.consecutive_failures.saturating_add(1);
@@ -182,7 +216,7 @@ impl Replica {
     }
 
     /// Records the capacity signal.
-    pub fn set_capacity(&self, occupancy: Option<f64>, cache_available: Option<bool>) {
+    pub(crate) fn set_capacity(&self, occupancy: Option<f64>, cache_available: Option<bool>) {
         let mut s = lock(&self.scraped);
         s.occupancy = occupancy;
         s.cache_available = cache_available;
@@ -190,7 +224,7 @@ impl Replica {
 
     /// Counts a pick, with its estimated prefill `tokens`, until a scrape
     /// shows it or the filter reports it answered ([`Self::complete_pick`]).
-    pub fn note_pick(&self, now: Instant, request_id: &str, tokens: f64) {
+    pub(crate) fn note_pick(&self, now: Instant, request_id: &str, tokens: f64) {
         let mut pending = lock(&self.pending);
         if pending.len() >= MAX_PENDING {
             pending.pop_front();
@@ -205,7 +239,7 @@ impl Replica {
     /// Forgets the pending pick of `request_id`: the replica has answered
     /// (its prefill is done), so it no longer stands for queued work. Returns
     /// whether one was found.
-    pub fn complete_pick(&self, request_id: &str) -> bool {
+    pub(crate) fn complete_pick(&self, request_id: &str) -> bool {
         if request_id.is_empty() {
             return false;
         }
@@ -217,7 +251,7 @@ impl Replica {
     }
 
     /// The load snapshot the scorer uses.
-    pub fn load(&self, now: Instant, pending_ttl: Duration) -> Load {
+    pub(crate) fn load(&self, now: Instant, pending_ttl: Duration) -> Load {
         let (pending, pending_tokens) = {
             let mut p = lock(&self.pending);
             while p
@@ -244,25 +278,25 @@ impl Replica {
 
 /// The replicas indexd knows, by identity.
 #[derive(Debug, Default)]
-pub struct Registry {
+pub(crate) struct Registry {
     replicas: BTreeMap<EndpointId, Arc<Replica>>,
     next_slot: u32,
 }
 
 impl Registry {
     /// All replicas.
-    pub fn all(&self) -> Vec<Arc<Replica>> {
+    pub(crate) fn all(&self) -> Vec<Arc<Replica>> {
         self.replicas.values().cloned().collect()
     }
 
     /// One replica.
-    pub fn get(&self, id: &EndpointId) -> Option<Arc<Replica>> {
+    pub(crate) fn get(&self, id: &EndpointId) -> Option<Arc<Replica>> {
         self.replicas.get(id).cloned()
     }
 
     /// The replica `id` names, or, when the rank is unknown or differs, the
     /// first replica at that address.
-    pub fn find(&self, id: &EndpointId) -> Option<Arc<Replica>> {
+    pub(crate) fn find(&self, id: &EndpointId) -> Option<Arc<Replica>> {
         self.get(id).or_else(|| {
             self.replicas
                 .values()
@@ -276,23 +310,33 @@ impl Registry {
 #[derive(Debug)]
 pub struct Shared {
     /// The configuration indexd started with.
-    pub config: Config,
+    pub(crate) config: Config,
     /// The block index.
-    pub index: RwLock<Index>,
+    pub(crate) index: RwLock<Index>,
     /// The replica registry.
-    pub registry: RwLock<Registry>,
+    pub(crate) registry: RwLock<Registry>,
     /// Response-id affinity.
-    pub affinity: Mutex<Affinity>,
+    pub(crate) affinity: Mutex<Affinity>,
     /// Approximate-mode keys.
-    pub approximate: Mutex<Approximate>,
+    pub(crate) approximate: Mutex<Approximate>,
     /// Metrics.
-    pub metrics: Metrics,
+    pub(crate) metrics: Metrics,
     /// Tie-breaking RNG.
-    pub rng: Mutex<StdRng>,
+    pub(crate) rng: Mutex<StdRng>,
     /// Cancelled when indexd stops.
-    pub shutdown: CancellationToken,
+    pub(crate) shutdown: CancellationToken,
     /// Every background task, awaited on shutdown.
-    pub tasks: TaskTracker,
+    pub(crate) tasks: TaskTracker,
+    /// A loaded snapshot's replicas, restored when they are registered.
+    pub(crate) restores: Mutex<Pending>,
+    /// Held while a snapshot is written.
+    pub(crate) snapshot_lock: Mutex<()>,
+    /// The runtime the subscriptions run on, apart from the request path
+    /// (unset: the current one).
+    pub(crate) ingest: OnceLock<tokio::runtime::Handle>,
+    /// Local tokenizers and the replica fallback (read-only after start;
+    /// each model's gate and cache synchronise themselves).
+    pub(crate) tokenizers: Tokenizers,
 }
 
 impl Shared {
@@ -314,8 +358,18 @@ impl Shared {
             rng: Mutex::new(rng),
             shutdown,
             tasks: TaskTracker::new(),
+            restores: Mutex::new(Pending::default()),
+            snapshot_lock: Mutex::new(()),
+            ingest: OnceLock::new(),
+            tokenizers: Tokenizers::none(),
             config,
         }
+    }
+
+    /// The same state tokenizing with `tokenizers`.
+    pub fn with_tokenizers(mut self, tokenizers: Tokenizers) -> Self {
+        self.tokenizers = tokenizers;
+        self
     }
 
     /// Registers an endpoint; `None` if it is already known.
@@ -329,11 +383,13 @@ impl Shared {
         let replica = Arc::new(Replica::new(config, slot, self.shutdown.child_token()));
         reg.replicas
             .insert(replica.id().clone(), Arc::clone(&replica));
+        drop(reg);
+        crate::snapshot::restore(self, &replica);
         Some(replica)
     }
 
     /// Unregisters an endpoint, stops its tasks and drops its entries.
-    pub fn remove_replica(&self, id: &EndpointId) -> bool {
+    pub(crate) fn remove_replica(&self, id: &EndpointId) -> bool {
         let Some(replica) = write(&self.registry).replicas.remove(id) else {
             return false;
         };
@@ -345,7 +401,7 @@ impl Shared {
     }
 
     /// Forgets what `replica` holds.
-    pub fn purge(&self, replica: &Replica, reason: &'static str) {
+    pub(crate) fn purge(&self, replica: &Replica, reason: &'static str) {
         write(&self.index).purge(replica.slot);
         self.metrics.purges.inc([reason]);
         tracing::info!(endpoint = %replica.id(), reason, "purged replica from the index");
@@ -353,6 +409,17 @@ impl Shared {
 
     /// Applies one decoded batch from `replica`.
     pub fn ingest(&self, replica: &Replica, batch: &EventBatch) {
+        self.ingest_applied(replica, batch, None);
+    }
+
+    /// Applies one decoded batch from `replica` and records it as the last
+    /// applied (in the same write lock: a snapshot sees both or neither).
+    pub(crate) fn ingest_applied(
+        &self,
+        replica: &Replica,
+        batch: &EventBatch,
+        applied: Option<Applied>,
+    ) {
         let m = &self.metrics;
         m.batches.inc();
         if let (Some(got), Some(want)) = (batch.data_parallel_rank, replica.id().rank)
@@ -384,6 +451,9 @@ impl Shared {
             for ev in &batch.events {
                 index.apply(replica.slot, &replica.config.model, ev, &mut stats);
             }
+            if let Some(applied) = applied {
+                index.set_applied(replica.slot, applied);
+            }
         }
         if stats.cleared > 0 {
             m.purges.add(["cleared"], stats.cleared);
@@ -394,6 +464,11 @@ impl Shared {
             ("removed", stats.removed),
             ("skipped_unknown_parent", stats.skipped_unknown_parent),
             ("skipped_unkeyable", stats.skipped_unkeyable),
+            ("skipped_salt_unknown", stats.skipped_salt_unknown),
+            (
+                "skipped_partition_conflict",
+                stats.skipped_partition_conflict,
+            ),
             ("skipped_group", stats.skipped_group),
             ("skipped_bad_length", stats.skipped_bad_length),
             ("evicted", stats.evicted),

@@ -12,49 +12,60 @@ use proptest::prelude::*;
 use rmpv::Value;
 use tokio_util::sync::CancellationToken;
 
+use super::replay::Replay;
 use super::*;
 use crate::config::{Config, EndpointConfig};
-use crate::index::tests::{BLOCK, Naive, Op, Prompt, bs, event, op, prompt};
-use crate::wire::{ExtraKeys, KvEvent};
+use crate::event::{ExtraKeys, KvEvent};
+use crate::index::model::{BLOCK, Extra, Naive, Op, Prompt, bs, event, op, prompt};
+use crate::zmtp::Frame;
 
 fn encode(ev: &KvEvent, ts: f64) -> Vec<u8> {
-    let hashes = |hs: &[crate::wire::EngineHash]| {
+    let hashes = |hs: &[crate::event::EngineHash]| {
         Value::Array(hs.iter().map(|h| Value::from(h.0)).collect())
     };
-    let tier = |t: crate::index::Tier| Value::from(t.label().to_uppercase());
+    let tier = |t: crate::event::Tier| Value::from(t.label().to_uppercase());
     let ev = match ev {
-        KvEvent::BlockStored(s) => Value::Map(vec![
-            ("type".into(), "BlockStored".into()),
-            ("block_hashes".into(), hashes(&s.block_hashes)),
-            (
-                "parent_block_hash".into(),
-                s.parent.map_or(Value::Nil, |p| Value::from(p.0)),
-            ),
-            (
-                "token_ids".into(),
-                Value::Array(s.token_ids.iter().map(|t| Value::from(*t)).collect()),
-            ),
-            ("block_size".into(), Value::from(s.block_size)),
-            ("medium".into(), tier(s.tier)),
-            (
-                "lora_name".into(),
-                s.lora_name.as_deref().map_or(Value::Nil, Value::from),
-            ),
-            (
-                "extra_keys".into(),
-                Value::Array(
-                    s.extra_keys
-                        .iter()
-                        .map(|e| match e {
-                            ExtraKeys::None => Value::Nil,
-                            ExtraKeys::Salt(s) => Value::Array(vec![Value::from(s.as_str())]),
-                            ExtraKeys::Unkeyable => Value::Array(vec![Value::Binary(vec![1])]),
-                        })
-                        .collect(),
+        KvEvent::BlockStored(s) => {
+            let mut fields: Vec<(Value, Value)> = vec![
+                ("type".into(), "BlockStored".into()),
+                ("block_hashes".into(), hashes(&s.block_hashes)),
+                (
+                    "parent_block_hash".into(),
+                    s.parent.map_or(Value::Nil, |p| Value::from(p.0)),
                 ),
-            ),
-            ("group_idx".into(), Value::from(s.group_idx)),
-        ]),
+                (
+                    "token_ids".into(),
+                    Value::Array(s.token_ids.iter().map(|t| Value::from(*t)).collect()),
+                ),
+                ("block_size".into(), Value::from(s.block_size)),
+                ("medium".into(), tier(s.tier)),
+                (
+                    "lora_name".into(),
+                    s.lora_name.as_deref().map_or(Value::Nil, Value::from),
+                ),
+                ("group_idx".into(), Value::from(s.group_idx)),
+            ];
+            // As vLLM lists them: the LoRA name first in every block's keys,
+            // then the salt (block 0); the field omitted when not carried.
+            if let Some(extra) = &s.extra_keys {
+                let lora = s.lora_name.as_deref().map(Value::from);
+                let per_block = extra.iter().map(|e| {
+                    let mut keys: Vec<Value> = lora.iter().cloned().collect();
+                    match e {
+                        ExtraKeys::None => {}
+                        ExtraKeys::Salt(salt) => keys.push(Value::from(salt.as_str())),
+                        ExtraKeys::Unkeyable => keys.push(Value::Binary(vec![1])),
+                    }
+                    if keys.is_empty() {
+                        Value::Nil
+                    } else {
+                        Value::Array(keys)
+                    }
+                });
+                fields.push(("extra_keys".into(), Value::Array(per_block.collect())));
+            }
+            Value::Map(fields)
+        }
         KvEvent::BlockRemoved(r) => Value::Map(vec![
             ("type".into(), "BlockRemoved".into()),
             ("block_hashes".into(), hashes(&r.block_hashes)),
@@ -390,9 +401,10 @@ fn a_gap_without_replay_purges_rather_than_keep_stale_blocks() {
             slot: 0,
             p: p.clone(),
             start: 0,
-            tier: crate::index::Tier::Gpu,
+            tier: crate::event::Tier::Gpu,
             group: 0,
             unkeyable_at: None,
+            extra: Extra::Full,
         },
         dropped: false,
     };
@@ -410,3 +422,6 @@ fn a_gap_without_replay_purges_rather_than_keep_stale_blocks() {
     ];
     run(&steps, 100, false, false, true).unwrap();
 }
+
+#[path = "subscriber_resume_tests.rs"]
+mod resume;

@@ -20,9 +20,7 @@
 //! them, never taken from a length prefix alone).
 #![deny(clippy::indexing_slicing)]
 
-use std::fmt;
-
-use crate::index::Tier;
+use crate::event::{BlockRemoved, BlockStored, EngineHash, EventBatch, ExtraKeys, KvEvent, Tier};
 
 mod msgpack;
 
@@ -30,16 +28,6 @@ use msgpack::{Kind, Reader};
 
 /// How deep unknown values may nest before the frame is rejected.
 pub const MAX_DEPTH: usize = 32;
-
-/// vLLM's engine-side block hash (`ExternalBlockHash`), as a u64.
-#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct EngineHash(pub u64);
-
-impl fmt::Debug for EngineHash {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "EngineHash({:016x})", self.0)
-    }
-}
 
 /// Caps on what a peer's frames may make indexd allocate (transport and
 /// payload decoder alike).
@@ -75,74 +63,6 @@ impl Default for Limits {
             max_publisher_connections: 16,
         }
     }
-}
-
-/// One decoded payload.
-#[derive(Clone, Debug, PartialEq)]
-pub struct EventBatch {
-    /// The publisher's wall-clock timestamp (seconds).
-    pub ts: f64,
-    /// The events, in order.
-    pub events: Vec<KvEvent>,
-    /// The data-parallel rank the batch names, if any.
-    pub data_parallel_rank: Option<u32>,
-}
-
-/// One KV-cache event.
-#[derive(Clone, Debug, PartialEq)]
-pub enum KvEvent {
-    /// Blocks were stored (with tokens) or re-announced in another tier
-    /// (without tokens).
-    BlockStored(BlockStored),
-    /// Blocks were evicted from a tier.
-    BlockRemoved(BlockRemoved),
-    /// The whole prefix cache was reset.
-    AllBlocksCleared,
-    /// An event type this decoder does not know (skipped, counted).
-    Unknown,
-}
-
-/// Keyability of one block's `extra_keys`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ExtraKeys {
-    /// Nothing besides tokens (and the LoRA name, which partitions the index).
-    None,
-    /// The `cache_salt` (block 0 only).
-    Salt(String),
-    /// Media, embeddings or anything else the router cannot compute.
-    Unkeyable,
-}
-
-/// `BlockStored`, reduced to what indexd uses.
-#[derive(Clone, Debug, PartialEq)]
-pub struct BlockStored {
-    /// One hash per block, in prompt order.
-    pub block_hashes: Vec<EngineHash>,
-    /// The block before the first one (`None` for a prompt's first block).
-    pub parent: Option<EngineHash>,
-    /// `block_hashes.len() × block_size` tokens, or none for a tier move.
-    pub token_ids: Vec<u32>,
-    /// Tokens per block.
-    pub block_size: u32,
-    /// Where the blocks now live.
-    pub tier: Tier,
-    /// The LoRA adapter, if any.
-    pub lora_name: Option<String>,
-    /// Per block; empty when the event carries no `extra_keys`.
-    pub extra_keys: Vec<ExtraKeys>,
-    /// The KV-cache group (only 0 is indexed).
-    pub group_idx: u32,
-}
-
-/// `BlockRemoved`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct BlockRemoved {
-    /// The evicted blocks.
-    pub block_hashes: Vec<EngineHash>,
-    /// The tier they left.
-    pub tier: Tier,
-    /// The KV-cache group.
-    pub group_idx: u32,
 }
 
 /// Why a payload could not be decoded. Each variant is a metric label.
@@ -360,13 +280,13 @@ fn build_event(ty: EventType, f: Fields) -> Result<KvEvent, DecodeError> {
     match ty {
         EventType::Stored => {
             let block_hashes = f.block_hashes.ok_or(DecodeError::Missing("block_hashes"))?;
-            let extra_keys = f
-                .extra_keys
-                .unwrap_or_default()
-                .into_iter()
-                .enumerate()
-                .map(|(i, raw)| raw.classify(i, f.lora_name.as_deref()))
-                .collect();
+            let lora_name = f.lora_name.as_deref();
+            let extra_keys = f.extra_keys.map(|raw| {
+                raw.into_iter()
+                    .enumerate()
+                    .map(|(i, raw)| raw.classify(i, lora_name))
+                    .collect()
+            });
             Ok(KvEvent::BlockStored(BlockStored {
                 block_hashes,
                 parent: f.parent,
@@ -396,17 +316,20 @@ enum RawExtra {
 }
 
 impl RawExtra {
-    /// The LoRA name (vLLM puts it in every block's extra keys) partitions
-    /// the index; the salt may only be on block 0; anything else (media
-    /// hashes, embedding digests, non-string items) is not keyable.
+    /// The LoRA name (vLLM lists it first in every block's extra keys)
+    /// partitions the index; the salt may only be on block 0; anything else
+    /// (media hashes, embedding digests, non-string items) is not keyable.
+    /// Only that one leading occurrence of the LoRA name is dropped: a salt
+    /// equal to the adapter's name is still a salt.
     fn classify(self, block: usize, lora_name: Option<&str>) -> ExtraKeys {
         match self {
             Self::None => ExtraKeys::None,
             Self::Other => ExtraKeys::Unkeyable,
             Self::Strings(strings) => {
-                let mut rest = strings
-                    .into_iter()
-                    .filter(|s| Some(s.as_str()) != lora_name);
+                let mut rest = strings.into_iter().peekable();
+                if lora_name.is_some() && rest.peek().map(String::as_str) == lora_name {
+                    rest.next();
+                }
                 match (rest.next(), rest.next()) {
                     (None, _) => ExtraKeys::None,
                     (Some(salt), None) if block == 0 => ExtraKeys::Salt(salt),

@@ -71,7 +71,10 @@ fn cleared_then_salted_store() {
     assert_eq!(st.block_size, 32);
     assert_eq!(st.token_ids.len(), 32);
     assert_eq!(st.tier, Tier::Gpu);
-    assert_eq!(st.extra_keys, vec![ExtraKeys::Salt("tenant-1".into())]);
+    assert_eq!(
+        st.extra_keys,
+        Some(vec![ExtraKeys::Salt("tenant-1".into())])
+    );
     assert_eq!(st.group_idx, 0);
 }
 
@@ -98,7 +101,7 @@ fn removals_then_a_long_store() {
     let st = stored(&b.events[7]);
     assert_eq!(st.block_hashes.len(), 53);
     assert_eq!(st.token_ids.len(), 53 * 32);
-    assert_eq!(st.extra_keys, vec![ExtraKeys::None; 53]);
+    assert_eq!(st.extra_keys, Some(vec![ExtraKeys::None; 53]));
 }
 
 #[test]
@@ -151,8 +154,9 @@ fn salt_a_eight_blocks() {
         (st.block_hashes.len(), st.block_size, st.token_ids.len()),
         (8, 64, 512)
     );
-    assert_eq!(st.extra_keys[0], ExtraKeys::Salt("A".into()));
-    assert!(st.extra_keys[1..].iter().all(|e| *e == ExtraKeys::None));
+    let extra = st.extra_keys.as_ref().unwrap();
+    assert_eq!(extra[0], ExtraKeys::Salt("A".into()));
+    assert!(extra[1..].iter().all(|e| *e == ExtraKeys::None));
 }
 
 #[test]
@@ -237,7 +241,7 @@ fn map_batch_and_legacy_array_events() {
     assert_eq!(st.lora_name.as_deref(), Some("my-lora"));
     assert_eq!(
         st.extra_keys,
-        vec![ExtraKeys::Salt("salt".into()), ExtraKeys::None]
+        Some(vec![ExtraKeys::Salt("salt".into()), ExtraKeys::None])
     );
     let KvEvent::BlockRemoved(r) = &b.events[1] else {
         panic!()
@@ -281,7 +285,10 @@ fn array_batch_without_rank_and_tagged_map_with_unknown_keys() {
     let st = stored(&b.events[0]);
     assert_eq!(st.block_hashes, vec![EngineHash(300), EngineHash(70_000)]);
     assert_eq!(st.parent, Some(EngineHash(u64::from_be_bytes([9; 8]))));
-    assert_eq!(st.extra_keys, vec![ExtraKeys::None, ExtraKeys::Unkeyable]);
+    assert_eq!(
+        st.extra_keys,
+        Some(vec![ExtraKeys::None, ExtraKeys::Unkeyable])
+    );
     assert_eq!(st.group_idx, 1);
 }
 
@@ -306,7 +313,7 @@ fn extra_keys_classification() {
             &Limits::default(),
         )
         .unwrap();
-        stored(&b.events[0]).extra_keys[block].clone()
+        stored(&b.events[0]).extra_keys.clone().unwrap()[block].clone()
     };
     assert_eq!(classify(Value::Nil, 0, None), ExtraKeys::None);
     assert_eq!(classify(s("bare"), 0, None), ExtraKeys::Salt("bare".into()));

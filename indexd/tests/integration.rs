@@ -356,7 +356,7 @@ fn stored_tokens(payload: &[u8]) -> Vec<u32> {
         .events
         .iter()
         .find_map(|e| match e {
-            indexd::wire::KvEvent::BlockStored(s) if !s.token_ids.is_empty() => {
+            indexd::event::KvEvent::BlockStored(s) if !s.token_ids.is_empty() => {
                 Some(s.token_ids.clone())
             }
             _ => None,
@@ -1140,3 +1140,9 @@ mod zmtp_faults;
 
 #[path = "integration/libzmq.rs"]
 mod libzmq;
+
+#[path = "integration/tokenize.rs"]
+mod tokenize;
+
+#[path = "integration/snapshot.rs"]
+mod snapshot;

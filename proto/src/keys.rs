@@ -151,6 +151,12 @@ impl Chain {
         &self.0
     }
 
+    /// A chain value from its raw 16 bytes, as [`Chain::as_bytes`] gave them
+    /// (indexd reads them back from its snapshot).
+    pub const fn from_bytes(bytes: [u8; CHAIN_LEN]) -> Self {
+        Self(bytes)
+    }
+
     fn truncate(digest: &[u8]) -> Self {
         let mut out = [0u8; CHAIN_LEN];
         for (dst, src) in out.iter_mut().zip(digest) {

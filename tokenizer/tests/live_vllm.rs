@@ -32,7 +32,10 @@ const START: Duration = Duration::from_secs(180);
 
 fn vllm_python() -> PathBuf {
     let venv = std::env::var_os("KVROUTE_VLLM_VENV").map_or_else(
-        || PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/kvroute/vllm-venv"),
+        || {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/kvroute/vllm-venv")
+        },
         PathBuf::from,
     );
     let python = venv.join("bin/python");
@@ -97,7 +100,13 @@ fn start(model_dir: &Path, scratch: &Path, name: &str) -> RenderServer {
     cmd.arg(script)
         .arg("--model")
         .arg(model_dir)
-        .args(["--served-model-name", "test", "--host", "127.0.0.1", "--port"])
+        .args([
+            "--served-model-name",
+            "test",
+            "--host",
+            "127.0.0.1",
+            "--port",
+        ])
         .arg(port.to_string())
         .env("HF_HUB_OFFLINE", "1")
         .env("VLLM_LOGGING_LEVEL", "WARNING")
@@ -217,8 +226,12 @@ fn every_generated_request_matches_live_vllm() {
                     }
                 }
                 (None, Err(_)) => {}
-                (Some(_), Err(e)) => mismatches.push(format!("{family} #{id}: vLLM took it, we refused: {e}")),
-                (None, Ok(_)) => mismatches.push(format!("{family} #{id}: vLLM refused ({status}: {answer}), we took it")),
+                (Some(_), Err(e)) => {
+                    mismatches.push(format!("{family} #{id}: vLLM took it, we refused: {e}"))
+                }
+                (None, Ok(_)) => mismatches.push(format!(
+                    "{family} #{id}: vLLM refused ({status}: {answer}), we took it"
+                )),
             }
             checked += 1;
         }
@@ -226,10 +239,21 @@ fn every_generated_request_matches_live_vllm() {
             mismatches.is_empty(),
             "{} token-id mismatches against live vLLM on {family}:\n{}",
             mismatches.len(),
-            mismatches.iter().take(20).cloned().collect::<Vec<_>>().join("\n")
+            mismatches
+                .iter()
+                .take(20)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join("\n")
         );
-        eprintln!("{family}: {} requests, 0 mismatches against live vLLM", lines.len());
+        eprintln!(
+            "{family}: {} requests, 0 mismatches against live vLLM",
+            lines.len()
+        );
     }
-    assert!(longest > 30_000, "the longest prompt has only {longest} tokens");
+    assert!(
+        longest > 30_000,
+        "the longest prompt has only {longest} tokens"
+    );
     eprintln!("{checked} requests matched live vLLM, the longest {longest} tokens");
 }

@@ -72,8 +72,12 @@ async fn store_and_find(d: &mut Daemon, p: &mut Publisher, port: u16, seq: u64, 
     let want = format!("127.0.0.1:{port}");
     let deadline = tokio::time::Instant::now() + TIMEOUT;
     loop {
+        // No candidate while the replica is stale (a replay in progress).
         let r = d.pick(&keys, 16).await;
-        if r.candidates[0].address == want && r.candidates[0].matched_blocks == 2 {
+        if r.candidates
+            .first()
+            .is_some_and(|c| c.address == want && c.matched_blocks == 2)
+        {
             return;
         }
         assert!(

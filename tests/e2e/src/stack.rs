@@ -88,6 +88,8 @@ pub struct StackOptions {
     /// on a runtime of its own, threads named `<label>-indexd` (a thread name
     /// keeps 15 bytes), so `/proc/self/task/*/stat` tells their CPU apart.
     pub thread_label: Option<String>,
+    /// Local tokenizers of every indexd (none: the replicas' `/tokenize`).
+    pub tokenizers: Vec<indexd::tokenize::TokenizerSpec>,
 }
 
 impl Default for StackOptions {
@@ -113,6 +115,7 @@ impl Default for StackOptions {
             max_model_len: 32_768,
             buffer_limit_bytes: 8 * 1024 * 1024,
             thread_label: None,
+            tokenizers: Vec::new(),
         }
     }
 }
@@ -592,6 +595,7 @@ fn indexd_config(
     if let Some(bs) = kvroute_proto::BlockSize::new(options.block_size) {
         config.block_size = bs;
     }
+    config.tokenize.tokenizers = options.tokenizers.clone();
     config
 }
 
@@ -632,8 +636,11 @@ fn envoy_config(
         Routing::LeastRequest => vec![],
         Routing::Precise | Routing::Approximate => {
             clusters.push(grpc_cluster("kvroute_indexd", indexd));
+            // Picks carry the request body and indexd tokenizes it (the
+            // mock's `/tokenize`: no local tokenizer for the mock model).
+            // `filter_overrides` may choose the two-call path instead:
+            // {"tokenize_at": "cluster", "tokenizer_cluster": "vllm_tokenizer"}.
             let mut plugin = json!({
-                "tokenizer_cluster": "vllm_tokenizer",
                 "index_cluster": "kvroute_indexd",
                 "block_size": options.block_size,
                 "decision_header": DECISION_HEADER,

@@ -113,17 +113,59 @@ fn replica_post(stack: &Stack, index: usize, path: &str, body: &Value) -> String
     r.body
 }
 
+/// A line of indexd's metrics page starting with `prefix`, its value.
+fn indexd_metric(stack: &Stack, prefix: &str) -> Option<f64> {
+    let text = stack.indexd().unwrap().metrics_text();
+    text.lines()
+        .find(|l| l.starts_with(prefix))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Waits until indexd's local tokenizer for `model` agrees with the real
+/// replicas on the probe set (its exactness gate opens).
+fn wait_gate_open(stack: &Stack, model: &str) {
+    let gate = format!("indexd_tokenizer_gate{{model=\"{model}\"}}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        match indexd_metric(stack, &gate) {
+            Some(1.0) => return,
+            Some(2.0) => panic!(
+                "the local tokenizer disagrees with vLLM:\n{}",
+                stack.indexd().unwrap().metrics_text()
+            ),
+            _ => {}
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the gate never opened"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 #[test]
 #[ignore = "needs real vLLM: make test-vllm"]
 fn real_vllm_end_to_end() {
+    let model = "tiny";
+    // indexd tokenizes with its own copy of the model's tokenizer, once it
+    // agrees with these replicas: every routed request below is keyed from
+    // indexd's ids and must still find the blocks vLLM's events name.
     let stack = Stack::start_real_vllm(StackOptions {
         replicas: 2,
-        model: "tiny".into(),
+        model: model.into(),
         block_size: BLOCK,
+        tokenizers: vec![indexd::tokenize::TokenizerSpec {
+            model: model.into(),
+            dir: kvroute_e2e::vllm::model_dir(),
+            max_model_len: None,
+            chat_template: None,
+            trust_request_chat_template: false,
+        }],
         ..StackOptions::default()
     })
     .unwrap();
-    let model = "tiny";
+    wait_gate_open(&stack, model);
 
     // Chat: continuations land warm.
     for c in 0..3u64 {
@@ -236,4 +278,26 @@ fn real_vllm_end_to_end() {
     assert!(b2.cached_tokens > 0);
     assert_eq!(b2.replica, b.replica);
     assert_eq!(b2.decision.as_deref(), Some("precise"));
+
+    // Every body above was tokenized by indexd itself, and the background
+    // comparisons with the replicas found no difference.
+    let local = indexd_metric(
+        &stack,
+        "indexd_tokenize_total{source=\"local\",result=\"ok\"}",
+    );
+    assert!(
+        local.unwrap_or(0.0) >= 10.0,
+        "local tokenizations: {local:?}"
+    );
+    let mismatches = format!(
+        "indexd_tokenizer_checks_total{{model=\"{model}\",kind=\"shadow\",result=\"mismatch\"}}"
+    );
+    assert_eq!(indexd_metric(&stack, &mismatches), Some(0.0));
+    assert_eq!(
+        indexd_metric(
+            &stack,
+            &format!("indexd_tokenizer_gate{{model=\"{model}\"}}")
+        ),
+        Some(1.0)
+    );
 }

@@ -267,8 +267,11 @@ fn indexd_down_fails_open_and_routing_resumes() {
 #[test]
 fn a_slow_indexd_falls_back_and_the_breaker_opens_and_closes() {
     let stack = Stack::start(StackOptions {
+        // A Pick carrying its body may take the tokenizer's time plus
+        // indexd's: 100 ms in all here.
         filter_overrides: json!({
             "index_timeout_ms": 50,
+            "tokenizer_timeout_ms": 50,
             "breaker": { "failures": 3, "window_ms": 10_000, "cooldown_ms": 300 },
         }),
         slow_indexd_link: true,
@@ -278,7 +281,7 @@ fn a_slow_indexd_falls_back_and_the_breaker_opens_and_closes() {
     let mut messages = opening(25);
     let first = turn(&stack, &messages, None);
 
-    // indexd answers after the filter's 50 ms timeout: every request goes on
+    // indexd answers after the filter's 100 ms timeout: every request goes on
     // unrouted, and after three failures the breaker skips indexd altogether.
     stack.set_indexd_delay(Duration::from_millis(400));
     let mut reasons = Vec::new();

@@ -1,0 +1,445 @@
+//! Load and soak (not CI): the real `indexd` binary as a child process, an
+//! event flood from many simulated replicas (real ZMTP over TCP, at the rate
+//! indexd decodes), and a steady stream of Picks; indexd's RSS (from
+//! `/proc/<pid>/status`) and Pick latency (p50/p99 per window) sampled
+//! throughout. Fails when the peak RSS passes its budget or a window's p99
+//! passes 1 ms. Report: `<out>/soak-indexd.{csv,md}`.
+//!
+//! ```sh
+//! make soak-indexd                                   # 10 minutes
+//! cargo bench -p indexd --bench soak --profile perf -- --soak --duration 60s --out /tmp/soak
+//! ```
+//!
+//! Without `--soak` it does nothing (so a plain `cargo bench` does not start
+//! a 10-minute run).
+
+// A benchmark binary: setup may fail loudly.
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing
+)]
+
+#[path = "soak/flood.rs"]
+mod flood;
+#[path = "soak/report.rs"]
+mod report;
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use indexd::HttpUrl;
+use indexd::config::parse_duration;
+use kvroute_proto::keys::{BlockSize, block_keys};
+use kvroute_proto::v1::index_client::IndexClient;
+use kvroute_proto::v1::{Mode, PickRequest};
+use tokio::net::TcpListener;
+
+use flood::{Counters, Progress};
+use report::{Setup, Window};
+
+#[derive(Debug, Parser)]
+#[command(about = "indexd under an event flood: RSS and Pick latency over time")]
+struct Args {
+    /// Run (without it, nothing happens).
+    #[arg(long)]
+    soak: bool,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    bench: bool,
+    /// How long the flood lasts (e.g. 60s, 10m).
+    #[arg(long, default_value = "10m", value_parser = duration)]
+    duration: Duration,
+    /// Sampling window.
+    #[arg(long, default_value = "10s", value_parser = duration)]
+    window: Duration,
+    /// Simulated replicas (one ZMTP publisher each).
+    #[arg(long, default_value_t = 64)]
+    replicas: usize,
+    /// Picks per second.
+    #[arg(long, default_value_t = 200)]
+    pick_rate: u32,
+    /// indexd's `max_index_entries`.
+    #[arg(long, default_value_t = 1_000_000)]
+    max_index_entries: usize,
+    /// The RSS budget in MiB (default: derived from `max_index_entries`, see
+    /// the report).
+    #[arg(long)]
+    rss_budget_mib: Option<f64>,
+    /// The Pick p99 budget per window, in µs.
+    #[arg(long, default_value_t = 1000.0)]
+    p99_budget_us: f64,
+    /// Where the report goes.
+    #[arg(long, default_value = "indexd/results-soak")]
+    out: PathBuf,
+    /// The indexd binary (default: the one cargo built with this bench).
+    #[arg(long)]
+    indexd: Option<PathBuf>,
+    /// Also snapshot the index (`<out>/index.snap`, every 30 s and at the
+    /// end) and report the writes' size and duration under the flood.
+    #[arg(long)]
+    snapshot: bool,
+}
+
+fn duration(s: &str) -> Result<Duration, String> {
+    parse_duration(s).ok_or_else(|| format!("{s:?} is not a duration (e.g. 60s, 10m)"))
+}
+
+/// Bytes of RSS per index entry the budget allows. Without churn an entry
+/// costs about 217 B (BENCHMARKS.md); at the bound, with entries evicted and
+/// added all the time, the hash maps settle at up to four buckets per entry
+/// (a map doubles to clear its tombstones once it is half full): the
+/// per-replica map (≈ 49 B a bucket) and the key map (≈ 41 B) then take up
+/// to ≈ 360 B, the FIFO 24–72 B.
+const BYTES_PER_ENTRY: f64 = 480.0;
+/// The process without its index: runtime, 64 connections' read buffers,
+/// metrics, allocator slack.
+const BASE_MIB: f64 = 64.0;
+
+fn status_mib(pid: u32, field: &str) -> f64 {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    text.lines()
+        .find_map(|l| l.strip_prefix(field))
+        .and_then(|rest| rest.split_whitespace().next()?.parse::<f64>().ok())
+        .map_or(0.0, |kib| kib / 1024.0)
+}
+
+/// `name` (with its labels) from a Prometheus page, summed over series.
+fn metric(page: &str, name: &str) -> f64 {
+    page.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter(|l| {
+            l.get(name.len()..)
+                .is_some_and(|r| r.starts_with(' ') || r.starts_with('{'))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// `(le, cumulative count)` of indexd's Pick latency histogram.
+fn pick_buckets(page: &str) -> Vec<(f64, f64)> {
+    page.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("indexd_pick_latency_seconds_bucket{le=\"")?;
+            let (le, count) = rest.split_once("\"} ")?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, count.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The bucket bound holding 99% of the picks between two scrapes, µs.
+fn server_p99(before: &[(f64, f64)], after: &[(f64, f64)]) -> f64 {
+    let total = after.last().map_or(0.0, |b| b.1) - before.last().map_or(0.0, |b| b.1);
+    if total <= 0.0 {
+        return 0.0;
+    }
+    for (i, (le, n)) in after.iter().enumerate() {
+        let prev = before.get(i).map_or(0.0, |b| b.1);
+        if n - prev >= 0.99 * total {
+            return le * 1e6;
+        }
+    }
+    f64::INFINITY
+}
+
+async fn scrape(http: &HttpUrl) -> String {
+    let client = indexd::load::client().unwrap();
+    let body = indexd::load::get(&client, http, Duration::from_secs(5))
+        .await
+        .unwrap_or_default();
+    String::from_utf8_lossy(&body).into_owned()
+}
+
+/// Picks at `rate` until `stop`, pushing each latency (µs) into `sink`.
+fn picker(
+    grpc: String,
+    rate: u32,
+    replicas: usize,
+    progress: Vec<Arc<Progress>>,
+    sink: Arc<Mutex<Vec<u32>>>,
+    stop: Arc<AtomicBool>,
+) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let mut client = IndexClient::connect(format!("http://{grpc}"))
+            .await
+            .unwrap();
+        let bs = BlockSize::new(flood::BLOCK).unwrap();
+        let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate)));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut n = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            tick.tick().await;
+            n += 1;
+            // A recent prompt of some replica: system prefix plus its own.
+            let r = (n * 7919) % replicas as u64;
+            let done = progress[r as usize].prompts.load(Ordering::Relaxed);
+            let p = done.saturating_sub(1 + n % 64);
+            let tokens: Vec<u32> = (0..flood::FIRST)
+                .flat_map(|b| flood::tokens(r, p, b))
+                .collect();
+            let keys = block_keys(&tokens, bs, None)
+                .iter()
+                .map(|k| k.as_u64())
+                .collect();
+            let req = PickRequest {
+                model: "m".into(),
+                block_keys: keys,
+                block_size: flood::BLOCK,
+                prompt_tokens: tokens.len() as u32,
+                mode: Mode::Precise as i32,
+                request_id: format!("soak-{n}"),
+                ..PickRequest::default()
+            };
+            let started = Instant::now();
+            let ok = client.pick(req).await.is_ok();
+            let us = started.elapsed().as_micros().min(u128::from(u32::MAX)) as u32;
+            if ok {
+                sink.lock().unwrap().push(us);
+            }
+        }
+    });
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    if !args.soak {
+        eprintln!("soak: skipped (run it with --soak, e.g. `make soak-indexd`)");
+        return ExitCode::SUCCESS;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    match rt.block_on(run(args)) {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("soak: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<bool, String> {
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    let binary = args
+        .indexd
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_indexd")));
+    let stop = Arc::new(AtomicBool::new(false));
+    let counters = Arc::new(Counters::default());
+    let mut listeners = Vec::new();
+    let mut endpoints = String::new();
+    for r in 0..args.replicas {
+        let l = TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(|e| e.to_string())?;
+        let port = l.local_addr().map_err(|e| e.to_string())?.port();
+        endpoints.push_str(&format!(
+            "  - {{address: 127.0.0.2:{}, model: m, events: 'tcp://127.0.0.1:{port}'}}\n",
+            20_000 + r
+        ));
+        listeners.push(l);
+    }
+    let config = args.out.join("soak-indexd.yaml");
+    let snapshot = if args.snapshot {
+        format!("snapshot_path: {}\n", args.out.join("index.snap").display())
+    } else {
+        String::new()
+    };
+    std::fs::write(
+        &config,
+        format!(
+            "grpc_listen: 127.0.0.1:0\nhttp_listen: 127.0.0.1:0\nblock_size: {}\nmax_index_entries: {}\nspeculative_ttl: 5s\n{snapshot}endpoints:\n{endpoints}",
+            flood::BLOCK,
+            args.max_index_entries
+        ),
+    )
+    .map_err(|e| e.to_string())?;
+    let log = std::fs::File::create(args.out.join("indexd.log")).map_err(|e| e.to_string())?;
+    let mut child = Command::new(&binary)
+        .args([
+            "--config".as_ref(),
+            config.as_os_str(),
+            "--print-addresses".as_ref(),
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .map_err(|e| format!("{}: {e}", binary.display()))?;
+    let pid = child.id();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .map_err(|e| e.to_string())?;
+    let addrs: serde_json::Value =
+        serde_json::from_str(&line).map_err(|e| format!("{line:?}: {e}"))?;
+    let grpc = addrs["grpc"].as_str().unwrap_or_default().to_owned();
+    let http = HttpUrl::parse(&format!(
+        "http://{}/metrics",
+        addrs["http"].as_str().unwrap_or_default()
+    ))
+    .ok_or("no http address")?;
+
+    let progress: Vec<Arc<Progress>> = (0..args.replicas).map(|_| Arc::default()).collect();
+    let mut floods = Vec::new();
+    for (r, l) in listeners.into_iter().enumerate() {
+        floods.push(tokio::spawn(flood::publish(
+            r as u64,
+            l,
+            Arc::clone(&stop),
+            Arc::clone(&counters),
+            Arc::clone(&progress[r]),
+        )));
+    }
+    // Every replica subscribed and fresh (bounded wait).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let page = scrape(&http).await;
+        if metric(&page, "indexd_replica_fresh") as usize == args.replicas {
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            return Err("replicas did not all become fresh within 30 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "soak: {} replicas flooding indexd (pid {pid}) for {:?}",
+        args.replicas, args.duration
+    );
+
+    let latencies = Arc::new(Mutex::new(Vec::new()));
+    let pick_thread = {
+        let (grpc, sink, stop, progress) = (
+            grpc.clone(),
+            Arc::clone(&latencies),
+            Arc::clone(&stop),
+            progress.clone(),
+        );
+        let (rate, replicas) = (args.pick_rate, args.replicas);
+        std::thread::spawn(move || picker(grpc, rate, replicas, progress, sink, stop))
+    };
+
+    let started = Instant::now();
+    let mut windows = Vec::new();
+    let mut page = scrape(&http).await;
+    let mut last = (
+        Instant::now(),
+        metric(&page, "indexd_batches_total"),
+        metric(&page, "indexd_blocks_total{outcome=\"stored\"}"),
+    );
+    let mut buckets = pick_buckets(&page);
+    while started.elapsed() < args.duration {
+        let next = (windows.len() as u32 + 1) * args.window;
+        tokio::time::sleep(next.saturating_sub(started.elapsed())).await;
+        page = scrape(&http).await;
+        let now = Instant::now();
+        let secs = now.duration_since(last.0).as_secs_f64().max(1e-9);
+        let (batches, blocks) = (
+            metric(&page, "indexd_batches_total"),
+            metric(&page, "indexd_blocks_total{outcome=\"stored\"}"),
+        );
+        let mut lat = std::mem::take(&mut *latencies.lock().unwrap());
+        lat.sort_unstable();
+        let after = pick_buckets(&page);
+        let w = Window {
+            end_s: started.elapsed().as_secs_f64(),
+            rss_mib: status_mib(pid, "VmRSS:"),
+            hwm_mib: status_mib(pid, "VmHWM:"),
+            entries: metric(&page, "indexd_index_entries"),
+            index_mib: metric(&page, "indexd_index_bytes") / (1 << 20) as f64,
+            batches_per_s: (batches - last.1) / secs,
+            blocks_per_s: (blocks - last.2) / secs,
+            picks: lat.len(),
+            p50_us: report::quantile(&lat, 0.5),
+            p99_us: report::quantile(&lat, 0.99),
+            max_us: lat.last().map_or(0.0, |v| f64::from(*v)),
+            server_p99_us: server_p99(&buckets, &after),
+            gaps: metric(&page, "indexd_seq_gaps_total"),
+            decode_errors: metric(&page, "indexd_decode_errors_total"),
+        };
+        eprintln!("{}", w.csv());
+        windows.push(w);
+        buckets = after;
+        last = (now, batches, blocks);
+    }
+    let snapshots = format!(
+        "snapshot writes {} (ok {}), last {:.1} MiB in {:.3} s",
+        metric(&page, "indexd_snapshot_writes_total"),
+        metric(&page, "indexd_snapshot_writes_total{result=\"ok\"}"),
+        metric(&page, "indexd_snapshot_bytes") / (1 << 20) as f64,
+        metric(&page, "indexd_snapshot_write_seconds"),
+    );
+    stop.store(true, Ordering::Relaxed);
+    let _ = pick_thread.join();
+    for f in floods {
+        f.abort();
+    }
+    // A graceful stop, then a hard one.
+    let _ = Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while Instant::now() < deadline && child.try_wait().ok().flatten().is_none() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+
+    let budget = args
+        .rss_budget_mib
+        .unwrap_or(BASE_MIB + args.max_index_entries as f64 * BYTES_PER_ENTRY / (1 << 20) as f64);
+    let note = format!(
+        "- RSS: {budget:.0} MiB = {BASE_MIB:.0} MiB (the process without its index: runtime, {} \
+         connections' read buffers, metrics, allocator slack) + `max_index_entries` {} × {BYTES_PER_ENTRY:.0} B \
+         (217 B per entry without churn, BENCHMARKS.md; at the bound, entries evicted and added all \
+         the time, the hash maps settle at up to four buckets per entry: ≈ 360 B, plus the FIFO). The flood offers about {} entries (64 blocks per prompt, \
+         {} prompts kept per replica), past the bound: indexd evicts.\n\
+         - Pick p99: {:.0} µs per window, measured at the client (a gRPC round trip on loopback, on \
+         cores the flood keeps busy).",
+        args.replicas,
+        args.max_index_entries,
+        args.replicas as u64 * (flood::KEPT * (flood::PROMPT - flood::SYSTEM) + flood::SYSTEM),
+        flood::KEPT,
+        args.p99_budget_us
+    );
+    let setup = Setup {
+        duration_s: args.duration.as_secs_f64(),
+        window_s: args.window.as_secs_f64(),
+        replicas: args.replicas,
+        pick_rate: args.pick_rate,
+        max_index_entries: args.max_index_entries,
+        rss_budget_mib: budget,
+        p99_budget_us: args.p99_budget_us,
+        indexd: binary.display().to_string(),
+    };
+    let ok = report::write(&args.out, &setup, &windows, &note).map_err(|e| e.to_string())?;
+    let (_, summary) = report::verdict(&setup, &windows);
+    if args.snapshot {
+        eprintln!("{snapshots}");
+    }
+    eprintln!(
+        "{summary}report: {}",
+        args.out.join("soak-indexd.md").display()
+    );
+    Ok(ok)
+}

@@ -1,0 +1,148 @@
+use super::*;
+
+#[test]
+fn yaml_round_trip_and_defaults() {
+    let c = Config::from_yaml(
+        "grpc_listen: 127.0.0.1:0\nblock_size: 32\nscrape_interval: 250ms\nendpoints:\n  - address: 10.0.0.1:8000\n    model: m\n    events: tcp://10.0.0.1:5557\n    replay: tcp://10.0.0.1:5558\n    metrics_url: http://10.0.0.1:8000/metrics\n  - address: 10.0.0.1:8000\n    data_parallel_rank: 1\n    model: m\n",
+    )
+    .unwrap();
+    assert_eq!(c.block_size.get(), 32);
+    assert_eq!(c.scrape_interval, Duration::from_millis(250));
+    assert_eq!(c.endpoints.len(), 2);
+    assert_eq!(c.endpoints[1].id.rank, Some(1));
+    assert_eq!(
+        c.endpoints[0].metrics_url,
+        Some(HttpUrl {
+            authority: "10.0.0.1:8000".into(),
+            path: "/metrics".into()
+        })
+    );
+    assert_eq!(c.speculative_ttl, Duration::from_secs(5));
+    let w = Config::from_yaml("weights: {credit_cpu: 0.5}\n")
+        .unwrap()
+        .weights;
+    assert_eq!((w.credit_cpu, w.credit_gpu), (0.5, 1.0));
+    assert!(Config::from_yaml("weights: {credit_tpu: 1}\n").is_err());
+    let err =
+        Config::from_yaml("endpoints:\n  - {address: 1.2.3.4:1, model: m, events_bind: true}\n")
+            .unwrap_err();
+    assert!(
+        err.to_string().contains("endpoints[0].events_bind"),
+        "{err}"
+    );
+    let star = "endpoints:\n  - {address: 1.2.3.4:1, model: m, events: 'tcp://*:5557'}\n";
+    let err = Config::from_yaml(star).unwrap_err();
+    assert!(err.to_string().contains("endpoints[0].events"), "{err}");
+    let bind = "endpoints:\n  - {address: 1.2.3.4:1, model: m, events: 'tcp://*:5557', events_bind: true}\n";
+    assert!(Config::from_yaml(bind).is_ok());
+    for (bad, field) in [
+        ("events: 'ipc:///tmp/kv'", "endpoints[0].events"),
+        ("events: 'tcp://host'", "endpoints[0].events"),
+        ("replay: 'tcp://*:5558'", "endpoints[0].replay"),
+        ("replay: 'inproc://r'", "endpoints[0].replay"),
+    ] {
+        let yaml = format!("endpoints:\n  - {{address: 1.2.3.4:1, model: m, {bad}}}\n");
+        let err = Config::from_yaml(&yaml).unwrap_err().to_string();
+        assert!(err.contains(field), "{bad}: {err}");
+    }
+    let named = "endpoints:\n  - {address: 1.2.3.4:1, model: m, events: 'tcp://vllm-0:5557', replay: 'tcp://vllm-0:5558'}\n";
+    assert!(Config::from_yaml(named).is_ok());
+}
+
+#[test]
+fn errors_name_the_field() {
+    let err = Config::from_yaml("endpoints:\n  - address: nope\n    model: m\n").unwrap_err();
+    assert!(err.to_string().contains("endpoints[0].address"), "{err}");
+    let err = Config::from_yaml("scrape_interval: soon\n").unwrap_err();
+    assert!(err.to_string().contains("scrape_interval"), "{err}");
+    let err = Config::from_yaml("block_size: 0\n").unwrap_err();
+    assert!(err.to_string().contains("block_size"), "{err}");
+    let err = Config::from_yaml(
+        "endpoints:\n  - address: 1.2.3.4:1\n    model: m\n  - address: 1.2.3.4:1\n    model: m\n",
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("endpoints[1].address"), "{err}");
+    let err = Config::from_yaml("bogus: 1\n").unwrap_err();
+    assert!(err.to_string().contains("bogus"), "{err}");
+}
+
+#[test]
+fn transport_limits_are_read_and_checked() {
+    let c =
+        Config::from_yaml("max_message_bytes: 9000000\nmax_publisher_connections: 2\n").unwrap();
+    assert_eq!(c.limits.max_message_bytes, 9_000_000);
+    assert_eq!(c.limits.max_publisher_connections, 2);
+    assert_eq!(
+        Config::new(Vec::new()).limits.max_message_bytes,
+        Limits::default().max_message_bytes
+    );
+    for (yaml, field) in [
+        ("max_message_bytes: 1000\n", "max_message_bytes"),
+        ("max_frame_bytes: 0\n", "max_frame_bytes"),
+        (
+            "max_publisher_connections: 0\n",
+            "max_publisher_connections",
+        ),
+    ] {
+        let err = Config::from_yaml(yaml).unwrap_err().to_string();
+        assert!(err.contains(field), "{yaml}: {err}");
+    }
+}
+
+#[test]
+fn endpoint_flag() {
+    let e = parse_endpoint(
+        "{address: 127.0.0.1:8000, model: m, events: tcp://127.0.0.1:5557, data_parallel_rank: 1}",
+    )
+    .unwrap();
+    assert_eq!(e.id.rank, Some(1));
+    assert_eq!(e.events.as_deref(), Some("tcp://127.0.0.1:5557"));
+    assert!(
+        parse_endpoint("{address: x, model: m}")
+            .unwrap_err()
+            .to_string()
+            .contains("--endpoint.address")
+    );
+}
+
+#[test]
+fn durations() {
+    assert_eq!(parse_duration("1.5s"), Some(Duration::from_millis(1500)));
+    assert_eq!(parse_duration("2m"), Some(Duration::from_secs(120)));
+    assert_eq!(parse_duration("7"), Some(Duration::from_secs(7)));
+    assert_eq!(parse_duration("-1s"), None);
+    assert_eq!(parse_duration("x"), None);
+}
+
+#[test]
+fn snapshot_settings_are_read_and_checked() {
+    let c = Config::from_yaml(
+        "snapshot_path: /var/lib/kvroute/index.snap\nsnapshot_interval: 5s\nmax_snapshot_bytes: 1048576\nmax_snapshot_age: 2m\nmax_snapshot_write_time: 500ms\n",
+    )
+    .unwrap();
+    let s = &c.snapshot;
+    assert_eq!(
+        s.path.as_deref(),
+        Some(std::path::Path::new("/var/lib/kvroute/index.snap"))
+    );
+    assert_eq!(
+        (s.interval, s.max_bytes, s.max_age, s.max_write_time),
+        (
+            Duration::from_secs(5),
+            1 << 20,
+            Duration::from_secs(120),
+            Duration::from_millis(500)
+        )
+    );
+    let d = Config::new(Vec::new()).snapshot;
+    assert_eq!((d.path, d.interval), (None, Duration::from_secs(30)));
+    for (yaml, field) in [
+        ("snapshot_interval: 0s\n", "snapshot_interval"),
+        ("max_snapshot_write_time: 0\n", "max_snapshot_write_time"),
+        ("max_snapshot_bytes: 10\n", "max_snapshot_bytes"),
+        ("max_snapshot_age: soon\n", "max_snapshot_age"),
+    ] {
+        let err = Config::from_yaml(yaml).unwrap_err().to_string();
+        assert!(err.contains(field), "{yaml}: {err}");
+    }
+}

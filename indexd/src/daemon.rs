@@ -1,0 +1,261 @@
+//! The daemon as a whole: [`Server::bind`] validates the configuration and
+//! binds the listeners, [`Bound::serve`] runs every task until shutdown, and
+//! a [`Handle`] looks at the running state (tests, embedding).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, EndpointConfig, EndpointId};
+use crate::error::StartError;
+use crate::server::IndexService;
+use crate::state::{self, Shared};
+use crate::tokenize::{self, Tokenizers};
+use crate::{discovery, http, snapshot};
+
+/// Entry point for starting indexd.
+#[derive(Debug)]
+pub struct Server;
+
+impl Server {
+    /// Validates `config` and binds both listeners; nothing runs yet.
+    pub async fn bind(config: Config) -> Result<Bound, StartError> {
+        config.validate()?;
+        let bind = |what: &'static str, addr: SocketAddr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Bind { what, addr, source })
+        };
+        let grpc = bind("grpc", config.grpc_listen).await?;
+        let http = bind("http", config.http_listen).await?;
+        let addr = |what: &'static str, l: &TcpListener, fallback: SocketAddr| {
+            l.local_addr().map_err(|source| StartError::Bind {
+                what,
+                addr: fallback,
+                source,
+            })
+        };
+        let grpc_addr = addr("grpc", &grpc, config.grpc_listen)?;
+        let http_addr = addr("http", &http, config.http_listen)?;
+        let tokenizers = Tokenizers::load(config.tokenize.clone())?;
+        let stop = CancellationToken::new();
+        let shared = Arc::new(Shared::new(config, stop.clone()).with_tokenizers(tokenizers));
+        let ingest = IngestRuntime::start().map_err(|source| StartError::Runtime { source })?;
+        if let Some(rt) = &ingest.0 {
+            let _ = shared.ingest.set(rt.handle().clone());
+        }
+        // A snapshot's replicas are restored as they are registered.
+        snapshot::load(&shared);
+        // Static endpoints are known (and visible through the handle) from
+        // here on; their tasks start with `serve`.
+        for endpoint in shared.config.endpoints.clone() {
+            shared.add_replica(endpoint);
+        }
+        if shared.config.discovery_file.is_none() {
+            // No other endpoint will come from the snapshot's era.
+            state::lock(&shared.restores).clear();
+        }
+        Ok(Bound {
+            grpc,
+            http,
+            grpc_addr,
+            http_addr,
+            shared,
+            stop,
+            _ingest: ingest,
+        })
+    }
+}
+
+/// The subscriptions' own runtime: one worker thread less than the CPUs (at
+/// least one), so that decoding a flood of events leaves a CPU to the
+/// request path, and only that many writers take the index lock at once.
+/// Shut down (without blocking) when dropped.
+#[derive(Debug)]
+struct IngestRuntime(Option<tokio::runtime::Runtime>);
+
+impl IngestRuntime {
+    fn start() -> std::io::Result<Self> {
+        let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(cpus.saturating_sub(1).max(1))
+            .thread_name("indexd-ingest")
+            .enable_all()
+            .build()?;
+        Ok(Self(Some(rt)))
+    }
+}
+
+impl Drop for IngestRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+/// Listeners bound, ready to serve.
+#[derive(Debug)]
+pub struct Bound {
+    grpc: TcpListener,
+    http: TcpListener,
+    grpc_addr: SocketAddr,
+    http_addr: SocketAddr,
+    shared: Arc<Shared>,
+    stop: CancellationToken,
+    _ingest: IngestRuntime,
+}
+
+impl Bound {
+    /// The gRPC address actually bound.
+    pub fn grpc_addr(&self) -> SocketAddr {
+        self.grpc_addr
+    }
+
+    /// The HTTP address actually bound.
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http_addr
+    }
+
+    /// A handle on the state, for tests and embedding.
+    pub fn handle(&self) -> Handle {
+        Handle {
+            shared: Arc::clone(&self.shared),
+        }
+    }
+
+    /// Starts the endpoint tasks and serves gRPC and HTTP until `shutdown`
+    /// fires; then stops every task and returns.
+    pub async fn serve(self, shutdown: CancellationToken) -> Result<(), StartError> {
+        let Self {
+            grpc,
+            http,
+            shared,
+            stop,
+            ..
+        } = self;
+        for replica in state::read(&shared.registry).all() {
+            discovery::spawn_tasks(&shared, replica);
+        }
+        shared.tasks.spawn(snapshot::run(Arc::clone(&shared)));
+        if let Some(path) = shared.config.discovery_file.clone() {
+            shared
+                .tasks
+                .spawn(discovery::watch(Arc::clone(&shared), path));
+        }
+        let models: Vec<String> = shared.tokenizers.locals().map(|(m, _)| m.clone()).collect();
+        for model in models {
+            shared
+                .tasks
+                .spawn(tokenize::gate::run(Arc::clone(&shared), model));
+        }
+        // Either server stopping (shutdown, or an error) stops the other.
+        let local = shutdown.child_token();
+        let grpc_stop = local.clone();
+        let grpc_service = IndexService::new(Arc::clone(&shared)).into_server();
+        let grpc_incoming =
+            tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
+        let grpc_done = local.clone();
+        let grpc_fut = async move {
+            let r = tonic::transport::Server::builder()
+                .add_service(grpc_service)
+                .serve_with_incoming_shutdown(
+                    grpc_incoming,
+                    async move { grpc_stop.cancelled().await },
+                )
+                .await;
+            grpc_done.cancel();
+            r
+        };
+        let http_stop = local.clone();
+        let http_done = local.clone();
+        let http_router = http::router(Arc::clone(&shared));
+        let http_fut = async move {
+            let r = axum::serve(http, http_router)
+                .with_graceful_shutdown(async move { http_stop.cancelled().await })
+                .await;
+            http_done.cancel();
+            r
+        };
+        let (g, h) = tokio::join!(grpc_fut, http_fut);
+        // Stop every subscription, scrape and watch, and wait for them (a
+        // scrape in flight ends within its timeout).
+        stop.cancel();
+        shared.tasks.close();
+        let grace = shared.config.scrape_timeout + std::time::Duration::from_secs(1);
+        if tokio::time::timeout(grace, shared.tasks.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!("some background tasks did not stop in time");
+        }
+        // Every subscription has stopped: the index is still.
+        snapshot::write_now(&shared).await;
+        g.map_err(|e| StartError::Serve {
+            what: "grpc",
+            reason: e.to_string(),
+        })?;
+        h.map_err(|e| StartError::Serve {
+            what: "http",
+            reason: e.to_string(),
+        })?;
+        Ok(())
+    }
+}
+
+/// Binds and serves until `shutdown` fires.
+pub async fn run(config: Config, shutdown: CancellationToken) -> Result<(), StartError> {
+    Server::bind(config).await?.serve(shutdown).await
+}
+
+/// A read-mostly view of a running indexd.
+#[derive(Debug, Clone)]
+pub struct Handle {
+    shared: Arc<Shared>,
+}
+
+/// One replica as seen through a [`Handle`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReplicaStatus {
+    /// Subscribed with no unrecovered gap.
+    pub fresh: bool,
+    /// Scrapes succeed (or none configured).
+    pub healthy: bool,
+    /// Blocks indexed for it.
+    pub entries: usize,
+}
+
+impl Handle {
+    /// The shared state (advanced use).
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// The Prometheus page.
+    pub fn metrics_text(&self) -> String {
+        http::render(&self.shared)
+    }
+
+    /// The status of one replica.
+    pub fn replica(&self, id: &EndpointId) -> Option<ReplicaStatus> {
+        let r = state::read(&self.shared.registry).get(id)?;
+        let entries = state::read(&self.shared.index).replica_entries(r.slot);
+        Some(ReplicaStatus {
+            fresh: r.is_fresh(),
+            healthy: r.is_healthy(),
+            entries,
+        })
+    }
+
+    /// Adds an endpoint at runtime (as discovery does).
+    pub fn add_endpoint(&self, config: EndpointConfig) -> bool {
+        discovery::start_endpoint(&self.shared, config)
+    }
+
+    /// Removes an endpoint at runtime.
+    pub fn remove_endpoint(&self, id: &EndpointId) -> bool {
+        self.shared.remove_replica(id)
+    }
+}

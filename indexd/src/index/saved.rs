@@ -1,0 +1,100 @@
+//! What a snapshot saves of the index and restores into it: each replica's
+//! blocks (engine hash, chain, partition, tiers) and the last batch applied.
+
+use kvroute_proto::keys::Chain;
+
+use super::Index;
+use crate::event::EngineHash;
+use crate::ids::{PartitionId, ReplicaSlot};
+
+/// The last batch applied from a replica's publisher: its seq and a digest of
+/// its payload. Replaying from `seq` and finding the same digest there proves
+/// the publisher is the same process and nothing was missed since.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Applied {
+    /// The batch's seq.
+    pub seq: u64,
+    /// [`crate::subscriber::digest`] of its payload.
+    pub digest: u64,
+}
+
+/// One indexed block, as saved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SavedBlock {
+    /// The engine's hash.
+    pub hash: EngineHash,
+    /// Its chain value (its key is the chain's).
+    pub chain: Chain,
+    /// Its partition.
+    pub partition: PartitionId,
+    /// Its tiers, as a mask (GPU 1, CPU 2, storage 4).
+    pub tiers: u8,
+    /// Insertion order (oldest first), so a restore keeps eviction order.
+    pub order: u64,
+}
+
+/// Every tier bit.
+const TIER_MASK: u8 = 0b111;
+
+impl Index {
+    /// The last batch applied from `slot` (None: none since the last purge).
+    pub(crate) fn applied(&self, slot: ReplicaSlot) -> Option<Applied> {
+        self.replicas.get(&slot).and_then(|r| r.applied)
+    }
+
+    /// Records that `slot`'s blocks reflect every batch up to `applied`.
+    pub(crate) fn set_applied(&mut self, slot: ReplicaSlot, applied: Applied) {
+        self.replicas.entry(slot).or_default().applied = Some(applied);
+    }
+
+    /// The name of a partition.
+    pub(crate) fn partition_name(&self, id: PartitionId) -> Option<&str> {
+        self.partitions
+            .iter()
+            .find(|(_, p)| **p == id)
+            .map(|(name, _)| name.as_str())
+    }
+
+    /// Every block `slot` holds, in no particular order.
+    pub(crate) fn saved_blocks(&self, slot: ReplicaSlot) -> impl Iterator<Item = SavedBlock> + '_ {
+        self.replicas
+            .get(&slot)
+            .into_iter()
+            .flat_map(|r| r.blocks.iter())
+            .map(|(hash, e)| SavedBlock {
+                hash: *hash,
+                chain: e.chain,
+                partition: e.partition,
+                tiers: e.tiers,
+                order: e.seq,
+            })
+    }
+
+    /// Replaces what `slot` holds by saved blocks (oldest first) whose
+    /// partitions are named by `partition`, and records `applied`. Blocks
+    /// with no tier, or whose partition cannot be had, are skipped. Returns
+    /// the blocks restored (the entry bound may evict some of them again).
+    pub(crate) fn restore<'a>(
+        &mut self,
+        slot: ReplicaSlot,
+        applied: Applied,
+        blocks: impl IntoIterator<Item = (EngineHash, Chain, &'a str, u8)>,
+    ) -> usize {
+        self.purge(slot);
+        let mut stats = super::ApplyStats::default();
+        let mut restored = 0;
+        for (hash, chain, partition, tiers) in blocks {
+            let tiers = tiers & TIER_MASK;
+            if tiers == 0 {
+                continue;
+            }
+            let Some(partition) = self.partition_or_insert(partition) else {
+                continue;
+            };
+            self.insert(slot, hash, chain, partition, tiers, &mut stats);
+            restored += 1;
+        }
+        self.set_applied(slot, applied);
+        restored
+    }
+}

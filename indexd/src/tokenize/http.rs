@@ -1,0 +1,191 @@
+//! vLLM-compatible `POST /tokenize` and `POST /v1/responses/render` on
+//! indexd's HTTP port: answered locally for a model whose gate is open,
+//! else passed to a healthy replica serving the model and its answer
+//! returned as it came. The `x-kvroute-tokenizer` response header says which
+//! (`local` or `replica`). Errors are vLLM's error objects: 400 for a body
+//! vLLM would refuse, 404 for a model nobody serves, 413 for a body over
+//! `max_body_bytes`, 503 when no tokenizer can answer.
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use kvroute_tokenizer::{ResponsesRequest, TokenizeRequest};
+
+use super::{Api, GateState, Source, replica};
+use crate::state::{Shared, read};
+
+/// The routes, with the body limit of the configuration.
+pub fn routes(shared: &Shared) -> Router<Arc<Shared>> {
+    let limit = shared.tokenizers.config().max_body_bytes;
+    Router::new()
+        .route("/tokenize", post(tokenize))
+        .route("/v1/responses/render", post(render))
+        .layer(DefaultBodyLimit::max(limit))
+}
+
+/// A vLLM error object.
+pub fn error(status: StatusCode, message: &str, param: Option<&str>) -> Response {
+    let kind = match status.as_u16() {
+        404 => "NotFoundError",
+        413 => "RequestEntityTooLarge",
+        400..=499 => "BadRequestError",
+        _ => "InternalServerError",
+    };
+    let body = serde_json::json!({
+        "error": {"message": message, "type": kind, "param": param, "code": status.as_u16()}
+    });
+    (
+        status,
+        [("content-type", "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+fn with_source(mut response: Response, source: Source) -> Response {
+    response.headers_mut().insert(
+        "x-kvroute-tokenizer",
+        HeaderValue::from_static(source.label()),
+    );
+    response
+}
+
+/// The model a body names, or the only one indexd knows.
+fn model_of(shared: &Shared, body: &[u8]) -> Result<String, Box<Response>> {
+    #[derive(serde::Deserialize)]
+    struct Model {
+        model: Option<String>,
+    }
+    let named = serde_json::from_slice::<Model>(body)
+        .map_err(|e| {
+            Box::new(error(
+                StatusCode::BAD_REQUEST,
+                &format!("invalid JSON body: {e}"),
+                None,
+            ))
+        })?
+        .model;
+    if let Some(m) = named {
+        return Ok(m);
+    }
+    let mut known: Vec<String> = shared.tokenizers.locals().map(|(m, _)| m.clone()).collect();
+    for r in read(&shared.registry).all() {
+        known.push(r.config.model.clone());
+    }
+    known.sort();
+    known.dedup();
+    match known.as_slice() {
+        [only] => Ok(only.clone()),
+        _ => Err(Box::new(error(
+            StatusCode::BAD_REQUEST,
+            "`model` is required: indexd serves several models",
+            Some("model"),
+        ))),
+    }
+}
+
+async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let is_chat = serde_json::from_slice::<serde_json::Value>(&body)
+        .map(|v| v.get("messages").is_some())
+        .unwrap_or(false);
+    let api = if is_chat { Api::Chat } else { Api::Completions };
+    serve(&shared, api, body).await
+}
+
+async fn render(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    serve(&shared, Api::Responses, body).await
+}
+
+async fn serve(shared: &Arc<Shared>, api: Api, body: Bytes) -> Response {
+    let model = match model_of(shared, &body) {
+        Ok(m) => m,
+        Err(response) => return *response,
+    };
+    let tokenizers = &shared.tokenizers;
+    if let Some(local) = tokenizers.local(&model)
+        && local.gate.state() == GateState::Open
+    {
+        let tokenizer = local.tokenizer.clone();
+        let input = body.clone();
+        let answer = tokio::task::spawn_blocking(move || match api {
+            Api::Responses => ResponsesRequest::from_json(&input)
+                .and_then(|r| tokenizer.render_responses(&r))
+                .map(|r| serde_json::to_vec(&r)),
+            Api::Chat | Api::Completions => TokenizeRequest::from_json(&input)
+                .and_then(|r| tokenizer.tokenize(&r))
+                .map(|r| serde_json::to_vec(&r)),
+        })
+        .await;
+        match answer {
+            Ok(Ok(Ok(json))) => {
+                tokenizers.metrics.requests.inc(["local", "ok"]);
+                return with_source(
+                    (StatusCode::OK, [("content-type", "application/json")], json).into_response(),
+                    Source::Local,
+                );
+            }
+            Ok(Err(e)) if e.is_client_error() => {
+                tokenizers.metrics.requests.inc(["local", "refused"]);
+                return with_source(
+                    error(StatusCode::BAD_REQUEST, &e.to_string(), e.param()),
+                    Source::Local,
+                );
+            }
+            // Not reproduced locally, or the task failed: a replica answers.
+            _ => {}
+        }
+    }
+    let Some(target) = tokenizers.replica_for(shared, &model) else {
+        let known = read(&shared.registry)
+            .all()
+            .iter()
+            .any(|r| r.serves(&model))
+            || tokenizers.local(&model).is_some();
+        return if known {
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &format!("no healthy replica of {model} can tokenize right now"),
+                None,
+            )
+        } else {
+            error(
+                StatusCode::NOT_FOUND,
+                &format!("The model `{model}` does not exist."),
+                Some("model"),
+            )
+        };
+    };
+    let path = match api {
+        Api::Responses => "/v1/responses/render",
+        Api::Chat | Api::Completions => "/tokenize",
+    };
+    let timeout = tokenizers.config().replica_timeout;
+    match replica::call(
+        tokenizers.client(),
+        target.id().address,
+        path,
+        body.to_vec(),
+        timeout,
+    )
+    .await
+    {
+        Ok((status, answer)) => {
+            let result = if status == 200 { "ok" } else { "refused" };
+            tokenizers.metrics.requests.inc(["replica", result]);
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+            with_source(
+                (status, [("content-type", "application/json")], answer).into_response(),
+                Source::Replica,
+            )
+        }
+        Err(e) => {
+            tokenizers.metrics.requests.inc(["replica", "unavailable"]);
+            error(StatusCode::SERVICE_UNAVAILABLE, &e.to_string(), None)
+        }
+    }
+}

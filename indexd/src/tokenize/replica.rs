@@ -1,0 +1,301 @@
+//! A replica's own tokenizer: vLLM's `POST /v1/chat/completions/render`
+//! (chat bodies as they came: exactly what the chat completion prefills),
+//! falling back to `POST /tokenize` (cut to the fields it takes) on replicas
+//! without the render endpoints (`--enable-scale-out`); `/tokenize` for
+//! completions; `POST /v1/responses/render` for Responses bodies as they
+//! came (`/tokenize` refuses them, and rendering them as chat would miss the
+//! second BOS).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use serde_json::value::RawValue;
+
+use super::{Api, TokenizeError};
+
+/// Chat fields that change the rendered prompt and that `/tokenize` takes.
+const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "tools",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "documents",
+    "mm_processor_kwargs",
+];
+const COMPLETION_FIELDS: &[&str] = &["prompt", "add_special_tokens"];
+/// Largest answer read from a replica.
+const MAX_ANSWER_BYTES: usize = 64 << 20;
+
+/// The client replicas are called with: no proxy, no redirects.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .redirect(reqwest::redirect::Policy::none())
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build()
+        .unwrap_or_default()
+}
+
+/// Which endpoint a replica is asked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/tokenize`.
+    Tokenize,
+    /// `/v1/chat/completions/render` or `/v1/responses/render`.
+    Render,
+}
+
+/// The path and body of the tokenizer call for a body of `api`.
+pub fn request(
+    api: Api,
+    endpoint: Endpoint,
+    model: &str,
+    body: &[u8],
+) -> Result<(&'static str, Vec<u8>), TokenizeError> {
+    let fields = match (api, endpoint) {
+        (Api::Responses, _) => return Ok(("/v1/responses/render", with_model(model, body)?)),
+        (Api::Chat, Endpoint::Render) => {
+            return Ok(("/v1/chat/completions/render", with_model(model, body)?));
+        }
+        (Api::Chat, Endpoint::Tokenize) => CHAT_FIELDS,
+        (Api::Completions, _) => COMPLETION_FIELDS,
+    };
+    let all: BTreeMap<String, &RawValue> =
+        serde_json::from_slice(body).map_err(|e| TokenizeError::Refused {
+            status: 400,
+            message: format!("invalid JSON body: {e}"),
+        })?;
+    let mut out = b"{\"model\":".to_vec();
+    out.extend_from_slice(&json_string(model));
+    for field in fields {
+        if let Some(v) = all.get(*field).filter(|v| v.get() != "null") {
+            out.push(b',');
+            out.extend_from_slice(&json_string(field));
+            out.push(b':');
+            out.extend_from_slice(v.get().as_bytes());
+        }
+    }
+    out.push(b'}');
+    Ok(("/tokenize", out))
+}
+
+fn json_string(s: &str) -> Vec<u8> {
+    // Serializing a string into memory cannot fail.
+    serde_json::to_vec(s).unwrap_or_default()
+}
+
+/// `body` with its `model` set to `model` (a Responses body may name none
+/// and rely on the gateway's fallback).
+fn with_model(model: &str, body: &[u8]) -> Result<Vec<u8>, TokenizeError> {
+    let mut all: BTreeMap<String, &RawValue> =
+        serde_json::from_slice(body).map_err(|e| TokenizeError::Refused {
+            status: 400,
+            message: format!("invalid JSON body: {e}"),
+        })?;
+    if all.get("model").is_some_and(|m| m.get() != "null") {
+        return Ok(body.to_vec());
+    }
+    all.remove("model");
+    let mut out = b"{\"model\":".to_vec();
+    out.extend_from_slice(&json_string(model));
+    for (k, v) in all {
+        out.push(b',');
+        out.extend_from_slice(&json_string(&k));
+        out.push(b':');
+        out.extend_from_slice(v.get().as_bytes());
+    }
+    out.push(b'}');
+    Ok(out)
+}
+
+/// The ids in a `/tokenize` (`tokens`) or render (`token_ids`, possibly in
+/// a one-element list) answer.
+pub fn parse_ids(answer: &[u8]) -> Option<Vec<u32>> {
+    #[derive(serde::Deserialize)]
+    struct Ids {
+        tokens: Option<Vec<u32>>,
+        token_ids: Option<Vec<u32>>,
+    }
+    #[derive(serde::Deserialize)]
+    #[serde(untagged)]
+    enum Answer {
+        One(Ids),
+        List(Vec<Ids>),
+    }
+    let ids = match serde_json::from_slice::<Answer>(answer).ok()? {
+        Answer::One(ids) => ids,
+        Answer::List(mut list) if list.len() == 1 => list.pop()?,
+        Answer::List(_) => return None,
+    };
+    ids.tokens.or(ids.token_ids)
+}
+
+/// A vLLM error answer's message, if it is one.
+fn error_message(answer: &[u8]) -> String {
+    let v: serde_json::Value = serde_json::from_slice(answer).unwrap_or_default();
+    let msg = v
+        .get("error")
+        .and_then(|e| e.get("message").or(Some(e)))
+        .or_else(|| v.get("message"))
+        .and_then(|m| m.as_str().map(str::to_owned));
+    msg.unwrap_or_else(|| String::from_utf8_lossy(answer.get(..200).unwrap_or(answer)).into_owned())
+}
+
+/// What a replica answered: its status and body, read up to a bound.
+pub async fn call(
+    client: &reqwest::Client,
+    address: SocketAddr,
+    path: &str,
+    body: Vec<u8>,
+    timeout: Duration,
+) -> Result<(u16, Vec<u8>), TokenizeError> {
+    let url = format!("http://{address}{path}");
+    let exchange = async {
+        let mut response = client
+            .post(&url)
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body)
+            .send()
+            .await
+            .map_err(|e| TokenizeError::Unavailable(format!("{url}: {e}")))?;
+        let status = response.status().as_u16();
+        let mut out = Vec::new();
+        while let Some(chunk) = response
+            .chunk()
+            .await
+            .map_err(|e| TokenizeError::Unavailable(format!("{url}: {e}")))?
+        {
+            if out.len().saturating_add(chunk.len()) > MAX_ANSWER_BYTES {
+                return Err(TokenizeError::Unavailable(format!(
+                    "{url}: answer over {MAX_ANSWER_BYTES} bytes"
+                )));
+            }
+            out.extend_from_slice(&chunk);
+        }
+        Ok((status, out))
+    };
+    tokio::time::timeout(timeout, exchange)
+        .await
+        .map_err(|_| TokenizeError::Unavailable(format!("{url}: no answer within {timeout:?}")))?
+}
+
+/// The ids the replica at `address` computes for a body of `api`. A chat
+/// body goes to the chat render endpoint unless `chat_render` says the
+/// replicas lack it (a 404 there clears it, and `/tokenize` answers).
+pub async fn token_ids(
+    client: &reqwest::Client,
+    address: SocketAddr,
+    api: Api,
+    model: &str,
+    body: &[u8],
+    timeout: Duration,
+    chat_render: &AtomicBool,
+) -> Result<Vec<u32>, TokenizeError> {
+    let mut endpoint = if api == Api::Chat && chat_render.load(Ordering::Relaxed) {
+        Endpoint::Render
+    } else {
+        Endpoint::Tokenize
+    };
+    let (status, answer, path) = loop {
+        let (path, request) = request(api, endpoint, model, body)?;
+        let (status, answer) = call(client, address, path, request, timeout).await?;
+        if status == 404 && endpoint == Endpoint::Render && api == Api::Chat {
+            if chat_render.swap(false, Ordering::Relaxed) {
+                tracing::info!(replica = %address, "no /v1/chat/completions/render (vLLM without --enable-scale-out): chat bodies go to /tokenize, which ignores documents and reasoning_effort");
+            }
+            endpoint = Endpoint::Tokenize;
+            continue;
+        }
+        break (status, answer, path);
+    };
+    match status {
+        200 => parse_ids(&answer).ok_or_else(|| {
+            TokenizeError::Unavailable(format!("{address}{path}: no token ids in the answer"))
+        }),
+        400..=499 if status != 408 && status != 429 => Err(TokenizeError::Refused {
+            status,
+            message: error_message(&answer),
+        }),
+        _ => Err(TokenizeError::Unavailable(format!(
+            "{address}{path} answered {status}: {}",
+            error_message(&answer)
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokenize_bodies_keep_the_prompt_fields_only() {
+        let (path, body) = request(
+            Api::Chat,
+            Endpoint::Tokenize,
+            "m",
+            br#"{"model":"x","messages":[{"role":"user","content":"hi"}],"stream":true,"tools":null,"max_tokens":3}"#,
+        )
+        .unwrap();
+        assert_eq!(path, "/tokenize");
+        assert_eq!(
+            String::from_utf8(body).unwrap(),
+            r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#
+        );
+        let (path, body) = request(
+            Api::Completions,
+            Endpoint::Render,
+            "m",
+            br#"{"prompt":"a","add_special_tokens":false,"n":2}"#,
+        )
+        .unwrap();
+        assert_eq!(path, "/tokenize");
+        assert_eq!(
+            String::from_utf8(body).unwrap(),
+            r#"{"model":"m","prompt":"a","add_special_tokens":false}"#
+        );
+    }
+
+    #[test]
+    fn responses_bodies_go_to_render_as_they_came() {
+        let raw = br#"{"model":"m","input":"x","stream":true}"#;
+        let (path, body) = request(Api::Responses, Endpoint::Tokenize, "m", raw).unwrap();
+        assert_eq!(path, "/v1/responses/render");
+        assert_eq!(body, raw.to_vec());
+        let (_, body) =
+            request(Api::Responses, Endpoint::Render, "fb", br#"{"input":"x"}"#).unwrap();
+        assert_eq!(
+            String::from_utf8(body).unwrap(),
+            r#"{"model":"fb","input":"x"}"#
+        );
+        let chat = br#"{"model":"m","messages":[],"documents":[{"t":"d"}],"stream":true}"#;
+        let (path, body) = request(Api::Chat, Endpoint::Render, "m", chat).unwrap();
+        assert_eq!(path, "/v1/chat/completions/render");
+        assert_eq!(body, chat.to_vec(), "as the client sent it");
+        assert!(request(Api::Chat, Endpoint::Tokenize, "m", b"{").is_err());
+    }
+
+    #[test]
+    fn answers_of_both_endpoints() {
+        assert_eq!(
+            parse_ids(br#"{"count":2,"max_model_len":9,"tokens":[1,2]}"#),
+            Some(vec![1, 2])
+        );
+        assert_eq!(
+            parse_ids(br#"{"token_ids":[3],"request_id":"r"}"#),
+            Some(vec![3])
+        );
+        assert_eq!(parse_ids(br#"[{"token_ids":[4]}]"#), Some(vec![4]));
+        assert_eq!(parse_ids(br#"[{"token_ids":[4]},{"token_ids":[5]}]"#), None);
+        assert_eq!(parse_ids(br#"{"tokens":[-1]}"#), None);
+        assert_eq!(parse_ids(b"garbage"), None);
+        assert_eq!(
+            error_message(br#"{"error":{"message":"bad","type":"BadRequestError","code":400}}"#),
+            "bad"
+        );
+    }
+}
