@@ -137,6 +137,8 @@ struct Gateway {
 /// A running deployment; everything stops on drop.
 pub struct Stack {
     options: StackOptions,
+    /// Where the first gateway's indexd writes its snapshots.
+    snapshots: tempfile::TempDir,
     // Field order is drop order: the Envoys first, then indexd, then the
     // replicas, then the runtime they run on.
     extra_gateways: Vec<Gateway>,
@@ -263,10 +265,18 @@ impl Stack {
             _ => None,
         };
         let indexd_rt = indexd_runtime.as_ref().unwrap_or(&runtime);
+        // The first gateway's indexd keeps snapshots, so a restart
+        // (`stop_indexd`, `start_indexd`) restores its index.
+        let snapshots = tempfile::Builder::new()
+            .prefix("kvroute-indexd-")
+            .tempdir()
+            .map_err(|e| HarnessError::io("create snapshot dir", e))?;
         let (indexd, indexd_grpc, indexd_link) = if options.routing == Routing::LeastRequest {
             (None, SocketAddr::from(([127, 0, 0, 1], 9)), None)
         } else {
-            let config = indexd_config(&options, &endpoints, SocketAddr::from(([127, 0, 0, 1], 0)));
+            let mut config =
+                indexd_config(&options, &endpoints, SocketAddr::from(([127, 0, 0, 1], 0)));
+            config.snapshot.path = Some(snapshots.path().join("indexd.snapshot"));
             let (running, grpc) = start_indexd(indexd_rt, config)?;
             // With `slow_indexd_link`, Envoy reaches indexd through a relay the
             // test can slow down.
@@ -299,6 +309,7 @@ impl Stack {
         }
         let stack = Self {
             options,
+            snapshots,
             extra_gateways,
             envoy,
             indexd,
@@ -395,7 +406,7 @@ impl Stack {
         }
     }
 
-    /// Stops indexd (as if it crashed); Envoy keeps running.
+    /// Stops indexd (gracefully: it writes its snapshot); Envoy keeps running.
     pub fn stop_indexd(&mut self) {
         if let Some(running) = self.indexd.take() {
             running.stop.cancel();
@@ -403,13 +414,15 @@ impl Stack {
         }
     }
 
-    /// Starts indexd again on its previous gRPC port, with an empty index
-    /// (it recovers what the replicas' replay buffers still hold).
+    /// Starts indexd again on its previous gRPC port: it restores the index
+    /// from the snapshot it wrote when it stopped, and resumes each replica
+    /// from its saved seq (what cannot be proven is purged and replayed).
     pub fn start_indexd(&mut self) -> Result<(), HarnessError> {
         if self.indexd.is_some() || self.options.routing == Routing::LeastRequest {
             return Ok(());
         }
-        let config = indexd_config(&self.options, &self.endpoints, self.indexd_grpc);
+        let mut config = indexd_config(&self.options, &self.endpoints, self.indexd_grpc);
+        config.snapshot.path = Some(self.snapshots.path().join("indexd.snapshot"));
         let rt = self.indexd_runtime.as_ref().unwrap_or(&self.runtime);
         let (running, _) = start_indexd(rt, config)?;
         self.indexd = Some(running);
