@@ -25,7 +25,7 @@ lint: ## rustfmt check; clippy -D warnings, native and wasm
 	$(CARGO) clippy -p kvroute-filter -p kvroute-proto --target wasm32-wasip1 -- -D warnings
 	$(CARGO) clippy -p kvroute-proto --target wasm32-unknown-unknown --tests -- -D warnings
 
-test: wasm test-native test-wasm ## All tests: native (incl. real Envoy) and the key vectors under wasm
+test: deps wasm test-native test-wasm ## All tests: native (incl. real Envoy, the tokenizer's test models) and the key vectors under wasm (installs what is missing first)
 
 test-native: ## Unit and integration tests, native (needs `make wasm` and the venv)
 	$(CARGO) test --workspace
