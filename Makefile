@@ -68,11 +68,12 @@ bench-more: ## Benchmark W3 (cache pressure), W4 (three gateways), W5 (faults) �
 	$(BENCH) run --workload w4 --out tests/bench/results-w4 $(BENCH_ARGS)
 	$(BENCH) run --workload w5 --out tests/bench/results-w5 $(BENCH_ARGS)
 
-bench-overhead: ## Routing overhead: kvroute (Envoy + filter + indexd) vs Envoy alone, open loop at 10/50/100/250/500 req/s, CPU per request → tests/bench/results-overhead/
+bench-overhead: ## Routing overhead: kvroute (Envoy + filter + indexd) vs Envoy alone, open loop at 10/50/100/250/500 req/s, CPU per request; tokenizing at indexd and at the cluster → tests/bench/results-overhead{,-cluster}/
 	bash .ci/deps.sh run
 	$(MAKE) wasm
 	$(CARGO) build --profile perf -p kvroute-bench
 	$(BENCH) overhead --out tests/bench/results-overhead $(BENCH_ARGS)
+	$(BENCH) overhead --tokenize-at cluster --out tests/bench/results-overhead-cluster $(BENCH_ARGS)
 
 .PHONY: soak bench-bodies
 

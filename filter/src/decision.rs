@@ -42,6 +42,7 @@ use crate::breaker::{self, Breaker};
 use crate::completed;
 use crate::config::{Api, Config, Mode, Route, TokenizeAt};
 use crate::host::Host;
+use crate::memo;
 use crate::metrics::{Counter, Histogram, Reason};
 use crate::request::{self, Rejection};
 use crate::tokenize;
@@ -87,6 +88,8 @@ struct Routed {
     route: Route,
     model: String,
     started_us: u64,
+    /// The fingerprints of its item prefixes ([`memo`]).
+    prints: Vec<u64>,
 }
 
 /// How a request ended on the request side.
@@ -181,10 +184,6 @@ impl Flow {
             route,
             started_us: host.now_us(),
         };
-        let now = now_ms(host);
-        if !breaker::admits(host, Breaker::Index, &self.cfg.breaker, now) {
-            return self.conclude(host, Reason::BreakerOpen, Via::Callback);
-        }
         if end_of_stream {
             return self.conclude(host, Reason::Unparseable, Via::Callback);
         }
@@ -252,11 +251,23 @@ impl Flow {
         else {
             return self.conclude(host, Reason::Unparseable, Via::Callback);
         };
+        let prints = if self.cfg.remember {
+            memo::fingerprints(&req, &model)
+        } else {
+            Vec::new()
+        };
         let routed = Routed {
             route,
             model,
             started_us,
+            prints,
         };
+        // While indexd's breaker is open, only its probes reach it; the
+        // others go where their conversation went before, if known.
+        let now = now_ms(host);
+        if !breaker::admits(host, Breaker::Index, &self.cfg.breaker, now) {
+            return self.unrouted(host, routed, Reason::BreakerOpen, Via::Callback);
+        }
         if let Some(prev) = &req.previous_response_id {
             let mut pick = self.pick_request(host, &routed);
             pick.previous_response_id.clone_from(prev);
@@ -469,6 +480,7 @@ impl Flow {
             &self.cfg.index_cluster,
             grpc_path::SERVICE,
             grpc_path::PICK,
+            &self.cfg.index_metadata(),
             message,
             timeout,
         ) {
@@ -563,7 +575,7 @@ impl Flow {
             Ok(DecisionKind::Stale) => {
                 let now = now_ms(host);
                 breaker::record_success(host, Breaker::Index, now);
-                self.conclude_routed(host, routed, Reason::IndexStale, Via::Callout);
+                self.unrouted(host, routed, Reason::IndexStale, Via::Callout);
                 return;
             }
             Ok(DecisionKind::Untokenized) => {
@@ -623,7 +635,30 @@ impl Flow {
             host.count(Counter::BreakerOpened);
             log::warn!("indexd failing, breaker open for {} ms", cfg.cooldown_ms);
         }
-        self.conclude_routed(host, routed, Reason::IndexUnavailable, via)
+        self.unrouted(host, routed, Reason::IndexUnavailable, via)
+    }
+
+    /// indexd could not route this request (`reason`): send it where its
+    /// conversation went before, if the memory knows ([`memo`]), else let
+    /// Envoy choose.
+    fn unrouted(
+        &mut self,
+        host: &mut dyn Host,
+        routed: Routed,
+        reason: Reason,
+        via: Via,
+    ) -> Action {
+        if let Some((target, rank)) = memo::recall(host, &routed.prints)
+            && valid_address(&target)
+        {
+            log::debug!("{}: {} -> {target} (remembered)", self.id, reason.label());
+            host.set_request_header(&self.cfg.override_header, Some(&target));
+            if let Some(rank) = rank {
+                host.set_request_header(&self.cfg.rank_header, Some(&rank.to_string()));
+            }
+            return self.finish(host, Reason::Remembered, Some(routed), rank, via);
+        }
+        self.conclude_routed(host, routed, reason, via)
     }
 
     /// Ends the request side before the body parsed (no model known).

@@ -27,6 +27,7 @@ pub struct GrpcCall {
     pub cluster: String,
     pub service: String,
     pub method: String,
+    pub metadata: Vec<(String, Vec<u8>)>,
     pub message: Vec<u8>,
     pub timeout: Duration,
 }
@@ -215,6 +216,7 @@ impl Host for FakeHost {
         cluster: &str,
         service: &str,
         method: &str,
+        metadata: &[(&str, &[u8])],
         message: &[u8],
         timeout: Duration,
     ) -> Result<u32, HostError> {
@@ -227,6 +229,10 @@ impl Host for FakeHost {
             cluster: cluster.to_owned(),
             service: service.to_owned(),
             method: method.to_owned(),
+            metadata: metadata
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), v.to_vec()))
+                .collect(),
             message: message.to_vec(),
             timeout,
         });

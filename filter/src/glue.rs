@@ -425,12 +425,20 @@ impl Host for ProxyHost {
         cluster: &str,
         service: &str,
         method: &str,
+        metadata: &[(&str, &[u8])],
         message: &[u8],
         timeout: Duration,
     ) -> Result<u32, HostError> {
         // The SDK's call: its dispatcher must know the token (see `abi`).
-        hostcalls::dispatch_grpc_call(cluster, service, method, Vec::new(), Some(message), timeout)
-            .map_err(host_error)
+        hostcalls::dispatch_grpc_call(
+            cluster,
+            service,
+            method,
+            metadata.to_vec(),
+            Some(message),
+            timeout,
+        )
+        .map_err(host_error)
     }
 
     fn grpc_call_response_body(&self, start: usize, max: usize) -> Option<Vec<u8>> {

@@ -64,12 +64,14 @@ pub trait Host: SharedData {
     fn http_call_response_header(&self, name: &str) -> Option<Vec<u8>>;
     /// The body of the HTTP callout's answer.
     fn http_call_response_body(&self, start: usize, max: usize) -> Option<Vec<u8>>;
-    /// Starts a unary gRPC call; its answer arrives as `on_grpc_call_response`.
+    /// Starts a unary gRPC call with `metadata` (initial metadata, e.g.
+    /// `authorization`); its answer arrives as `on_grpc_call_response`.
     fn dispatch_grpc(
         &mut self,
         cluster: &str,
         service: &str,
         method: &str,
+        metadata: &[(&str, &[u8])],
         message: &[u8],
         timeout: Duration,
     ) -> Result<u32, HostError>;

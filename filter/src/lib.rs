@@ -9,6 +9,8 @@
 //! - [`approximate`]: text-chunk keys for approximate mode.
 //! - [`decision`]: the per-request state machine (the failure table of the README).
 //! - [`observe`]: finding a Responses id in the first response chunks.
+//! - [`memo`]: where conversations went, to keep them there while indexd
+//!   cannot answer.
 //! - [`breaker`]: the index and tokenizer circuit breakers in shared data.
 //! - [`completed`]: completed picks waiting in shared data for a Pick to
 //!   carry them.
@@ -25,6 +27,7 @@ pub mod completed;
 pub mod config;
 pub mod decision;
 pub mod host;
+pub mod memo;
 pub mod metrics;
 pub mod observe;
 pub mod request;

@@ -15,6 +15,9 @@ pub enum Reason {
     Approximate,
     /// No replica holds a block: ranked by load.
     Load,
+    /// indexd could not route it (down, breaker open, stale): sent where its
+    /// conversation's previous turn went.
+    Remembered,
     /// Body over `max_body_bytes`.
     BodyTooLarge,
     /// Bad JSON, missing fields, no model.
@@ -40,11 +43,12 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, in metric-definition order.
-    pub const ALL: [Self; 14] = [
+    pub const ALL: [Self; 15] = [
         Self::Precise,
         Self::Affinity,
         Self::Approximate,
         Self::Load,
+        Self::Remembered,
         Self::BodyTooLarge,
         Self::Unparseable,
         Self::IncompleteIdentity,
@@ -64,6 +68,7 @@ impl Reason {
             Self::Affinity => "affinity",
             Self::Approximate => "approximate",
             Self::Load => "load",
+            Self::Remembered => "remembered",
             Self::BodyTooLarge => "body_too_large",
             Self::Unparseable => "unparseable",
             Self::IncompleteIdentity => "incomplete_identity",
@@ -81,7 +86,7 @@ impl Reason {
     pub const fn routed(self) -> bool {
         matches!(
             self,
-            Self::Precise | Self::Affinity | Self::Approximate | Self::Load
+            Self::Precise | Self::Affinity | Self::Approximate | Self::Load | Self::Remembered
         )
     }
 }

@@ -7,7 +7,7 @@
 //! `1h`) or plain numbers of seconds.
 //!
 //! ```yaml
-//! grpc_listen: 127.0.0.1:50071
+//! grpc_listen: unix:///run/kvroute/indexd.sock   # or ip:port (default 127.0.0.1:50071)
 //! http_listen: 127.0.0.1:9471
 //! block_size: 64
 //! scrape_interval: 1s
@@ -23,6 +23,10 @@
 //!     capacity_url: http://10.0.0.7:9000/capacity   # optional
 //! discovery_file: /etc/kvroute/endpoints.yaml        # optional, same `endpoints:` format
 //! ```
+//!
+//! Pieces with their own module: [`endpoint`] (endpoints and the discovery
+//! file), [`access`] (the token, listeners beyond loopback, the Observe
+//! rate), `crate::tokenize::config` (the `tokenize:` section).
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -33,117 +37,25 @@ use kvroute_proto::keys::BlockSize;
 use serde::Deserialize;
 
 use crate::error::ConfigError;
+use crate::listen::ListenAddr;
 use crate::score::Weights;
 use crate::wire::Limits;
-use crate::zmtp::Endpoint;
 
-/// A replica (one data-parallel rank of one vLLM server).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct EndpointId {
-    /// The host as Envoy knows it.
-    pub address: SocketAddr,
-    /// The data-parallel rank inside the server, if any.
-    pub rank: Option<u32>,
-}
+pub mod access;
+pub mod endpoint;
 
-impl std::fmt::Display for EndpointId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.rank {
-            Some(rank) => write!(f, "{}#{rank}", self.address),
-            None => write!(f, "{}", self.address),
-        }
-    }
-}
-
-/// A plain-HTTP URL split for the tiny scrape client.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct HttpUrl {
-    /// `host:port` to connect to.
-    pub authority: String,
-    /// Path and query, starting with `/`.
-    pub path: String,
-}
-
-impl HttpUrl {
-    /// Parses `http://host[:port][/path]`.
-    pub fn parse(url: &str) -> Option<Self> {
-        let rest = url.strip_prefix("http://")?;
-        let (authority, path) = match rest.find('/') {
-            Some(i) => rest.split_at(i),
-            None => (rest, "/"),
-        };
-        if authority.is_empty() {
-            return None;
-        }
-        let authority = if authority.contains(':') && !authority.ends_with(']') {
-            authority.to_owned()
-        } else {
-            format!("{authority}:80")
-        };
-        Some(Self {
-            authority,
-            path: path.to_owned(),
-        })
-    }
-}
-
-impl std::fmt::Display for HttpUrl {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "http://{}{}", self.authority, self.path)
-    }
-}
-
-/// One replica's sources.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct EndpointConfig {
-    /// Identity: address as Envoy knows it, plus rank.
-    pub id: EndpointId,
-    /// The served model name (the request's `model`).
-    pub model: String,
-    /// LoRA adapters served besides the base model.
-    pub adapters: Vec<String>,
-    /// The ZMQ KV-event endpoint (`tcp://host:port`). None: no events (the
-    /// replica is ranked by load and approximate keys only).
-    pub events: Option<String>,
-    /// True: indexd binds `events` and the replica connects to it.
-    pub events_bind: bool,
-    /// The ZMQ replay (ROUTER) endpoint.
-    pub replay: Option<String>,
-    /// vLLM's Prometheus endpoint. None: always healthy, no load signal.
-    pub metrics_url: Option<HttpUrl>,
-    /// Optional capacity signal (`{"occupancy", "cache_available"}`).
-    pub capacity_url: Option<HttpUrl>,
-}
-
-impl EndpointConfig {
-    /// An endpoint with only an address and a model.
-    pub fn new(address: SocketAddr, model: impl Into<String>) -> Self {
-        Self {
-            id: EndpointId {
-                address,
-                rank: None,
-            },
-            model: model.into(),
-            adapters: Vec::new(),
-            events: None,
-            events_bind: false,
-            replay: None,
-            metrics_url: None,
-            capacity_url: None,
-        }
-    }
-
-    /// True when this replica serves `model` (base or adapter).
-    pub fn serves(&self, model: &str) -> bool {
-        self.model == model || self.adapters.iter().any(|a| a == model)
-    }
-}
+pub use access::AccessConfig;
+use endpoint::RawEndpoint;
+pub use endpoint::{
+    EndpointConfig, EndpointId, HttpUrl, parse_discovery, parse_endpoint, validate_endpoints,
+};
 
 /// The whole daemon's configuration.
 #[derive(Clone, Debug)]
 pub struct Config {
-    /// gRPC listen address (loopback by default; port 0 picks one).
-    pub grpc_listen: SocketAddr,
+    /// gRPC listen address: TCP (loopback by default; port 0 picks one) or
+    /// a Unix domain socket.
+    pub grpc_listen: ListenAddr,
     /// HTTP (`/metrics`, `/healthz`, `/readyz`) listen address.
     pub http_listen: SocketAddr,
     /// The block size the filter computes keys with (vLLM's `--block-size`).
@@ -194,13 +106,15 @@ pub struct Config {
     pub snapshot: crate::snapshot::SnapshotConfig,
     /// Tokenization: local tokenizers, the replica fallback, the gate.
     pub tokenize: crate::tokenize::TokenizeConfig,
+    /// Who may call: the token, listeners beyond loopback, Observe's rate.
+    pub access: AccessConfig,
 }
 
 impl Config {
     /// Defaults with the given endpoints.
     pub fn new(endpoints: Vec<EndpointConfig>) -> Self {
         Self {
-            grpc_listen: SocketAddr::from(([127, 0, 0, 1], 50071)),
+            grpc_listen: ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 50071))),
             http_listen: SocketAddr::from(([127, 0, 0, 1], 9471)),
             block_size: DEFAULT_BLOCK_SIZE,
             endpoints,
@@ -226,6 +140,7 @@ impl Config {
             seed: None,
             snapshot: crate::snapshot::SnapshotConfig::default(),
             tokenize: crate::tokenize::TokenizeConfig::default(),
+            access: AccessConfig::default(),
         }
     }
 
@@ -296,6 +211,7 @@ impl Config {
             ));
         }
         crate::tokenize::config::validate(&self.tokenize)?;
+        access::validate(self)?;
         Ok(())
     }
 }
@@ -307,51 +223,6 @@ pub const DEFAULT_BLOCK_SIZE: BlockSize = match BlockSize::new(64) {
     Some(b) => b,
     None => panic!("64 is non-zero"),
 };
-
-/// Checks endpoint identities are unique and every endpoint is usable.
-pub fn validate_endpoints(endpoints: &[EndpointConfig], field: &str) -> Result<(), ConfigError> {
-    let mut seen = std::collections::HashSet::new();
-    for (i, ep) in endpoints.iter().enumerate() {
-        if !seen.insert(&ep.id) {
-            return Err(ConfigError::field(
-                format!("{field}[{i}].address"),
-                format!("duplicate endpoint {}", ep.id),
-            ));
-        }
-        if ep.model.is_empty() {
-            return Err(ConfigError::field(
-                format!("{field}[{i}].model"),
-                "must not be empty",
-            ));
-        }
-        if ep.events_bind && ep.events.is_none() {
-            return Err(ConfigError::field(
-                format!("{field}[{i}].events_bind"),
-                "needs `events` (the address to bind)",
-            ));
-        }
-        for (name, value, binds) in [
-            ("events", &ep.events, ep.events_bind),
-            ("replay", &ep.replay, false),
-        ] {
-            let Some(v) = value else { continue };
-            let parsed = Endpoint::parse(v)
-                .map_err(|e| ConfigError::field(format!("{field}[{i}].{name}"), e.to_string()))?;
-            if parsed.is_wildcard() && !binds {
-                let hint = if name == "events" {
-                    ", or set events_bind: true"
-                } else {
-                    ""
-                };
-                return Err(ConfigError::field(
-                    format!("{field}[{i}].{name}"),
-                    format!("{v:?} is a bind address: name the replica's host{hint}"),
-                ));
-            }
-        }
-    }
-    Ok(())
-}
 
 /// Parses a duration: `250ms`, `5s`, `2m`, `1h`, or a number of seconds.
 pub fn parse_duration(text: &str) -> Option<Duration> {
@@ -393,95 +264,6 @@ pub(crate) fn duration(
     }
 }
 
-/// The YAML shape of an endpoint (also the discovery file's).
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-#[derive(Debug)]
-struct RawEndpoint {
-    address: String,
-    #[serde(default)]
-    data_parallel_rank: Option<u32>,
-    model: String,
-    #[serde(default)]
-    adapters: Vec<String>,
-    #[serde(default)]
-    events: Option<String>,
-    #[serde(default)]
-    events_bind: bool,
-    #[serde(default)]
-    replay: Option<String>,
-    #[serde(default)]
-    metrics_url: Option<String>,
-    #[serde(default)]
-    capacity_url: Option<String>,
-}
-
-impl RawEndpoint {
-    fn into_endpoint(self, field: &str) -> Result<EndpointConfig, ConfigError> {
-        let address: SocketAddr = self.address.parse().map_err(|_| {
-            ConfigError::field(
-                format!("{field}.address"),
-                format!("{:?} is not ip:port", self.address),
-            )
-        })?;
-        let url = |name: &str, v: Option<String>| -> Result<Option<HttpUrl>, ConfigError> {
-            v.map(|u| {
-                HttpUrl::parse(&u).ok_or_else(|| {
-                    ConfigError::field(
-                        format!("{field}.{name}"),
-                        format!("{u:?} is not an http:// URL"),
-                    )
-                })
-            })
-            .transpose()
-        };
-        Ok(EndpointConfig {
-            id: EndpointId {
-                address,
-                rank: self.data_parallel_rank,
-            },
-            model: self.model,
-            adapters: self.adapters,
-            events: self.events,
-            events_bind: self.events_bind,
-            replay: self.replay,
-            metrics_url: url("metrics_url", self.metrics_url)?,
-            capacity_url: url("capacity_url", self.capacity_url)?,
-        })
-    }
-}
-
-/// The discovery file: `endpoints:` and nothing else.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawDiscovery {
-    #[serde(default)]
-    endpoints: Vec<RawEndpoint>,
-}
-
-/// Parses one endpoint written as a YAML flow mapping, e.g.
-/// `{address: 127.0.0.1:8000, model: m, events: tcp://127.0.0.1:5557}`
-/// (the binary's `--endpoint` flag).
-pub fn parse_endpoint(text: &str) -> Result<EndpointConfig, ConfigError> {
-    let raw: RawEndpoint =
-        serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(format!("--endpoint: {e}")))?;
-    raw.into_endpoint("--endpoint")
-}
-
-/// Parses a discovery file's text.
-pub fn parse_discovery(text: &str) -> Result<Vec<EndpointConfig>, ConfigError> {
-    let raw: RawDiscovery =
-        serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
-    let endpoints = raw
-        .endpoints
-        .into_iter()
-        .enumerate()
-        .map(|(i, e)| e.into_endpoint(&format!("endpoints[{i}]")))
-        .collect::<Result<Vec<_>, _>>()?;
-    validate_endpoints(&endpoints, "endpoints")?;
-    Ok(endpoints)
-}
-
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawConfig {
@@ -521,6 +303,10 @@ struct RawConfig {
     max_snapshot_age: Option<RawDuration>,
     max_snapshot_write_time: Option<RawDuration>,
     tokenize: Option<crate::tokenize::config::RawTokenize>,
+    auth_token_file: Option<PathBuf>,
+    allow_unauthenticated: Option<bool>,
+    observe_rate: Option<u32>,
+    observe_burst: Option<u32>,
 }
 
 impl RawConfig {
@@ -533,7 +319,13 @@ impl RawConfig {
                         .map_err(|_| ConfigError::field(field, format!("{s:?} is not ip:port")))
                 })
             };
-        c.grpc_listen = addr("grpc_listen", self.grpc_listen, c.grpc_listen)?;
+        if let Some(s) = self.grpc_listen {
+            c.grpc_listen = s
+                .parse()
+                .map_err(|e: crate::listen::ParseListenAddrError| {
+                    ConfigError::field("grpc_listen", e.to_string())
+                })?;
+        }
         c.http_listen = addr("http_listen", self.http_listen, c.http_listen)?;
         if let Some(bs) = self.block_size {
             c.block_size = BlockSize::new(bs)
@@ -601,6 +393,13 @@ impl RawConfig {
         if let Some(t) = self.tokenize {
             c.tokenize = t.into_config()?;
         }
+        c.access = access::RawAccess {
+            auth_token_file: self.auth_token_file,
+            allow_unauthenticated: self.allow_unauthenticated,
+            observe_rate: self.observe_rate,
+            observe_burst: self.observe_burst,
+        }
+        .into_config()?;
         c.validate()?;
         Ok(c)
     }

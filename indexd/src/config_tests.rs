@@ -146,3 +146,47 @@ fn snapshot_settings_are_read_and_checked() {
         assert!(err.contains(field), "{yaml}: {err}");
     }
 }
+
+#[test]
+fn listeners_beyond_loopback_need_a_token_or_an_explicit_waiver() {
+    let c = Config::from_yaml("grpc_listen: unix:///run/kvroute/indexd.sock\n").unwrap();
+    assert_eq!(
+        c.grpc_listen.unix_path(),
+        Some(std::path::Path::new("/run/kvroute/indexd.sock"))
+    );
+    let d = Config::new(Vec::new()).access;
+    assert_eq!((d.observe_rate.get(), d.observe_burst.get()), (2000, 4000));
+    assert!(d.auth_token_file.is_none() && !d.allow_unauthenticated);
+    for (yaml, field) in [
+        ("grpc_listen: 0.0.0.0:50061\n", "grpc_listen"),
+        ("grpc_listen: 10.0.0.5:50061\n", "grpc_listen"),
+        ("http_listen: 0.0.0.0:9471\n", "http_listen"),
+        ("grpc_listen: unix:///run/\n", "grpc_listen"),
+        ("grpc_listen: localhost:1\n", "grpc_listen"),
+        ("observe_rate: 0\n", "observe_rate"),
+        ("observe_burst: 0\n", "observe_burst"),
+        ("auth_token_file: ''\n", "auth_token_file"),
+    ] {
+        let err = Config::from_yaml(yaml).unwrap_err().to_string();
+        assert!(err.contains(field), "{yaml}: {err}");
+    }
+    let err = Config::from_yaml("grpc_listen: 0.0.0.0:50061\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("auth_token_file") && err.contains("allow_unauthenticated"),
+        "{err}"
+    );
+    for ok in [
+        "grpc_listen: 0.0.0.0:50061\nhttp_listen: 0.0.0.0:9471\nauth_token_file: /etc/kvroute/token\n",
+        "grpc_listen: 0.0.0.0:50061\nhttp_listen: 0.0.0.0:9471\nallow_unauthenticated: true\n",
+        "grpc_listen: '[::1]:50061'\nhttp_listen: 127.0.0.1:9471\n",
+    ] {
+        Config::from_yaml(ok).unwrap();
+    }
+    let c = Config::from_yaml("observe_rate: 50\nobserve_burst: 100\n").unwrap();
+    assert_eq!(
+        (c.access.observe_rate.get(), c.access.observe_burst.get()),
+        (50, 100)
+    );
+}

@@ -6,10 +6,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
+use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 
+use crate::auth::Token;
 use crate::config::{Config, EndpointConfig, EndpointId};
 use crate::error::StartError;
+use crate::listen::{self, GrpcListener, ListenAddr};
 use crate::server::IndexService;
 use crate::state::{self, Shared};
 use crate::tokenize::{self, Tokenizers};
@@ -20,28 +23,36 @@ use crate::{discovery, http, snapshot};
 pub struct Server;
 
 impl Server {
-    /// Validates `config` and binds both listeners; nothing runs yet.
+    /// Validates `config`, reads the token file and binds both listeners;
+    /// nothing runs yet.
     pub async fn bind(config: Config) -> Result<Bound, StartError> {
         config.validate()?;
-        let bind = |what: &'static str, addr: SocketAddr| async move {
-            TcpListener::bind(addr)
-                .await
-                .map_err(|source| StartError::Bind { what, addr, source })
+        let token = config
+            .access
+            .auth_token_file
+            .as_deref()
+            .map(Token::load)
+            .transpose()?;
+        let (grpc, grpc_addr) = listen::bind_grpc(&config.grpc_listen).await?;
+        let http_err = |source| StartError::Bind {
+            what: "http",
+            addr: config.http_listen.to_string(),
+            source,
         };
-        let grpc = bind("grpc", config.grpc_listen).await?;
-        let http = bind("http", config.http_listen).await?;
-        let addr = |what: &'static str, l: &TcpListener, fallback: SocketAddr| {
-            l.local_addr().map_err(|source| StartError::Bind {
-                what,
-                addr: fallback,
-                source,
-            })
-        };
-        let grpc_addr = addr("grpc", &grpc, config.grpc_listen)?;
-        let http_addr = addr("http", &http, config.http_listen)?;
+        let http = TcpListener::bind(config.http_listen)
+            .await
+            .map_err(http_err)?;
+        let http_addr = http.local_addr().map_err(http_err)?;
+        if token.is_none() && !grpc_addr.is_node_local() {
+            tracing::warn!(grpc = %grpc_addr, "gRPC serves beyond loopback without a token (allow_unauthenticated)");
+        }
         let tokenizers = Tokenizers::load(config.tokenize.clone())?;
         let stop = CancellationToken::new();
-        let shared = Arc::new(Shared::new(config, stop.clone()).with_tokenizers(tokenizers));
+        let shared = Arc::new(
+            Shared::new(config, stop.clone())
+                .with_tokenizers(tokenizers)
+                .with_token(token),
+        );
         let ingest = IngestRuntime::start().map_err(|source| StartError::Runtime { source })?;
         if let Some(rt) = &ingest.0 {
             let _ = shared.ingest.set(rt.handle().clone());
@@ -99,9 +110,9 @@ impl Drop for IngestRuntime {
 /// Listeners bound, ready to serve.
 #[derive(Debug)]
 pub struct Bound {
-    grpc: TcpListener,
+    grpc: GrpcListener,
     http: TcpListener,
-    grpc_addr: SocketAddr,
+    grpc_addr: ListenAddr,
     http_addr: SocketAddr,
     shared: Arc<Shared>,
     stop: CancellationToken,
@@ -109,9 +120,10 @@ pub struct Bound {
 }
 
 impl Bound {
-    /// The gRPC address actually bound.
-    pub fn grpc_addr(&self) -> SocketAddr {
-        self.grpc_addr
+    /// The gRPC address actually bound (a TCP port 0 resolved); its
+    /// [`ListenAddr::grpc_uri`] is what a tonic client connects to.
+    pub fn grpc_addr(&self) -> ListenAddr {
+        self.grpc_addr.clone()
     }
 
     /// The HTTP address actually bound.
@@ -155,17 +167,25 @@ impl Bound {
         let local = shutdown.child_token();
         let grpc_stop = local.clone();
         let grpc_service = IndexService::new(Arc::clone(&shared)).into_server();
-        let grpc_incoming =
-            tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
         let grpc_done = local.clone();
         let grpc_fut = async move {
-            let r = tonic::transport::Server::builder()
-                .add_service(grpc_service)
-                .serve_with_incoming_shutdown(
-                    grpc_incoming,
-                    async move { grpc_stop.cancelled().await },
-                )
-                .await;
+            let router = tonic::transport::Server::builder().add_service(grpc_service);
+            let stopped = async move { grpc_stop.cancelled().await };
+            let r = match grpc {
+                GrpcListener::Tcp(l) => {
+                    let incoming =
+                        tonic::transport::server::TcpIncoming::from(l).with_nodelay(Some(true));
+                    router.serve_with_incoming_shutdown(incoming, stopped).await
+                }
+                GrpcListener::Unix(l, socket_file) => {
+                    let r = router
+                        .serve_with_incoming_shutdown(UnixListenerStream::new(l), stopped)
+                        .await;
+                    // No new connection can arrive: the socket file goes.
+                    drop(socket_file);
+                    r
+                }
+            };
             grpc_done.cancel();
             r
         };

@@ -1,7 +1,5 @@
 //! One error enum per boundary. gRPC status mapping lives here only.
 
-use std::net::SocketAddr;
-
 /// Invalid configuration; the message names the field.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -47,8 +45,8 @@ pub enum StartError {
     Bind {
         /// `grpc` or `http`.
         what: &'static str,
-        /// The address.
-        addr: SocketAddr,
+        /// The address (`ip:port` or `unix://path`).
+        addr: String,
         /// The OS error.
         source: std::io::Error,
     },
@@ -103,6 +101,24 @@ pub enum RequestError {
         /// The limit.
         max: usize,
     },
+    /// An Observe names a replica indexd does not know.
+    #[error("endpoint {0} is not a known replica")]
+    UnknownEndpoint(String),
+    /// An Observe names a replica that does not serve its model.
+    #[error("endpoint {endpoint} does not serve model {model:?}")]
+    ModelNotServed {
+        /// The replica.
+        endpoint: String,
+        /// The Observe's model.
+        model: String,
+    },
+    /// More Observe calls than `observe_rate` and `observe_burst` admit.
+    #[error("too many Observe calls: over observe_rate")]
+    RateLimited,
+    /// An Observe's response id is recorded already for another replica or
+    /// model.
+    #[error("response_id is recorded already for another endpoint or model")]
+    ResponseIdTaken,
 }
 
 impl From<RequestError> for tonic::Status {
@@ -111,10 +127,32 @@ impl From<RequestError> for tonic::Status {
             RequestError::TooManyKeys { .. }
             | RequestError::BadEndpoint(_)
             | RequestError::IdTooLong { .. }
-            | RequestError::TooManyCompleted { .. } => {
-                tonic::Status::invalid_argument(e.to_string())
-            }
+            | RequestError::TooManyCompleted { .. }
+            | RequestError::UnknownEndpoint(_)
+            | RequestError::ModelNotServed { .. } => tonic::Status::invalid_argument(e.to_string()),
+            RequestError::RateLimited => tonic::Status::resource_exhausted(e.to_string()),
+            RequestError::ResponseIdTaken => tonic::Status::already_exists(e.to_string()),
         }
+    }
+}
+
+/// A call without the shared token (its text never appears here).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum AuthError {
+    /// No `authorization` header or metadata.
+    #[error("authorization required: Bearer token")]
+    Missing,
+    /// Another scheme than `Bearer`.
+    #[error("authorization must use the Bearer scheme")]
+    NotBearer,
+    /// Not the token.
+    #[error("the Bearer token is not valid")]
+    Mismatch,
+}
+
+impl From<AuthError> for tonic::Status {
+    fn from(e: AuthError) -> Self {
+        tonic::Status::unauthenticated(e.to_string())
     }
 }
 

@@ -1,7 +1,8 @@
 //! The HTTP side: Prometheus `/metrics`, `/healthz` (the process is up),
 //! `/readyz` (some replica is healthy and fresh; the body also names each
 //! local tokenizer's gate), and the vLLM-compatible tokenizer endpoints of
-//! [`crate::tokenize::http`].
+//! [`crate::tokenize::http`]. With a shared token, every route but the two
+//! probes requires it ([`crate::auth`]).
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -18,11 +19,19 @@ use crate::state::{Shared, lock, read};
 /// The router serving `/metrics`, `/healthz`, `/readyz`, `/tokenize` and
 /// `/v1/responses/render`.
 pub fn router(shared: Arc<Shared>) -> Router {
-    Router::new()
+    let mut guarded = Router::new()
         .route("/metrics", get(metrics))
+        .merge(crate::tokenize::http::routes(&shared));
+    if shared.token.is_some() {
+        guarded = guarded.route_layer(axum::middleware::from_fn_with_state(
+            Arc::clone(&shared),
+            crate::auth::http,
+        ));
+    }
+    Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .merge(crate::tokenize::http::routes(&shared))
+        .merge(guarded)
         .with_state(shared)
 }
 

@@ -18,6 +18,9 @@
 //! - [`load`]: background scrape of each replica's /metrics.
 //! - `affinity`: response-id affinity and approximate-mode keys.
 //! - [`pick`]: Pick/Observe decisions; `server`: their tonic glue.
+//! - [`listen`]: the gRPC listen address (TCP or a Unix domain socket) and
+//!   the socket file's life; [`auth`]: the optional shared token;
+//!   `ratelimit`: the token bucket in front of Observe.
 //! - [`tokenize`]: request bodies → vLLM's exact token ids (a local
 //!   tokenizer behind an exactness gate, else a replica's), for Picks that
 //!   carry their body and for vLLM-compatible `/tokenize` and
@@ -34,6 +37,7 @@
 //! addresses, then [`Bound::serve`] until the shutdown token fires.
 
 mod affinity;
+pub mod auth;
 pub mod config;
 mod credits;
 mod daemon;
@@ -43,10 +47,12 @@ pub mod event;
 mod http;
 mod ids;
 pub mod index;
+pub mod listen;
 pub mod load;
 pub mod message;
 mod metrics;
 pub mod pick;
+mod ratelimit;
 mod score;
 mod server;
 mod snapshot;
@@ -56,12 +62,13 @@ pub mod tokenize;
 pub mod wire;
 pub mod zmtp;
 
-pub use config::{Config, EndpointConfig, EndpointId, HttpUrl};
+pub use config::{AccessConfig, Config, EndpointConfig, EndpointId, HttpUrl};
 pub use daemon::{Bound, Handle, ReplicaStatus, Server, run};
 pub use error::{ConfigError, StartError};
 pub use event::Tier;
 pub use ids::{PartitionId, ReplicaSlot};
 pub use index::Index;
+pub use listen::ListenAddr;
 pub use score::Weights;
 pub use snapshot::SnapshotConfig;
 pub use state::Shared;

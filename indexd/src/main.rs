@@ -16,12 +16,20 @@ struct Args {
     /// YAML config file (see the `indexd::config` docs for the format).
     #[arg(short, long, env = "INDEXD_CONFIG")]
     config: Option<PathBuf>,
-    /// gRPC listen address (overrides the file).
+    /// gRPC listen address, ip:port or unix:///path/to/socket (overrides the
+    /// file).
     #[arg(long)]
-    grpc_listen: Option<SocketAddr>,
+    grpc_listen: Option<indexd::ListenAddr>,
     /// HTTP listen address for /metrics, /healthz, /readyz (overrides the file).
     #[arg(long)]
     http_listen: Option<SocketAddr>,
+    /// A file holding the shared token every call must carry as
+    /// `authorization: Bearer <token>` (overrides the file).
+    #[arg(long)]
+    auth_token_file: Option<PathBuf>,
+    /// Serve on non-loopback TCP addresses without a token.
+    #[arg(long)]
+    allow_unauthenticated: bool,
     /// Tokens per block (vLLM --block-size; overrides the file).
     #[arg(long)]
     block_size: Option<u32>,
@@ -41,7 +49,8 @@ struct Args {
     /// template (added to the file's `tokenize.tokenizers`).
     #[arg(long = "tokenizer", value_name = "NAME=DIR")]
     tokenizers: Vec<String>,
-    /// Once listening, print {"grpc":"ip:port","http":"ip:port"} on stdout.
+    /// Once listening, print {"grpc":"ip:port","http":"ip:port"} on stdout
+    /// (grpc is "unix:///path" on a socket).
     #[arg(long)]
     print_addresses: bool,
 }
@@ -51,8 +60,14 @@ fn config(args: &Args) -> anyhow::Result<indexd::Config> {
         Some(path) => indexd::Config::from_file(path)?,
         None => indexd::Config::new(Vec::new()),
     };
-    if let Some(a) = args.grpc_listen {
-        c.grpc_listen = a;
+    if let Some(a) = &args.grpc_listen {
+        c.grpc_listen = a.clone();
+    }
+    if let Some(p) = &args.auth_token_file {
+        c.access.auth_token_file = Some(p.clone());
+    }
+    if args.allow_unauthenticated {
+        c.access.allow_unauthenticated = true;
     }
     if let Some(a) = args.http_listen {
         c.http_listen = a;

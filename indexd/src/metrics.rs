@@ -256,8 +256,11 @@ pub struct Metrics {
     pub scrapes: CounterVec<1>,
     /// Batches whose data_parallel_rank differs from the endpoint's.
     pub rank_mismatch: Counter,
-    /// Observe calls by whether they recorded an affinity.
+    /// Observe calls by result: recorded, or why not (refused ones too:
+    /// rate_limited, unknown_endpoint, model_not_served, invalid).
     pub observes: CounterVec<1>,
+    /// Calls refused for a missing or wrong token, by listener.
+    pub auth_failures: CounterVec<1>,
     /// Discovery file reloads by result.
     pub discovery: CounterVec<1>,
     /// `previous_response_id` lookups by result (hit, or why not).
@@ -345,6 +348,11 @@ impl Metrics {
                 "Observe calls by result.",
                 ["result"],
             ),
+            auth_failures: CounterVec::new(
+                "indexd_auth_failures_total",
+                "Calls refused for a missing or wrong token, by listener.",
+                ["listener"],
+            ),
             discovery: CounterVec::new(
                 "indexd_discovery_reloads_total",
                 "Discovery file reloads by result.",
@@ -411,6 +419,7 @@ impl Metrics {
         self.scrapes.render(out);
         self.rank_mismatch.render(out);
         self.observes.render(out);
+        self.auth_failures.render(out);
         self.discovery.render(out);
         self.affinity_lookups.render(out);
         self.replay_requests.render(out);

@@ -202,6 +202,7 @@ fn an_answered_pick_stops_counting_as_queued_work() {
     assert_ne!(busy, other);
     // r1 answered: its replica is idle again, the other still has r2 queued.
     let answered = ObserveRequest {
+        model: "m".into(),
         endpoint: busy.clone(),
         request_id: "r1".into(),
         ..ObserveRequest::default()
@@ -331,11 +332,15 @@ fn affinity_checks_the_model_the_adapter_and_freshness() {
     assert_ne!(r.decision, affinity);
     assert!(r.candidates.iter().all(|c| c.address != "10.0.0.1:8001"));
     assert_eq!(s.metrics.affinity_lookups.get(["unhealthy"]), 1);
-    // A replica that left, or one that does not serve the model.
-    seen("r_gone", "10.0.0.9:1", "m");
+    // A replica that left, or came back not serving the model any more.
+    seen("r_gone", "10.0.0.1:8000", "m");
+    seen("r_other", "10.0.0.1:8000", "L");
+    let id0 = replicas[0].id().clone();
+    assert!(s.remove_replica(&id0));
     assert_ne!(follow("r_gone", "m").decision, affinity);
-    seen("r_other", "10.0.0.1:8000", "other");
-    let r = follow("r_other", "other");
+    s.add_replica(EndpointConfig::new(id0.address, "m"))
+        .unwrap();
+    let r = follow("r_other", "L");
     assert_eq!(r.decision, DecisionKind::Stale as i32);
     assert_eq!(
         (
@@ -345,4 +350,119 @@ fn affinity_checks_the_model_the_adapter_and_freshness() {
         ),
         (1, 1, 1)
     );
+}
+
+fn observed(endpoint: &str, rank: Option<u32>, model: &str, id: &str) -> ObserveRequest {
+    ObserveRequest {
+        model: model.into(),
+        endpoint: endpoint.into(),
+        data_parallel_rank: rank,
+        response_id: id.into(),
+        ..ObserveRequest::default()
+    }
+}
+
+#[test]
+fn observe_names_a_registered_replica_serving_its_model() {
+    let mut eps: Vec<EndpointConfig> = (0..2)
+        .map(|rank| {
+            let mut e = EndpointConfig::new(SocketAddr::from(([10, 0, 0, 2], 8000)), "m");
+            e.id.rank = Some(rank);
+            e
+        })
+        .collect();
+    eps.push(EndpointConfig::new(
+        SocketAddr::from(([10, 0, 0, 3], 8000)),
+        "m",
+    ));
+    let s = Shared::new(Config::new(eps.clone()), CancellationToken::new());
+    for e in eps {
+        s.add_replica(e).unwrap();
+    }
+    let now = Instant::now();
+    let refused = |o: &ObserveRequest| observe(&s, o, now).unwrap_err();
+    // Another address, another rank of a server registered by rank, another
+    // model: refused, and nothing is recorded.
+    for (o, label) in [
+        (
+            observed("10.0.0.9:8000", None, "m", "a"),
+            "unknown_endpoint",
+        ),
+        (
+            observed("10.0.0.2:8001", None, "m", "b"),
+            "unknown_endpoint",
+        ),
+        (
+            observed("10.0.0.2:8000", Some(2), "m", "c"),
+            "unknown_endpoint",
+        ),
+        (
+            observed("10.0.0.2:8000", Some(1), "other", "d"),
+            "model_not_served",
+        ),
+        (
+            observed("10.0.0.2:8000", Some(1), "", "e"),
+            "model_not_served",
+        ),
+    ] {
+        let e = refused(&o);
+        assert_eq!(tonic::Status::from(e).code(), tonic::Code::InvalidArgument);
+        assert!(s.metrics.observes.get([label]) > 0, "{label}");
+    }
+    assert_eq!(lock(&s.affinity).len(), 0);
+    // A known rank, a rank of a server registered without ranks, or no rank.
+    for o in [
+        observed("10.0.0.2:8000", Some(1), "m", "f"),
+        observed("10.0.0.3:8000", Some(4), "m", "g"),
+        observed("10.0.0.2:8000", None, "m", "h"),
+    ] {
+        observe(&s, &o, now).unwrap();
+    }
+    assert_eq!(s.metrics.observes.get(["recorded"]), 3);
+    // A recorded id is never moved to another replica or model.
+    for o in [
+        observed("10.0.0.2:8000", Some(0), "m", "f"),
+        observed("10.0.0.3:8000", None, "m", "f"),
+    ] {
+        let e = refused(&o);
+        assert_eq!(tonic::Status::from(e).code(), tonic::Code::AlreadyExists);
+    }
+    assert_eq!(s.metrics.observes.get(["conflict"]), 2);
+    let mut r = req(&[1]);
+    r.previous_response_id = "f".into();
+    let resp = pick(&s, &r, now).unwrap();
+    assert_eq!(
+        (resp.decision, resp.candidates[0].data_parallel_rank),
+        (DecisionKind::Affinity as i32, Some(1))
+    );
+    // The same facts again are fine.
+    observe(&s, &observed("10.0.0.2:8000", Some(1), "m", "f"), now).unwrap();
+}
+
+#[test]
+fn observe_is_rate_limited_before_anything_else() {
+    let (s, _) = shared(1, |c| {
+        c.access.observe_rate = std::num::NonZeroU32::new(10).unwrap();
+        c.access.observe_burst = std::num::NonZeroU32::new(3).unwrap();
+    });
+    let now = Instant::now();
+    let o = |id: &str| observed("10.0.0.1:8000", None, "m", id);
+    for id in ["a", "b", "c"] {
+        observe(&s, &o(id), now).unwrap();
+    }
+    // Over the burst: refused whatever it says, valid or not.
+    for bad in [o("d"), observed("10.0.0.9:1", None, "m", "e")] {
+        let e = observe(&s, &bad, now).unwrap_err();
+        assert_eq!(e, RequestError::RateLimited);
+        assert_eq!(
+            tonic::Status::from(e).code(),
+            tonic::Code::ResourceExhausted
+        );
+    }
+    assert_eq!(s.metrics.observes.get(["rate_limited"]), 2);
+    assert_eq!(s.metrics.observes.get(["unknown_endpoint"]), 0);
+    assert_eq!(lock(&s.affinity).len(), 3);
+    // 10 a second: one more after 100 ms.
+    observe(&s, &o("d"), now + Duration::from_millis(100)).unwrap();
+    assert!(observe(&s, &o("e"), now + Duration::from_millis(100)).is_err());
 }

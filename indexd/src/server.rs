@@ -1,6 +1,6 @@
 //! The gRPC service (`kvroute.v1.Index`): thin glue from tonic to
-//! [`crate::pick`]. Errors become `tonic::Status` via `RequestError`'s
-//! `From` impl in [`crate::error`].
+//! [`crate::pick`], behind the token check of [`crate::auth`]. Errors become
+//! `tonic::Status` via the `From` impls in [`crate::error`].
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,8 +11,10 @@ use kvroute_proto::v1::{
     TokenizerSource,
 };
 use kvroute_proto::{BlockSize, block_keys};
+use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
+use crate::auth::GrpcAuth;
 use crate::pick;
 use crate::state::Shared;
 use crate::tokenize::{Api, Source};
@@ -29,16 +31,20 @@ impl IndexService {
         Self { shared }
     }
 
-    /// The tonic server wrapper; a Pick may carry a request body up to
-    /// `tokenize.max_body_bytes`.
-    pub fn into_server(self) -> IndexServer<Self> {
+    /// The tonic server wrapper behind the token check; a Pick may carry a
+    /// request body up to `tokenize.max_body_bytes`.
+    pub fn into_server(self) -> InterceptedService<IndexServer<Self>, GrpcAuth> {
         let limit = self
             .shared
             .tokenizers
             .config()
             .max_body_bytes
             .saturating_add(64 << 10);
-        IndexServer::new(self).max_decoding_message_size(limit)
+        let auth = GrpcAuth::new(Arc::clone(&self.shared));
+        InterceptedService::new(
+            IndexServer::new(self).max_decoding_message_size(limit),
+            auth,
+        )
     }
 }
 

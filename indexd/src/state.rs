@@ -8,6 +8,10 @@
 //! - per-replica load, freshness and health: atomics and small mutexes inside
 //!   [`Replica`], written by that replica's own tasks.
 //! - `affinity`, `approximate`, `rng`: short `Mutex`es.
+//! - `observe_bucket`: a short `Mutex` over the Observe rate limit's token
+//!   bucket, taken once per Observe before anything else (a few float
+//!   operations; never with another lock held).
+//! - `token`: no lock — the shared token's digest, set once at start.
 //! - `tokenizers`: no lock — the set of models is fixed at start; each
 //!   model's gate is atomics plus a `Mutex` over its closing reason, and its
 //!   tokenizer's segment cache locks itself briefly (never while encoding).
@@ -38,11 +42,13 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::affinity::{Affinity, Approximate};
+use crate::auth::Token;
 use crate::config::{Config, EndpointConfig, EndpointId};
 use crate::event::{EventBatch, KvEvent};
 use crate::ids::ReplicaSlot;
 use crate::index::{Applied, ApplyStats, Index};
 use crate::metrics::Metrics;
+use crate::ratelimit::TokenBucket;
 use crate::score::Load;
 use crate::snapshot::Pending;
 use crate::tokenize::Tokenizers;
@@ -294,6 +300,22 @@ impl Registry {
         self.replicas.get(id).cloned()
     }
 
+    /// The replica an Observe may name: `id` itself; with no rank, any
+    /// replica at the address; with a rank, a replica registered at the
+    /// address without ranks. Never a replica at another address, nor
+    /// another rank of a server registered by rank.
+    pub(crate) fn observed(&self, id: &EndpointId) -> Option<Arc<Replica>> {
+        if id.rank.is_none() {
+            return self.find(id);
+        }
+        self.get(id).or_else(|| {
+            self.get(&EndpointId {
+                address: id.address,
+                rank: None,
+            })
+        })
+    }
+
     /// The replica `id` names, or, when the rank is unknown or differs, the
     /// first replica at that address.
     pub(crate) fn find(&self, id: &EndpointId) -> Option<Arc<Replica>> {
@@ -337,6 +359,10 @@ pub struct Shared {
     /// Local tokenizers and the replica fallback (read-only after start;
     /// each model's gate and cache synchronise themselves).
     pub(crate) tokenizers: Tokenizers,
+    /// The shared token every call must carry, if configured.
+    pub(crate) token: Option<Token>,
+    /// The Observe rate limit.
+    pub(crate) observe_bucket: Mutex<TokenBucket>,
 }
 
 impl Shared {
@@ -362,8 +388,19 @@ impl Shared {
             snapshot_lock: Mutex::new(()),
             ingest: OnceLock::new(),
             tokenizers: Tokenizers::none(),
+            token: None,
+            observe_bucket: Mutex::new(TokenBucket::new(
+                config.access.observe_rate,
+                config.access.observe_burst,
+            )),
             config,
         }
+    }
+
+    /// The same state requiring `token` on every call.
+    pub fn with_token(mut self, token: Option<Token>) -> Self {
+        self.token = token;
+        self
     }
 
     /// The same state tokenizing with `tokenizers`.

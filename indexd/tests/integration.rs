@@ -230,13 +230,11 @@ impl Daemon {
         tweak(&mut config);
         let bound = Server::bind(config).await.unwrap();
         let (grpc, http, handle) = (bound.grpc_addr(), bound.http_addr(), bound.handle());
-        assert_ne!(grpc.port(), 0);
+        assert_ne!(grpc.tcp().map_or(1, |a| a.port()), 0);
         let stop = CancellationToken::new();
         let served = tokio::spawn(bound.serve(stop.clone()));
         // The listener is bound already: connecting cannot race the server.
-        let client = IndexClient::connect(format!("http://{grpc}"))
-            .await
-            .unwrap();
+        let client = IndexClient::connect(grpc.grpc_uri()).await.unwrap();
         Self {
             handle,
             client,
@@ -1146,3 +1144,6 @@ mod tokenize;
 
 #[path = "integration/snapshot.rs"]
 mod snapshot;
+
+#[path = "integration/access.rs"]
+mod access;

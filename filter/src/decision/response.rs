@@ -23,6 +23,7 @@ use crate::breaker::{self, Breaker};
 use crate::completed;
 use crate::config::Api;
 use crate::host::Host;
+use crate::memo;
 use crate::metrics::Counter;
 use crate::observe::{IdScanner, Scan};
 
@@ -61,6 +62,7 @@ impl Flow {
             let name = name.clone();
             host.set_response_header(&name, reason.label());
         }
+        self.remember(host);
         if !self.cfg.observe || !matches!(self.response, ResponseStage::Idle) {
             return Action::Continue;
         }
@@ -156,6 +158,28 @@ impl Flow {
         }
     }
 
+    /// Remembers which replica answered a parsed request (2xx), whatever
+    /// routed it: its conversation's next turn goes there too should indexd
+    /// not answer ([`crate::memo`]).
+    fn remember(&self, host: &mut dyn Host) {
+        let Some(decision) = self.decision() else {
+            return;
+        };
+        let Some(last) = decision.routed.as_ref().and_then(|r| r.prints.last()) else {
+            return;
+        };
+        let ok = header_string(host.response_header(":status")).is_some_and(|s| s.starts_with('2'));
+        let served = host
+            .property(&["upstream", "address"])
+            .and_then(|v| String::from_utf8(v).ok())
+            .filter(|a| !a.is_empty());
+        if let (true, Some(served)) = (ok, served) {
+            // The rank only if the replica is the one indexd named.
+            let rank = decision.rank;
+            memo::remember(host, *last, &served, rank);
+        }
+    }
+
     /// Queues this request's pick as completed, if it was picked.
     fn complete_pick(&self, host: &mut dyn Host) {
         if self.decision().is_some_and(|d| d.reason.routed()) {
@@ -194,6 +218,7 @@ impl Flow {
             &self.cfg.index_cluster,
             grpc_path::SERVICE,
             grpc_path::OBSERVE,
+            &self.cfg.index_metadata(),
             &msg.encode_to_vec(),
             self.cfg.index_timeout,
         ) {
@@ -328,6 +353,40 @@ mod tests {
         assert_eq!(h.host.response_resumes, 1);
         assert_eq!(h.response_chunk(b"", true), Action::Continue);
         assert_eq!(h.host.grpc_calls.len(), picks + 1);
+    }
+
+    #[test]
+    fn the_index_token_rides_every_pick_and_observe() {
+        let token = "kvroute-test-token-0123456789";
+        let metadata = |extra: &str| {
+            let mut h = Harness::new(extra);
+            h.post(
+                "/v1/responses",
+                r#"{"model":"m","input":"x","previous_response_id":"resp_0"}"#,
+            );
+            h.index_answers(0, &answer(DecisionKind::Affinity, &["10.0.0.2:8000"], None));
+            h.respond("200", "application/json", false);
+            h.response_chunk(br#"{"id":"resp_1","object":"response","#, false);
+            assert_eq!(observed(&h).response_id, "resp_1");
+            let calls: Vec<_> = h
+                .host
+                .grpc_calls
+                .iter()
+                .map(|c| c.metadata.clone())
+                .collect();
+            assert_eq!(calls.len(), 2, "a Pick and an Observe");
+            calls
+        };
+        let bearer = vec![(
+            "authorization".to_owned(),
+            format!("Bearer {token}").into_bytes(),
+        )];
+        for sent in metadata(&format!(r#""index_token":"{token}""#)) {
+            assert_eq!(sent, bearer);
+        }
+        for sent in metadata("") {
+            assert!(sent.is_empty());
+        }
     }
 
     #[test]

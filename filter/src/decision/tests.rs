@@ -615,13 +615,12 @@ fn breaker_opens_skips_the_index_and_closes_again() {
         h.next_stream();
     }
     assert_eq!(h.host.count_of(Counter::BreakerOpened), 1);
-    // Open: no pause, no calls.
-    assert_eq!(
-        h.headers("POST", "/v1/chat/completions", &[], false),
-        Action::Continue
-    );
+    // Open: the body is read (for the conversation memory) but no call is
+    // made; nothing answered yet, so nothing is remembered.
+    assert_eq!(h.post("/v1/chat/completions", CHAT), Action::Continue);
     assert_unrouted(&h, Reason::BreakerOpen);
     assert!(h.host.http_calls.is_empty());
+    assert!(h.host.grpc_calls.is_empty());
     // After the cool-down the index is tried again; success closes.
     h.next_stream();
     h.host.now_us += 2_100_000;
@@ -820,4 +819,60 @@ fn with_tokenize_at_indexd_an_untokenized_body_goes_on_unrouted() {
     let pick = h.pick_request();
     assert!(pick.body.is_empty());
     assert_eq!(pick.block_keys.len(), 1);
+}
+
+#[test]
+fn while_indexd_cannot_answer_a_conversation_goes_where_its_last_turn_went() {
+    let mut h = Harness::new(
+        r#""tokenize_at":"indexd","breaker":{"failures":1,"window_ms":1000,"cooldown_ms":60000,"probe_ms":0}"#,
+    );
+    let turn = |n: usize| {
+        let mut messages = vec![r#"{"role":"system","content":"shared"}"#.to_owned()];
+        for i in 0..n {
+            messages.push(format!(r#"{{"role":"user","content":"q{i}"}}"#));
+            messages.push(format!(r#"{{"role":"assistant","content":"a{i}"}}"#));
+        }
+        messages.push(format!(r#"{{"role":"user","content":"q{n}"}}"#));
+        format!(r#"{{"model":"m","messages":[{}]}}"#, messages.join(","))
+    };
+    // Turn 0 is routed by indexd and answered by 10.0.0.2:8000 (the
+    // harness's upstream).
+    h.post("/v1/chat/completions", &turn(0));
+    h.index_answers(
+        0,
+        &answer(DecisionKind::Precise, &["10.0.0.2:8000"], Some(1)),
+    );
+    h.respond("200", "application/json", true);
+    // Turn 1: indexd fails; the memory sends it to turn 0's replica.
+    h.next_stream();
+    h.post("/v1/chat/completions", &turn(1));
+    h.index_answers(14, b"");
+    assert_eq!(h.flow.reason(), Some(Reason::Remembered));
+    assert_eq!(h.override_header().as_deref(), Some("10.0.0.2:8000"));
+    assert_eq!(h.host.header("x-data-parallel-rank").as_deref(), Some("1"));
+    assert_eq!(h.host.request_resumes, 1);
+    h.respond("200", "application/json", true);
+    // Turn 2, breaker open: no call at all, still its replica.
+    h.next_stream();
+    h.post("/v1/chat/completions", &turn(2));
+    assert!(h.host.grpc_calls.is_empty());
+    assert_eq!(h.flow.reason(), Some(Reason::Remembered));
+    assert_eq!(h.override_header().as_deref(), Some("10.0.0.2:8000"));
+    // Another conversation is unknown: Envoy chooses.
+    h.next_stream();
+    h.post(
+        "/v1/chat/completions",
+        r#"{"model":"m","messages":[{"role":"user","content":"new"}]}"#,
+    );
+    assert_eq!(h.flow.reason(), Some(Reason::BreakerOpen));
+    assert_eq!(h.override_header(), None);
+    // A failed answer is not remembered.
+    let mut f = Harness::new(r#""tokenize_at":"indexd","remember":true"#);
+    f.post("/v1/chat/completions", &turn(0));
+    f.index_answers(0, &answer(DecisionKind::Precise, &["10.0.0.2:8000"], None));
+    f.respond("503", "application/json", true);
+    f.next_stream();
+    f.post("/v1/chat/completions", &turn(1));
+    f.index_answers(14, b"");
+    assert_eq!(f.flow.reason(), Some(Reason::IndexUnavailable));
 }

@@ -37,6 +37,9 @@ fn state() -> &'static Shared {
         config.max_speculative_entries = 4096;
         config.affinity_capacity = 1024;
         config.approximate_capacity = 4096;
+        // Every input reaches Observe's checks, not its rate limit.
+        config.access.observe_rate = std::num::NonZeroU32::MAX;
+        config.access.observe_burst = std::num::NonZeroU32::MAX;
         let shared = Shared::new(config, CancellationToken::new());
         for (i, e) in endpoints.into_iter().enumerate() {
             let replica = shared.add_replica(e).unwrap();

@@ -80,9 +80,32 @@ pub struct Args {
     /// Seed of the prompts (and of indexd's tie-breaks).
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
+    /// Where kvroute tokenizes: `indexd` (the Pick carries the body; indexd
+    /// asks the mock's render endpoint, the mock model having no tokenizer
+    /// files) or `cluster` (the filter calls the mock's /tokenize, then Picks).
+    #[arg(long, value_enum, default_value_t = TokenizeAt::Indexd)]
+    pub tokenize_at: TokenizeAt,
     /// Output directory.
     #[arg(long, default_value = "tests/bench/results-overhead")]
     pub out: PathBuf,
+}
+
+/// The filter's `tokenize_at`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TokenizeAt {
+    /// One call: a Pick carrying the body.
+    Indexd,
+    /// Two calls: the tokenizer cluster, then a Pick with keys.
+    Cluster,
+}
+
+impl TokenizeAt {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Indexd => "indexd",
+            Self::Cluster => "cluster",
+        }
+    }
 }
 
 /// Runs the measurement, writes the CSV files and `overhead.md` into
@@ -121,6 +144,11 @@ pub fn run(args: &Args) -> Result<Report, BenchError> {
     }
     std::fs::create_dir_all(&args.out).map_err(|e| BenchError::io(&args.out, e))?;
     let started = Instant::now();
+    let mut filter_overrides = StackOptions::default().filter_overrides;
+    if args.tokenize_at == TokenizeAt::Cluster {
+        filter_overrides["tokenize_at"] = serde_json::json!("cluster");
+        filter_overrides["tokenizer_cluster"] = serde_json::json!("vllm_tokenizer");
+    }
     let stack = |routing, threads: &str| {
         Stack::start(StackOptions {
             routing,
@@ -128,6 +156,7 @@ pub fn run(args: &Args) -> Result<Report, BenchError> {
             time_scale: TIME_SCALE,
             seed: args.seed,
             thread_label: Some(threads.to_owned()),
+            filter_overrides: filter_overrides.clone(),
             ..StackOptions::default()
         })
     };
@@ -345,6 +374,7 @@ fn settings(args: &Args, options: &StackOptions) -> Vec<RunRow> {
         ("senders", args.senders.to_string()),
         ("warmup", args.warmup.to_string()),
         ("seed", args.seed.to_string()),
+        ("tokenize_at", args.tokenize_at.label().to_owned()),
         ("replicas", options.replicas.to_string()),
         ("block_size", options.block_size.to_string()),
         ("time_scale", options.time_scale.to_string()),
@@ -444,6 +474,7 @@ mod tests {
             senders: 4,
             warmup: 0,
             seed: 1,
+            tokenize_at: TokenizeAt::Indexd,
             out: dir.path().to_owned(),
         };
         let settings = settings(&args, &StackOptions::default());
@@ -480,6 +511,7 @@ mod tests {
             senders: 4,
             warmup: 0,
             seed: 1,
+            tokenize_at: TokenizeAt::Indexd,
             out: PathBuf::from("/nonexistent/overhead"),
         };
         assert!(run(&args).is_err());

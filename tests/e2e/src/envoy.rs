@@ -373,6 +373,26 @@ pub fn grpc_cluster(name: &str, host: SocketAddr) -> Value {
     cluster
 }
 
+/// `{"pipe": {"path": path}}`: a Unix domain socket address.
+pub fn pipe_address(path: &Path) -> Value {
+    json!({ "pipe": { "path": path.display().to_string() } })
+}
+
+/// indexd's HTTP/2 cluster: a socket address for TCP, a `pipe` address for
+/// a Unix socket.
+pub fn indexd_cluster(name: &str, indexd: &indexd::ListenAddr) -> Value {
+    match indexd {
+        indexd::ListenAddr::Tcp(a) => grpc_cluster(name, *a),
+        indexd::ListenAddr::Unix(path) => {
+            let mut cluster = grpc_cluster(name, SocketAddr::from(([127, 0, 0, 1], 9)));
+            cluster["load_assignment"]["endpoints"] = json!([{ "lb_endpoints": [
+                { "endpoint": { "address": pipe_address(path) } }
+            ] }]);
+            cluster
+        }
+    }
+}
+
 /// Runs `envoy --mode validate` on a config file from directory `cwd`
 /// (relative paths in the config, such as the `.wasm`, resolve from there).
 /// Envoy loads the wasm module and runs its `on_configure`, so the plugin

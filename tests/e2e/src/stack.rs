@@ -8,22 +8,27 @@
 //! indexd can be stopped and started again on the same port mid-test.
 //! With [`StackOptions::gateways`] > 1 the stack is active-active: each
 //! gateway is its own Envoy with its own indexd, all in front of (and
-//! subscribed to) the same replicas.
+//! subscribed to) the same replicas. With [`StackOptions::indexd_unix_socket`]
+//! indexd serves gRPC on a Unix socket that Envoy reaches as a `pipe`
+//! address; with [`StackOptions::indexd_token`] indexd requires a shared
+//! token and the filter sends it.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use indexd::ListenAddr;
 use serde_json::{Value, json};
 use tokio::runtime::Runtime;
-use tokio::task::JoinHandle;
-use tokio_util::sync::CancellationToken;
 
-use crate::envoy::{
-    cluster_route, grpc_cluster, http_cluster, http_listener, inference_cluster, kvroute_filters,
-};
 use crate::proxy::Relay;
 use crate::vllm::{RealVllm, VllmOptions, free_port};
-use crate::{Envoy, EnvoyConfig, HarnessError, artifacts};
+use crate::{Envoy, HarnessError};
+
+mod parts;
+
+use parts::{
+    RunningIndexd, endpoint, envoy_config, indexd_config, mock_config, runtime, start_indexd,
+};
 
 /// The request header the filter writes and Envoy's override_host reads.
 pub const OVERRIDE_HEADER: &str = "x-gateway-destination-endpoint";
@@ -90,6 +95,15 @@ pub struct StackOptions {
     pub thread_label: Option<String>,
     /// Local tokenizers of every indexd (none: the replicas' `/tokenize`).
     pub tokenizers: Vec<indexd::tokenize::TokenizerSpec>,
+    /// indexd serves gRPC on a Unix socket in a temporary directory (mode
+    /// 0660) and Envoy's indexd cluster is a `pipe` address. Not together
+    /// with `slow_indexd_link` (a TCP relay).
+    pub indexd_unix_socket: bool,
+    /// indexd requires this shared token (its `auth_token_file`) and the
+    /// filter sends it (`index_token`).
+    pub indexd_token: Option<String>,
+    /// indexd's `observe_rate` and `observe_burst` (None: its defaults).
+    pub observe_limit: Option<(u32, u32)>,
 }
 
 impl Default for StackOptions {
@@ -116,15 +130,11 @@ impl Default for StackOptions {
             buffer_limit_bytes: 8 * 1024 * 1024,
             thread_label: None,
             tokenizers: Vec::new(),
+            indexd_unix_socket: false,
+            indexd_token: None,
+            observe_limit: None,
         }
     }
-}
-
-struct RunningIndexd {
-    stop: CancellationToken,
-    task: JoinHandle<Result<(), indexd::StartError>>,
-    handle: indexd::Handle,
-    http: SocketAddr,
 }
 
 /// A gateway beyond the first: its own Envoy and indexd.
@@ -144,7 +154,7 @@ pub struct Stack {
     extra_gateways: Vec<Gateway>,
     envoy: Envoy,
     indexd: Option<RunningIndexd>,
-    indexd_grpc: SocketAddr,
+    indexd_grpc: ListenAddr,
     indexd_link: Option<Relay>,
     endpoints: Vec<indexd::EndpointConfig>,
     replicas: Vec<mock_vllm::Handle>,
@@ -271,31 +281,53 @@ impl Stack {
             .prefix("kvroute-indexd-")
             .tempdir()
             .map_err(|e| HarnessError::io("create snapshot dir", e))?;
+        if options.indexd_unix_socket && options.slow_indexd_link {
+            return Err(setup(
+                "stack options",
+                "slow_indexd_link relays TCP: not with indexd_unix_socket",
+            ));
+        }
+        if let Some(token) = &options.indexd_token {
+            std::fs::write(snapshots.path().join("token"), token)
+                .map_err(|e| HarnessError::io("write the token file", e))?;
+        }
+        // Where gateway `i`'s indexd listens for gRPC.
+        let listen = |i: usize| {
+            if options.indexd_unix_socket {
+                ListenAddr::Unix(snapshots.path().join(format!("indexd-{i}.sock")))
+            } else {
+                ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 0)))
+            }
+        };
         let (indexd, indexd_grpc, indexd_link) = if options.routing == Routing::LeastRequest {
-            (None, SocketAddr::from(([127, 0, 0, 1], 9)), None)
+            (
+                None,
+                ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 9))),
+                None,
+            )
         } else {
-            let mut config =
-                indexd_config(&options, &endpoints, SocketAddr::from(([127, 0, 0, 1], 0)));
+            let mut config = indexd_config(&options, &endpoints, listen(0), snapshots.path());
             config.snapshot.path = Some(snapshots.path().join("indexd.snapshot"));
             let (running, grpc) = start_indexd(indexd_rt, config)?;
             // With `slow_indexd_link`, Envoy reaches indexd through a relay the
             // test can slow down.
-            let link = if options.slow_indexd_link {
-                Some(Relay::start(&runtime, grpc)?)
-            } else {
-                None
+            let link = match (options.slow_indexd_link, grpc.tcp()) {
+                (true, Some(tcp)) => Some(Relay::start(&runtime, tcp)?),
+                _ => None,
             };
             (Some(running), grpc, link)
         };
-        let envoy_to_indexd = indexd_link.as_ref().map_or(indexd_grpc, Relay::addr);
-        let envoy = Envoy::start(&envoy_config(&options, &addresses, envoy_to_indexd)?)?;
+        let envoy_to_indexd = indexd_link
+            .as_ref()
+            .map_or_else(|| indexd_grpc.clone(), |l| ListenAddr::Tcp(l.addr()));
+        let envoy = Envoy::start(&envoy_config(&options, &addresses, &envoy_to_indexd)?)?;
         let mut extra_gateways = Vec::new();
         for gateway in 1..options.gateways {
             let (indexd, grpc) = if options.routing == Routing::LeastRequest {
-                (None, SocketAddr::from(([127, 0, 0, 1], 9)))
+                (None, ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 9))))
             } else {
                 let mut config =
-                    indexd_config(&options, &endpoints, SocketAddr::from(([127, 0, 0, 1], 0)));
+                    indexd_config(&options, &endpoints, listen(gateway), snapshots.path());
                 // Each indexd draws its own tie-breaks, as independently started
                 // ones do (seeded from entropy); the same seed everywhere would
                 // make every gateway send the same first requests to the same
@@ -304,7 +336,7 @@ impl Stack {
                 let (running, grpc) = start_indexd(indexd_rt, config)?;
                 (Some(running), grpc)
             };
-            let envoy = Envoy::start(&envoy_config(&options, &addresses, grpc)?)?;
+            let envoy = Envoy::start(&envoy_config(&options, &addresses, &grpc)?)?;
             extra_gateways.push(Gateway { envoy, indexd });
         }
         let stack = Self {
@@ -330,9 +362,10 @@ impl Stack {
         &self.real
     }
 
-    /// indexd's gRPC address.
-    pub fn indexd_grpc(&self) -> SocketAddr {
-        self.indexd_grpc
+    /// indexd's gRPC address (`ip:port` or a socket file); a tonic client
+    /// connects to its [`ListenAddr::grpc_uri`].
+    pub fn indexd_grpc(&self) -> &ListenAddr {
+        &self.indexd_grpc
     }
 
     /// Delays every request on Envoy's link to indexd (zero: no delay); needs
@@ -421,7 +454,12 @@ impl Stack {
         if self.indexd.is_some() || self.options.routing == Routing::LeastRequest {
             return Ok(());
         }
-        let mut config = indexd_config(&self.options, &self.endpoints, self.indexd_grpc);
+        let mut config = indexd_config(
+            &self.options,
+            &self.endpoints,
+            self.indexd_grpc.clone(),
+            self.snapshots.path(),
+        );
         config.snapshot.path = Some(self.snapshots.path().join("indexd.snapshot"));
         let rt = self.indexd_runtime.as_ref().unwrap_or(&self.runtime);
         let (running, _) = start_indexd(rt, config)?;
@@ -534,142 +572,4 @@ pub fn wait_until(
         std::thread::sleep(Duration::from_millis(10));
     }
     Ok(())
-}
-
-fn mock_config(options: &StackOptions) -> mock_vllm::Config {
-    let mut config = mock_vllm::Config {
-        served_model_names: vec![options.model.clone()],
-        lora_modules: options.adapters.clone(),
-        block_size: options.block_size,
-        num_gpu_blocks: options.num_gpu_blocks,
-        default_max_tokens: options.default_max_tokens,
-        chat_template: options.chat_template,
-        reasoning_tokens: options.reasoning_tokens,
-        // One hash seed for all replicas, as a fleet started with one
-        // PYTHONHASHSEED would have; indexd must not depend on it either way.
-        hash_seed: Some("kvroute-e2e".into()),
-        data_parallel_size: options.data_parallel_size,
-        max_model_len: options.max_model_len,
-        ..mock_vllm::Config::default()
-    };
-    config.latency.time_scale = options.time_scale;
-    config
-}
-
-/// A 2-thread runtime, its threads named `label` when given.
-fn runtime(label: Option<&str>) -> Result<Runtime, HarnessError> {
-    // KVROUTE_E2E_LOG=indexd=debug,mock_vllm=info shows the in-process
-    // components' logs on stderr.
-    if let Ok(filter) = std::env::var("KVROUTE_E2E_LOG") {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-            .with_writer(std::io::stderr)
-            .try_init();
-    }
-    let mut builder = tokio::runtime::Builder::new_multi_thread();
-    if let Some(label) = label {
-        builder.thread_name(label);
-    }
-    builder
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| HarnessError::io("tokio runtime", e))
-}
-
-/// One replica as indexd knows it; `events` is `(endpoint, indexd binds)`.
-fn endpoint(
-    options: &StackOptions,
-    http: SocketAddr,
-    events: Option<(String, bool)>,
-    replay: Option<String>,
-) -> indexd::EndpointConfig {
-    let mut endpoint = indexd::EndpointConfig::new(http, options.model.clone());
-    endpoint.adapters = options.adapters.clone();
-    if let Some((events, bind)) = events {
-        endpoint.events = Some(events);
-        endpoint.events_bind = bind;
-    }
-    endpoint.replay = replay;
-    endpoint.metrics_url = indexd::HttpUrl::parse(&format!("http://{http}/metrics"));
-    endpoint
-}
-
-fn indexd_config(
-    options: &StackOptions,
-    endpoints: &[indexd::EndpointConfig],
-    grpc: SocketAddr,
-) -> indexd::Config {
-    let mut config = indexd::Config::new(endpoints.to_vec());
-    config.grpc_listen = grpc;
-    config.http_listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    config.scrape_interval = Duration::from_millis(200);
-    config.seed = Some(options.seed);
-    if let Some(bs) = kvroute_proto::BlockSize::new(options.block_size) {
-        config.block_size = bs;
-    }
-    config.tokenize.tokenizers = options.tokenizers.clone();
-    config
-}
-
-fn start_indexd(
-    runtime: &Runtime,
-    config: indexd::Config,
-) -> Result<(RunningIndexd, SocketAddr), HarnessError> {
-    let bound = runtime
-        .block_on(indexd::Server::bind(config))
-        .map_err(|e| setup("indexd", e))?;
-    let grpc = bound.grpc_addr();
-    let http = bound.http_addr();
-    let handle = bound.handle();
-    let stop = CancellationToken::new();
-    let task = runtime.spawn(bound.serve(stop.clone()));
-    Ok((
-        RunningIndexd {
-            stop,
-            task,
-            handle,
-            http,
-        },
-        grpc,
-    ))
-}
-
-fn envoy_config(
-    options: &StackOptions,
-    replicas: &[SocketAddr],
-    indexd: SocketAddr,
-) -> Result<EnvoyConfig, HarnessError> {
-    let route = cluster_route("vllm", Duration::from_secs(120));
-    let mut clusters = vec![
-        inference_cluster("vllm", replicas, OVERRIDE_HEADER),
-        http_cluster("vllm_tokenizer", replicas),
-    ];
-    let filters = match options.routing {
-        Routing::LeastRequest => vec![],
-        Routing::Precise | Routing::Approximate => {
-            clusters.push(grpc_cluster("kvroute_indexd", indexd));
-            // Picks carry the request body and indexd tokenizes it (the
-            // mock's `/tokenize`: no local tokenizer for the mock model).
-            // `filter_overrides` may choose the two-call path instead:
-            // {"tokenize_at": "cluster", "tokenizer_cluster": "vllm_tokenizer"}.
-            let mut plugin = json!({
-                "index_cluster": "kvroute_indexd",
-                "block_size": options.block_size,
-                "decision_header": DECISION_HEADER,
-                "mode": if options.routing == Routing::Precise { "precise" } else { "approximate" },
-            });
-            if let (Some(plugin), Some(extra)) =
-                (plugin.as_object_mut(), options.filter_overrides.as_object())
-            {
-                for (k, v) in extra {
-                    plugin.insert(k.clone(), v.clone());
-                }
-            }
-            kvroute_filters(&artifacts::filter_wasm()?, &plugin)
-        }
-    };
-    let mut listener = http_listener(LISTENER, filters, vec![route]);
-    listener["per_connection_buffer_limit_bytes"] = json!(options.buffer_limit_bytes);
-    Ok(EnvoyConfig::new(vec![listener], clusters))
 }

@@ -3,7 +3,8 @@
 //! built filter, which validates its own plugin configuration), the Envoy
 //! fragments inside the Istio patches are validated by Envoy the same way,
 //! indexd parses its configs, the mock's CLI parses the compose commands, and
-//! the files agree with each other on addresses and ports.
+//! the files agree with each other on addresses, ports, socket paths, labels
+//! and groups (the NetworkPolicies against the DaemonSet and the Service).
 
 #![allow(
     clippy::unwrap_used,
@@ -31,6 +32,34 @@ fn yaml_docs(path: &str) -> Vec<Value> {
         })
         .filter(|v| !v.is_null())
         .collect()
+}
+
+/// indexd's gRPC socket path (the deploy files listen on a Unix socket).
+fn socket_path(config: &indexd::Config) -> String {
+    config
+        .grpc_listen
+        .unix_path()
+        .unwrap_or_else(|| panic!("grpc_listen {} is not a socket", config.grpc_listen))
+        .display()
+        .to_string()
+}
+
+/// The one `pipe` path of an Envoy config's kvroute_indexd cluster (YAML).
+fn envoy_indexd_pipe(envoy_yaml: &str) -> String {
+    let doc: serde_yaml::Value = serde_yaml::from_str(envoy_yaml).unwrap();
+    let doc = serde_json::to_value(doc).unwrap();
+    let cluster = doc["static_resources"]["clusters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "kvroute_indexd")
+        .unwrap()
+        .clone();
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["pipe"]
+        ["path"]
+        .as_str()
+        .unwrap()
+        .to_owned()
 }
 
 fn validate_json(bootstrap: &Value) -> String {
@@ -163,12 +192,19 @@ fn istio_envoyfilter_patches_are_valid_envoy_config() {
     let merged = by("CLUSTER", "MERGE");
     let policy = &merged[0]["load_balancing_policy"];
     let added = by("CLUSTER", "ADD");
-    let mut indexd = added[0].clone();
+    let indexd = added[0].clone();
     assert_eq!(indexd["name"], "kvroute-indexd");
-    // Envoy's validate mode resolves nothing; a STATIC address keeps it offline.
-    indexd["type"] = json!("STATIC");
-    indexd["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] =
-        socket_address(50061);
+    // indexd's socket, as the DaemonSet's config names it (validated as is).
+    let pipe = &indexd["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+        ["pipe"]["path"];
+    let kube = yaml_docs("envoy/kubernetes/indexd.yaml");
+    let config = kube
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "kvroute-indexd")
+        .unwrap();
+    let parsed =
+        indexd::Config::from_yaml(config["data"]["indexd.yaml"].as_str().unwrap()).unwrap();
+    assert_eq!(pipe.as_str(), Some(socket_path(&parsed).as_str()));
     let vllm = json!({
         "name": "vllm",
         "type": "STATIC",
@@ -229,28 +265,223 @@ fn kubernetes_indexd_config_is_valid_for_indexd() {
     );
 
     let daemonset = kind("DaemonSet").next().unwrap();
-    let container = &daemonset["spec"]["template"]["spec"]["containers"][0];
+    let pod = &daemonset["spec"]["template"]["spec"];
+    let container = &pod["containers"][0];
     assert_eq!(
         container["args"],
         json!(["--config", "/etc/kvroute/indexd.yaml"])
     );
-    let grpc_port = parsed.grpc_listen.port();
+
+    // gRPC on the socket, in a hostPath directory the gateway patch mounts
+    // too; the socket's group (indexd's runAsGroup) is the gateway's.
+    let socket = socket_path(&parsed);
+    let dir = Path::new(&socket).parent().unwrap().display().to_string();
+    let mount = container["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["mountPath"] == dir.as_str())
+        .unwrap_or_else(|| panic!("indexd does not mount {dir}"));
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    let host_dir = volume["hostPath"]["path"].as_str().unwrap();
+    let group = &pod["securityContext"]["runAsGroup"];
+    assert!(
+        group.as_u64().is_some_and(|g| g != 0 && g != 65532),
+        "{group}"
+    );
+    let init = &pod["initContainers"][0];
+    let prepare = init["command"].to_string();
+    assert!(
+        prepare.contains(&format!(":{group} {dir}")) && prepare.contains("0750"),
+        "{prepare}"
+    );
+    let patch = &yaml_docs("envoy/istio/gateway-socket-patch.yaml")[0]["spec"]["template"]["spec"];
+    assert!(
+        patch["securityContext"]["supplementalGroups"]
+            .as_array()
+            .unwrap()
+            .contains(group)
+    );
+    let gateway_volume = &patch["volumes"][0];
+    assert_eq!(gateway_volume["hostPath"]["path"], host_dir);
+    let gateway_mount = &patch["containers"][0]["volumeMounts"][0];
+    assert_eq!(gateway_mount["name"], gateway_volume["name"]);
+    assert_eq!(gateway_mount["mountPath"], dir.as_str());
+    // HTTP on the pod IP (probes, Prometheus), on the declared port.
+    let http_port = parsed.http_listen.port();
     assert!(
         container["ports"]
             .as_array()
             .unwrap()
             .iter()
-            .any(|p| p["containerPort"] == grpc_port)
+            .any(|p| p["name"] == "http" && p["containerPort"] == http_port)
     );
 
-    // The Service the Istio patch names leads to the node-local pod.
+    // The TCP alternative: the Service the commented Istio cluster names
+    // leads to the node-local pod's grpc port.
     let service = kind("Service").next().unwrap();
     assert_eq!(service["spec"]["internalTrafficPolicy"], "Local");
     let name = service["metadata"]["name"].as_str().unwrap();
-    let patches = yaml_docs("envoy/istio/envoyfilter.yaml");
-    let text = serde_json::to_string(&patches).unwrap();
-    assert!(text.contains(&format!("{name}.inference.svc.cluster.local")));
-    assert!(text.contains(&format!("\"port_value\":{grpc_port}")));
+    let grpc_port = container["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "grpc")
+        .unwrap()["containerPort"]
+        .as_u64()
+        .unwrap();
+    let patches = std::fs::read_to_string(repo("envoy/istio/envoyfilter.yaml")).unwrap();
+    assert!(patches.contains(&format!(
+        "{name}.inference.svc.cluster.local, port_value: {grpc_port}"
+    )));
+}
+
+/// The ports a NetworkPolicy ingress rule admits.
+fn rule_ports(rule: &Value) -> Vec<u64> {
+    rule["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            assert_eq!(p["protocol"], "TCP");
+            p["port"].as_u64().unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn kubernetes_network_policies_match_the_daemonset_and_the_service() {
+    let kube = yaml_docs("envoy/kubernetes/indexd.yaml");
+    let daemonset = kube.iter().find(|d| d["kind"] == "DaemonSet").unwrap();
+    let service = kube.iter().find(|d| d["kind"] == "Service").unwrap();
+    let config = kube
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "kvroute-indexd")
+        .unwrap();
+    let parsed =
+        indexd::Config::from_yaml(config["data"]["indexd.yaml"].as_str().unwrap()).unwrap();
+    let template = &daemonset["spec"]["template"];
+    let indexd_labels = &template["metadata"]["labels"];
+    let container_ports: Vec<(String, u64)> = template["spec"]["containers"][0]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap().to_owned(),
+                p["containerPort"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    let port_named = |name: &str| {
+        container_ports
+            .iter()
+            .find(|(n, _)| n == name)
+            .unwrap_or_else(|| panic!("no container port {name}"))
+            .1
+    };
+    let gateway = yaml_docs("envoy/istio/wasmplugin.yaml")
+        .into_iter()
+        .find(|d| d["kind"] == "WasmPlugin")
+        .unwrap()["spec"]["selector"]["matchLabels"]
+        .clone();
+    let envoyfilter = &yaml_docs("envoy/istio/envoyfilter.yaml")[0];
+    assert_eq!(envoyfilter["spec"]["workloadSelector"]["labels"], gateway);
+
+    let policies = yaml_docs("envoy/kubernetes/networkpolicy.yaml");
+    let policy = |name: &str| {
+        policies
+            .iter()
+            .find(|d| d["kind"] == "NetworkPolicy" && d["metadata"]["name"] == name)
+            .unwrap_or_else(|| panic!("no NetworkPolicy {name}"))
+    };
+    let from_gateway = |rule: &Value| rule["from"][0]["podSelector"]["matchLabels"] == gateway;
+    let from_prometheus = |rule: &Value| {
+        rule["from"][0]["podSelector"]["matchLabels"]["app.kubernetes.io/name"] == "prometheus"
+    };
+
+    // indexd's pods: the policy selects them, like the Service does.
+    let indexd = policy("kvroute-indexd");
+    assert_eq!(
+        indexd["metadata"]["namespace"],
+        daemonset["metadata"]["namespace"]
+    );
+    assert_eq!(indexd["spec"]["podSelector"]["matchLabels"], *indexd_labels);
+    assert_eq!(service["spec"]["selector"], *indexd_labels);
+    assert_eq!(indexd["spec"]["policyTypes"], json!(["Ingress"]));
+    let rules: Vec<&Value> = indexd["spec"]["ingress"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .collect();
+    assert_eq!(rules.len(), 2, "the gateway and Prometheus, nobody else");
+    // The gateway: every port of the pod and every port the Service leads to.
+    let gateway_rule = rules.iter().find(|r| from_gateway(r)).unwrap();
+    let admitted = rule_ports(gateway_rule);
+    for (name, port) in &container_ports {
+        assert!(
+            admitted.contains(port),
+            "gateway: {name} ({port}) not admitted"
+        );
+    }
+    for p in service["spec"]["ports"].as_array().unwrap() {
+        let target = port_named(p["targetPort"].as_str().unwrap());
+        assert!(admitted.contains(&target), "Service port {p} not admitted");
+    }
+    // Prometheus: only the HTTP port, the one the scrape annotation names.
+    let prometheus_rule = rules.iter().find(|r| from_prometheus(r)).unwrap();
+    let http = port_named("http");
+    assert_eq!(rule_ports(prometheus_rule), vec![http]);
+    assert_eq!(parsed.http_listen.port() as u64, http);
+    assert_eq!(
+        template["metadata"]["annotations"]["prometheus.io/port"],
+        http.to_string()
+    );
+
+    // The replicas' KV-event and replay ports: from indexd only.
+    let vllm = policy("kvroute-vllm");
+    let mut kv_ports: Vec<u64> = parsed
+        .endpoints
+        .iter()
+        .flat_map(|e| [e.events.clone(), e.replay.clone()])
+        .flatten()
+        .map(|url| url.rsplit(':').next().unwrap().parse().unwrap())
+        .collect();
+    kv_ports.sort_unstable();
+    kv_ports.dedup();
+    assert_eq!(kv_ports, vec![5557, 5558]);
+    let replica_ports: Vec<u64> = parsed
+        .endpoints
+        .iter()
+        .map(|e| u64::from(e.id.address.port()))
+        .collect();
+    for rule in vllm["spec"]["ingress"].as_array().unwrap() {
+        let ports = rule_ports(rule);
+        let from = &rule["from"][0]["podSelector"]["matchLabels"];
+        if from == indexd_labels {
+            for port in kv_ports.iter().chain(&replica_ports) {
+                assert!(ports.contains(port), "indexd cannot reach {port}");
+            }
+        } else {
+            assert!(
+                ports.iter().all(|p| !kv_ports.contains(p)),
+                "{from} may reach the KV-event sockets"
+            );
+        }
+    }
+    assert!(
+        vllm["spec"]["ingress"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| from_gateway(r) && replica_ports.iter().all(|p| rule_ports(r).contains(p))),
+        "the gateway cannot reach the replicas"
+    );
 }
 
 #[test]
@@ -316,7 +547,32 @@ fn compose_services_match_their_binaries_and_each_other() {
         let (ip, port) = address.split_once(':').unwrap();
         assert!(envoy_yaml.contains(&format!("address: {ip}, port_value: {port}")));
     }
-    assert!(envoy_yaml.contains(&format!("port_value: {}", indexd.grpc_listen.port())));
+    // Envoy reaches indexd's socket through the volume both mount, as
+    // indexd's user and group.
+    let socket = socket_path(&indexd);
+    assert_eq!(envoy_indexd_pipe(&envoy_yaml), socket);
+    let dir = Path::new(&socket).parent().unwrap().display().to_string();
+    let mounted = |service: &str| -> String {
+        services[service]["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap())
+            .find(|v| v.split(':').nth(1) == Some(dir.as_str()))
+            .unwrap_or_else(|| panic!("{service} does not mount {dir}"))
+            .split(':')
+            .next()
+            .unwrap()
+            .to_owned()
+    };
+    let volume = mounted("indexd");
+    assert_eq!(mounted("envoy"), volume);
+    assert!(compose["volumes"][volume.as_str()].is_object());
+    assert!(dockerfile.contains(&format!(
+        "USER {}\n",
+        services["envoy"]["user"].as_str().unwrap()
+    )));
+    assert!(dockerfile.contains(&format!(" {dir}\n")));
     let wasm = artifacts::filter_wasm().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("envoy.yaml");
@@ -346,5 +602,5 @@ fn local_indexd_yaml_matches_the_local_envoy_yaml() {
             "a loopback events endpoint must be bound by indexd"
         );
     }
-    assert!(envoy_yaml.contains(&format!("port_value: {}", indexd.grpc_listen.port())));
+    assert_eq!(envoy_indexd_pipe(&envoy_yaml), socket_path(&indexd));
 }

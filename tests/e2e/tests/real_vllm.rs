@@ -67,7 +67,7 @@ fn assert_warm(first: &Outcome, next: &Outcome, what: &str) {
 /// tokenizer output: how many blocks does `replica` hold?
 fn matched_blocks(stack: &Stack, tokens: &[u32], salt: Option<&str>, replica: &str) -> u32 {
     let keys = block_keys(tokens, BlockSize::new(BLOCK).unwrap(), salt);
-    let grpc = format!("http://{}", stack.indexd_grpc());
+    let grpc = stack.indexd_grpc().grpc_uri();
     let answer = stack.block_on(async {
         let mut client = IndexClient::connect(grpc).await.unwrap();
         client

@@ -234,16 +234,23 @@ fn indexd_down_fails_open_and_routing_resumes() {
     let first = turn(&stack, &messages, None);
     let warm = first.replica.clone().unwrap();
 
+    // While indexd is down, the filter's memory keeps the conversation on
+    // the replica its previous turns went to.
     stack.stop_indexd();
     for i in 0..8 {
         messages.push(message("user", &format!("question {i}")));
         let out = chat(&stack, &messages, None);
-        let reason = out.decision.unwrap();
-        assert!(
-            reason == "index_unavailable" || reason == "breaker_open",
-            "reason {reason}"
-        );
+        assert_eq!(out.decision.as_deref(), Some("remembered"), "turn {i}");
+        assert_eq!(out.replica.as_deref(), Some(warm.as_str()), "turn {i}");
+        assert!(out.cached_tokens > 0, "turn {i} missed its cache");
     }
+    // A new conversation has nothing to remember: Envoy chooses.
+    let fresh = chat(&stack, &unshared(21), None);
+    let reason = fresh.decision.unwrap();
+    assert!(
+        reason == "index_unavailable" || reason == "breaker_open",
+        "reason {reason}"
+    );
 
     stack.start_indexd().unwrap();
     // The restarted indexd recovered the replica's blocks by replay.
@@ -273,6 +280,8 @@ fn a_slow_indexd_falls_back_and_the_breaker_opens_and_closes() {
             "index_timeout_ms": 50,
             "tokenizer_timeout_ms": 50,
             "breaker": { "failures": 3, "window_ms": 10_000, "cooldown_ms": 300 },
+            // The breaker alone: the conversation memory would route these.
+            "remember": false,
         }),
         slow_indexd_link: true,
         ..StackOptions::default()

@@ -267,6 +267,9 @@ pub fn plugin_config(extra: &Value) -> Value {
         "block_size": 4,
         "decision_header": DECISION,
         "breaker": {"failures": 3, "window_ms": 30000, "cooldown_ms": 1500, "probe_ms": 0},
+        // The same body again and again: without this, the conversation
+        // memory would route the failure cases to the last replica.
+        "remember": false,
     });
     for (k, v) in extra.as_object().into_iter().flatten() {
         cfg[k] = v.clone();
