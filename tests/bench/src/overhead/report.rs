@@ -368,8 +368,8 @@ impl Report {
                 out,
                 "- At {rate}/s kvroute added {a50} µs at the median and {a99} µs at p99 \
                  (mean {am} ± {ci} µs; each p99 rests on {nk} and {nb} successful requests). The \
-                 filter held the request for {f50} µs at the median; inside that, the tokenizer \
-                 call took {t50} µs and the Pick call {i50} µs, so the Pick call is {share} of \
+                 filter held the request for {f50} µs at the median; inside that, {calls}, so \
+                 the Pick call is {share} of \
                  the added median (indexd's own work on a Pick: {pick} µs on average; the rest of \
                  the call is the gRPC hop through Envoy and the wasm callout), and ≈ {own} µs are \
                  the filter's own work and the wait for the body. Errors: {eb} Envoy alone, {ek} \
@@ -380,8 +380,18 @@ impl Report {
                 am = us(r.added_mean()),
                 ci = us(r.added_mean_ci95()),
                 f50 = opt(r.filter.map(|h| h.p50), us),
-                t50 = opt(r.tokenizer.map(|h| h.p50), us),
-                i50 = opt(r.index.map(|h| h.p50), us),
+                calls = match r.tokenizer {
+                    Some(t) => format!(
+                        "the tokenizer call took {} µs and the Pick call {} µs",
+                        us(t.p50),
+                        opt(r.index.map(|h| h.p50), us)
+                    ),
+                    None => format!(
+                        "the Pick call, which carried the body for indexd to tokenize (one \
+                         call), took {} µs",
+                        opt(r.index.map(|h| h.p50), us)
+                    ),
+                },
                 share = pct(r.pick_share()),
                 pick = opt(r.pick.map(|h| h.mean), us),
                 nk = r.kvroute.latency.n,
