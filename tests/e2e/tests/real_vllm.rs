@@ -144,6 +144,47 @@ fn wait_gate_open(stack: &Stack, model: &str) {
     }
 }
 
+/// Times the same chat bodies tokenized both ways, side by side: indexd's
+/// own `/tokenize` (the one-call path's tokenizer) and a serving replica's
+/// (the two-call path's, and indexd's fallback). Printed, not asserted: a
+/// report for the real tier (`make test-vllm` shows it with --nocapture).
+fn report_tokenizer_paths(stack: &Stack, model: &str) {
+    let indexd = format!("http://{}/tokenize", stack.indexd_http().unwrap());
+    let replica = format!("http://{}/tokenize", stack.replica_addresses()[0]);
+    let mut messages = vec![message("system", &filler(42, 400))];
+    let (mut local, mut vllm) = (Vec::new(), Vec::new());
+    for turn in 0..30u64 {
+        messages.push(message("user", &filler(1000 + turn, 120)));
+        let body = json!({ "model": model, "messages": messages }).to_string();
+        for (url, times) in [(&indexd, &mut local), (&replica, &mut vllm)] {
+            let started = std::time::Instant::now();
+            let r = http::post(
+                url,
+                &[("content-type", "application/json")],
+                body.as_bytes(),
+                WAIT,
+            )
+            .unwrap();
+            times.push(started.elapsed().as_secs_f64() * 1e3);
+            assert_eq!(r.status, 200, "{url}: {}", r.body);
+        }
+        messages.push(message("assistant", &filler(2000 + turn, 40)));
+    }
+    let q = |v: &mut Vec<f64>, p: f64| {
+        v.sort_by(f64::total_cmp);
+        v[((v.len() - 1) as f64 * p).round() as usize]
+    };
+    eprintln!(
+        "tokenizer call, a growing conversation (30 turns, up to {} messages), ms p50 / p99: \
+         indexd (native, local) {:.2} / {:.2}; vLLM replica /tokenize {:.2} / {:.2}",
+        messages.len(),
+        q(&mut local, 0.5),
+        q(&mut local, 0.99),
+        q(&mut vllm, 0.5),
+        q(&mut vllm, 0.99),
+    );
+}
+
 #[test]
 #[ignore = "needs real vLLM: make test-vllm"]
 fn real_vllm_end_to_end() {
@@ -278,6 +319,8 @@ fn real_vllm_end_to_end() {
     assert!(b2.cached_tokens > 0);
     assert_eq!(b2.replica, b.replica);
     assert_eq!(b2.decision.as_deref(), Some("precise"));
+
+    report_tokenizer_paths(&stack, model);
 
     // Every body above was tokenized by indexd itself, and the background
     // comparisons with the replicas found no difference.
