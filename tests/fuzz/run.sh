@@ -58,7 +58,7 @@ for crate in filter indexd; do
           "$scratch/$crate-$target" "corpus/$target" -- -runs="$runs" -print_final_stats=1) \
           >"$log" 2>&1; then
       tail -n 40 "$log" >&2
-      echo "fuzz: $crate:$target failed (crash input under $dir/artifacts/$target/)" >&2
+      echo "fuzz: $crate:$target failed to build or found a crash (its input, if any, is under $dir/artifacts/$target/)" >&2
       exit 1
     fi
     secs=$(( $(date +%s) - started ))

@@ -104,6 +104,7 @@ impl Host for FuzzHost {
         _: &str,
         _: &str,
         _: &str,
+        _: &[(&str, &[u8])],
         _: &[u8],
         _: Duration,
     ) -> Result<u32, HostError> {
