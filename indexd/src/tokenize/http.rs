@@ -10,8 +10,10 @@ use std::sync::Arc;
 
 use axum::Router;
 use axum::body::Bytes;
+use axum::extract::Request;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use kvroute_tokenizer::{ResponsesRequest, TokenizeRequest};
@@ -19,13 +21,38 @@ use kvroute_tokenizer::{ResponsesRequest, TokenizeRequest};
 use super::{Api, GateState, Source, replica};
 use crate::state::{Shared, read};
 
-/// The routes, with the body limit of the configuration.
+/// The routes, with the body limit of the configuration. A request whose
+/// `Content-Length` is over the limit is refused from its head, before any of
+/// the body is read; a chunked one is cut off once it passes the limit.
 pub fn routes(shared: &Shared) -> Router<Arc<Shared>> {
     let limit = shared.tokenizers.config().max_body_bytes;
     Router::new()
         .route("/tokenize", post(tokenize))
         .route("/v1/responses/render", post(render))
         .layer(DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn(
+            move |request: Request, next: Next| async move {
+                match declared_length(&request) {
+                    Some(n) if n > limit as u64 => error(
+                        StatusCode::PAYLOAD_TOO_LARGE,
+                        &format!("request body of {n} bytes is over the limit of {limit}"),
+                        None,
+                    ),
+                    _ => next.run(request).await,
+                }
+            },
+        ))
+}
+
+/// The body length a request's head declares, if it declares a valid one.
+fn declared_length(request: &Request) -> Option<u64> {
+    request
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
 }
 
 /// A vLLM error object.
