@@ -96,6 +96,9 @@ pub struct Config {
     pub max_pick_keys: usize,
     /// Candidates returned when the request does not say (0: all).
     pub max_candidates: u32,
+    /// How much nicer than the process the ingest threads run (0–19; Linux):
+    /// under an event flood the request path still gets a CPU at once.
+    pub ingest_nice: u8,
     /// Decoder caps.
     pub limits: Limits,
     /// Cost-model weights.
@@ -135,6 +138,7 @@ impl Config {
             max_speculative_entries: 1_000_000,
             max_pick_keys: 65_536,
             max_candidates: 0,
+            ingest_nice: 10,
             limits: Limits::default(),
             weights: Weights::default(),
             seed: None,
@@ -177,6 +181,9 @@ impl Config {
         }
         if self.max_index_entries == 0 {
             return Err(ConfigError::field("max_index_entries", "must be positive"));
+        }
+        if self.ingest_nice > 19 {
+            return Err(ConfigError::field("ingest_nice", "must be 0 to 19"));
         }
         let l = &self.limits;
         if l.max_frame_bytes == 0 {
@@ -289,6 +296,7 @@ struct RawConfig {
     max_speculative_entries: Option<usize>,
     max_pick_keys: Option<usize>,
     max_candidates: Option<u32>,
+    ingest_nice: Option<u8>,
     max_frame_bytes: Option<usize>,
     max_events_per_batch: Option<usize>,
     max_blocks_per_event: Option<usize>,
@@ -367,6 +375,7 @@ impl RawConfig {
             .unwrap_or(c.max_speculative_entries);
         c.max_pick_keys = self.max_pick_keys.unwrap_or(c.max_pick_keys);
         c.max_candidates = self.max_candidates.unwrap_or(c.max_candidates);
+        c.ingest_nice = self.ingest_nice.unwrap_or(c.ingest_nice);
         let l = &mut c.limits;
         l.max_frame_bytes = self.max_frame_bytes.unwrap_or(l.max_frame_bytes);
         l.max_events_per_batch = self.max_events_per_batch.unwrap_or(l.max_events_per_batch);

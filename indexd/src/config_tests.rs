@@ -190,3 +190,17 @@ fn listeners_beyond_loopback_need_a_token_or_an_explicit_waiver() {
         (50, 100)
     );
 }
+
+#[test]
+fn ingest_nice_is_read_and_bounded() {
+    assert_eq!(Config::new(Vec::new()).ingest_nice, 10);
+    assert_eq!(
+        Config::from_yaml("ingest_nice: 0\n").unwrap().ingest_nice,
+        0
+    );
+    let err = Config::from_yaml("ingest_nice: 20\n")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("ingest_nice"), "{err}");
+    assert!(Config::from_yaml("ingest_nice: -1\n").is_err());
+}

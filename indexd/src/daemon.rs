@@ -53,7 +53,8 @@ impl Server {
                 .with_tokenizers(tokenizers)
                 .with_token(token),
         );
-        let ingest = IngestRuntime::start().map_err(|source| StartError::Runtime { source })?;
+        let ingest = IngestRuntime::start(shared.config.ingest_nice)
+            .map_err(|source| StartError::Runtime { source })?;
         if let Some(rt) = &ingest.0 {
             let _ = shared.ingest.set(rt.handle().clone());
         }
@@ -83,21 +84,45 @@ impl Server {
 /// The subscriptions' own runtime: one worker thread less than the CPUs (at
 /// least one), so that decoding a flood of events leaves a CPU to the
 /// request path, and only that many writers take the index lock at once.
-/// Shut down (without blocking) when dropped.
+/// Its threads run `nice` steps nicer than the process (Linux), so that a
+/// Pick arriving while they decode a flood takes a CPU from them at once
+/// instead of waiting out their time slice. Shut down (without blocking)
+/// when dropped.
 #[derive(Debug)]
 struct IngestRuntime(Option<tokio::runtime::Runtime>);
 
 impl IngestRuntime {
-    fn start() -> std::io::Result<Self> {
+    fn start(nice: u8) -> std::io::Result<Self> {
         let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(cpus.saturating_sub(1).max(1))
             .thread_name("indexd-ingest")
+            .on_thread_start(move || be_nicer(nice))
             .enable_all()
             .build()?;
         Ok(Self(Some(rt)))
     }
 }
+
+/// Makes the calling thread `by` steps nicer (Linux keeps a nice value per
+/// thread). Raising one's own nice value needs no privilege; a failure is
+/// logged and the thread runs on as it was.
+#[cfg(target_os = "linux")]
+fn be_nicer(by: u8) {
+    use rustix::process::{getpriority_process, setpriority_process};
+    if by == 0 {
+        return;
+    }
+    let tid = rustix::thread::gettid();
+    let result = getpriority_process(Some(tid))
+        .and_then(|now| setpriority_process(Some(tid), now.saturating_add(i32::from(by)).min(19)));
+    if let Err(e) = result {
+        tracing::warn!(error = %e, "could not lower the ingest thread's priority (ingest_nice)");
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn be_nicer(_by: u8) {}
 
 impl Drop for IngestRuntime {
     fn drop(&mut self) {
@@ -277,5 +302,35 @@ impl Handle {
     /// Removes an endpoint at runtime.
     pub fn remove_endpoint(&self, id: &EndpointId) -> bool {
         self.shared.remove_replica(id)
+    }
+}
+
+#[cfg(test)]
+#[cfg(target_os = "linux")]
+mod tests {
+    use super::IngestRuntime;
+    use rustix::process::getpriority_process;
+
+    fn own_nice() -> i32 {
+        getpriority_process(Some(rustix::thread::gettid())).unwrap()
+    }
+
+    #[test]
+    fn ingest_threads_run_nicer_than_the_request_path() {
+        let here = own_nice();
+        let rt = IngestRuntime::start(5).unwrap();
+        let there =
+            rt.0.as_ref()
+                .unwrap()
+                .block_on(async { tokio::spawn(async { own_nice() }).await.unwrap() });
+        assert_eq!(there, (here + 5).min(19));
+        assert_eq!(own_nice(), here, "the calling thread kept its priority");
+        let same = IngestRuntime::start(0).unwrap();
+        let there = same
+            .0
+            .as_ref()
+            .unwrap()
+            .block_on(async { tokio::spawn(async { own_nice() }).await.unwrap() });
+        assert_eq!(there, here);
     }
 }

@@ -18,7 +18,12 @@
 //!   `/readyz` names the closed models.
 //!
 //! A probe the replica cannot answer (unreachable, 5xx) proves nothing: the
-//! round is retried shortly.
+//! round is retried shortly. A probe the replica refuses (4xx) while the
+//! local tokenizer takes it is left out of the round (and counted as
+//! `result="refused"`): replicas refuse by their serving flags (tools
+//! without `--enable-auto-tool-choice`, a shorter `--max-model-len`), and a
+//! request a replica refuses is never served, so its ids misroute nothing.
+//! A round needs at least one agreeing probe to open the gate.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -78,6 +83,11 @@ pub enum Verdict {
     Mismatch(String),
     /// The replica could not answer.
     Inconclusive(String),
+    /// The replica refused what the local tokenizer took: a request its
+    /// serving flags turn away (tools without `--enable-auto-tool-choice`,
+    /// a prompt over its `--max-model-len`, …). Such a request is never
+    /// served, so its ids cannot misroute anything; says nothing either way.
+    Refused(String),
 }
 
 /// Checks counted by kind (probe, shadow) and verdict.
@@ -88,6 +98,7 @@ struct Counts {
     shadow_agree: AtomicU64,
     shadow_mismatch: AtomicU64,
     inconclusive: AtomicU64,
+    refused: AtomicU64,
 }
 
 /// One model's gate.
@@ -178,6 +189,7 @@ impl Gate {
         let c = &self.counts;
         let counter = match (shadow, verdict) {
             (_, Verdict::Inconclusive(_)) => &c.inconclusive,
+            (_, Verdict::Refused(_)) => &c.refused,
             (false, Verdict::Agree) => &c.probe_agree,
             (false, Verdict::Mismatch(_)) => &c.probe_mismatch,
             (true, Verdict::Agree) => &c.shadow_agree,
@@ -199,8 +211,12 @@ pub fn compare(
         (Ok(a), Ok(b)) if a == b => Verdict::Agree,
         (Ok(a), Ok(b)) => Verdict::Mismatch(first_difference(a, b)),
         (Err(TokenizeError::Refused { .. }), Err(TokenizeError::Refused { .. })) => Verdict::Agree,
-        (Ok(a), Err(e)) => Verdict::Mismatch(format!(
+        (Ok(a), Err(e @ TokenizeError::Refused { .. })) => Verdict::Refused(format!(
             "local gave {} ids, the replica refused: {e}",
+            a.len()
+        )),
+        (Ok(a), Err(e)) => Verdict::Mismatch(format!(
+            "local gave {} ids, the replica failed: {e}",
             a.len()
         )),
         (Err(e), Ok(b)) => Verdict::Mismatch(format!(
@@ -284,13 +300,15 @@ pub fn probes(model: &str) -> Vec<(Api, String)> {
     ]
 }
 
-/// One round of the probe set; the verdict of the round (the first
-/// mismatch, else inconclusive if any probe was, else agree).
+/// One round of the probe set; the verdict of the round: the first
+/// mismatch, else inconclusive if any probe was or none agreed, else agree.
+/// Probes the replica refuses by its serving flags (tools, say) are left out.
 pub async fn probe_round(shared: &Shared, tokenizers: &Tokenizers, model: &str) -> Verdict {
     let Some(local) = tokenizers.local(model) else {
         return Verdict::Inconclusive("no local tokenizer".to_owned());
     };
     let mut inconclusive = None;
+    let mut agreed = 0usize;
     for (api, body) in probes(model) {
         let tokenizer = local.tokenizer.clone();
         let input = body.clone();
@@ -306,14 +324,21 @@ pub async fn probe_round(shared: &Shared, tokenizers: &Tokenizers, model: &str) 
         let verdict = compare(&mine, &theirs);
         local.gate.count(false, &verdict);
         match verdict {
-            Verdict::Agree => {}
+            Verdict::Agree => agreed += 1,
             Verdict::Mismatch(why) => {
                 return Verdict::Mismatch(format!("probe {api:?} {body}: {why}"));
             }
             Verdict::Inconclusive(why) => inconclusive = Some(why),
+            Verdict::Refused(why) => {
+                tracing::debug!(model, probe = %body, reason = %why, "probe refused by the replica; left out");
+            }
         }
     }
-    inconclusive.map_or(Verdict::Agree, Verdict::Inconclusive)
+    match (inconclusive, agreed) {
+        (Some(why), _) => Verdict::Inconclusive(why),
+        (None, 0) => Verdict::Inconclusive("the replica refused every probe".to_owned()),
+        (None, _) => Verdict::Agree,
+    }
 }
 
 /// Applies a verdict to `model`'s gate (logging a change).
@@ -336,7 +361,7 @@ fn settle(tokenizers: &Tokenizers, model: &str, verdict: &Verdict, what: &str) {
                 tracing::warn!(model, check = what, difference = %why, "local tokenizer differs from the replicas; using the replicas' tokenizer for this model until indexd restarts");
             }
         }
-        Verdict::Inconclusive(why) => {
+        Verdict::Inconclusive(why) | Verdict::Refused(why) => {
             tracing::debug!(model, check = what, reason = %why, "tokenizer check inconclusive");
         }
     }
@@ -413,6 +438,7 @@ pub fn render_metrics(tokenizers: &Tokenizers, out: &mut String) {
             ("shadow", "agree", &c.shadow_agree),
             ("shadow", "mismatch", &c.shadow_mismatch),
             ("any", "inconclusive", &c.inconclusive),
+            ("any", "refused", &c.refused),
         ] {
             let _ = writeln!(
                 out,
@@ -494,7 +520,7 @@ mod tests {
         ));
         assert!(matches!(
             compare(&Ok(vec![1]), &Err(refused())),
-            Verdict::Mismatch(_)
+            Verdict::Refused(_)
         ));
         assert!(matches!(
             compare(&Err(refused()), &Ok(vec![1])),

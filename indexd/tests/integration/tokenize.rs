@@ -53,6 +53,21 @@ struct Replica {
 struct ReplicaState {
     tokenizer: Arc<Tokenizer>,
     calls: Arc<AtomicUsize>,
+    /// Refuse requests with tools, as vLLM does without
+    /// `--enable-auto-tool-choice`.
+    refuse_tools: bool,
+}
+
+/// vLLM's answer to tools when auto tool choice is off.
+fn tools_refused(s: &ReplicaState, body: &[u8]) -> Option<(axum::http::StatusCode, String)> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let with_tools = v["tools"].as_array().is_some_and(|t| !t.is_empty());
+    (s.refuse_tools && with_tools).then(|| {
+        (
+            axum::http::StatusCode::BAD_REQUEST,
+            serde_json::json!({"error": {"message": "\"auto\" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set", "type": "BadRequestError", "code": 400}}).to_string(),
+        )
+    })
 }
 
 async fn replica_tokenize(
@@ -60,6 +75,9 @@ async fn replica_tokenize(
     body: Body,
 ) -> (axum::http::StatusCode, String) {
     s.calls.fetch_add(1, Ordering::Relaxed);
+    if let Some(refusal) = tools_refused(&s, &body) {
+        return refusal;
+    }
     match TokenizeRequest::from_json(&body).and_then(|r| s.tokenizer.tokenize(&r)) {
         Ok(a) => (axum::http::StatusCode::OK, serde_json::to_string(&a).unwrap()),
         Err(e) => (
@@ -74,6 +92,9 @@ async fn replica_render(
     body: Body,
 ) -> (axum::http::StatusCode, String) {
     s.calls.fetch_add(1, Ordering::Relaxed);
+    if let Some(refusal) = tools_refused(&s, &body) {
+        return refusal;
+    }
     match ResponsesRequest::from_json(&body).and_then(|r| s.tokenizer.render_responses(&r)) {
         Ok(a) => (
             axum::http::StatusCode::OK,
@@ -87,11 +108,16 @@ async fn replica_render(
 }
 
 async fn start_replica(dir: &Path) -> Replica {
+    start_replica_with(dir, false).await
+}
+
+async fn start_replica_with(dir: &Path, refuse_tools: bool) -> Replica {
     let tokenizer = Arc::new(Tokenizer::load(dir, MODEL, LoadOptions::default()).unwrap());
     let calls = Arc::new(AtomicUsize::new(0));
     let state = ReplicaState {
         tokenizer,
         calls: calls.clone(),
+        refuse_tools,
     };
     let app = Router::new()
         .route("/tokenize", post(replica_tokenize))
@@ -361,4 +387,28 @@ async fn a_corrupted_local_template_closes_the_gate_and_replicas_tokenize() {
         .await
         .unwrap();
     assert_eq!(r.headers()["x-kvroute-tokenizer"], "replica");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_a_replica_refuses_by_its_flags_leave_the_gate_to_the_others() {
+    // vLLM without --enable-auto-tool-choice refuses every request with
+    // tools; the gate opens on the other probes, and says what it left out.
+    let dir = model_dir();
+    let replica = start_replica_with(&dir, true).await;
+    let d = start_indexd(replica.addr, &dir).await;
+    wait_for_gate(&d, 1).await;
+    let metrics = get(&format!("{}/metrics", d.http)).await;
+    let refused = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with(
+                "indexd_tokenizer_checks_total{model=\"tiny\",kind=\"any\",result=\"refused\"}",
+            )
+        })
+        .and_then(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .unwrap();
+    assert!(refused >= 2, "the tool probes were not refused: {metrics}");
+    assert!(metrics.contains(
+        "indexd_tokenizer_checks_total{model=\"tiny\",kind=\"probe\",result=\"mismatch\"} 0"
+    ));
 }
