@@ -16,6 +16,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 use kvroute_tokenizer::{LoadOptions, TokenizeRequest, Tokenizer};
 
+/// indexd's allocator, so the figures are what indexd serves.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn model(var: &str, default: &str) -> PathBuf {
     std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
         PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(default)

@@ -16,6 +16,10 @@ use std::time::Instant;
 
 use kvroute_tokenizer::{LoadOptions, TokenizeRequest, Tokenizer};
 
+/// indexd's allocator, so the figures are what indexd serves.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn p50(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)

@@ -26,22 +26,28 @@ pub fn parse(body: &[u8]) -> Result<Value, RequestError> {
 }
 
 /// Rejects bodies nesting deeper than the limit before building anything.
+/// Strings (most of a chat body) are skipped to their next quote or
+/// backslash at memchr speed.
 fn check_depth(body: &[u8]) -> Result<(), RequestError> {
     let mut depth = 0usize;
-    let mut in_string = false;
-    let mut escaped = false;
-    for &b in body {
-        if in_string {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
+    let mut at = 0usize;
+    while let Some(&b) = body.get(at) {
+        at += 1;
         match b {
-            b'"' => in_string = true,
+            b'"' => {
+                // Inside a string: to its closing quote, escapes skipped.
+                loop {
+                    let rest = body.get(at..).unwrap_or_default();
+                    match memchr::memchr2(b'"', b'\\', rest) {
+                        None => return Ok(()),
+                        Some(i) if rest.get(i) == Some(&b'\\') => at += i + 2,
+                        Some(i) => {
+                            at += i + 1;
+                            break;
+                        }
+                    }
+                }
+            }
             b'[' | b'{' => {
                 depth = depth.saturating_add(1);
                 if depth > MAX_DEPTH {
@@ -421,6 +427,45 @@ mod tests {
         // Brackets inside strings do not count.
         let s = format!("[\"{}\"]", "[".repeat(200));
         assert!(parse(s.as_bytes()).is_ok());
+    }
+
+    /// The byte-at-a-time depth check the skipping one must equal.
+    fn depth_reference(body: &[u8]) -> bool {
+        let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
+        for &b in body {
+            if in_string {
+                match (escaped, b) {
+                    (true, _) => escaped = false,
+                    (false, b'\\') => escaped = true,
+                    (false, b'"') => in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match b {
+                b'"' => in_string = true,
+                b'[' | b'{' => {
+                    depth += 1;
+                    if depth > MAX_DEPTH {
+                        return false;
+                    }
+                }
+                b']' | b'}' => depth = depth.saturating_sub(1),
+                _ => {}
+            }
+        }
+        true
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(20_000))]
+        #[test]
+        fn the_skipping_depth_check_equals_the_byte_loop(
+            body in proptest::collection::vec(
+                proptest::sample::select(b"[]{}\"\\ a".to_vec()), 0..400)
+        ) {
+            proptest::prop_assert_eq!(check_depth(&body).is_ok(), depth_reference(&body));
+        }
     }
 
     #[test]

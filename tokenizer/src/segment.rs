@@ -168,23 +168,87 @@ impl Boundaries {
     /// Byte positions where `text` is cut into segments of about
     /// [`SEGMENT_BYTES`]: safe boundaries, chosen greedily from the start so
     /// that equal prefixes give equal segments. Excludes 0 and `text.len()`.
+    /// Each cut is the first safe boundary at least [`SEGMENT_BYTES`] past
+    /// the previous one (and a quarter segment before the end), so only the
+    /// bytes from there to it are looked at: memchr to the next candidate.
     pub fn cuts(self, text: &str) -> Vec<usize> {
         let mut cuts = Vec::new();
         if self == Self::Whole || text.len() < 2 * SEGMENT_BYTES {
+            return cuts;
+        }
+        let last_allowed = text.len() - SEGMENT_BYTES / 4;
+        let mut from = SEGMENT_BYTES;
+        while from <= last_allowed {
+            match self.next_safe(text, from) {
+                Some(i) if i <= last_allowed => {
+                    cuts.push(i);
+                    from = i + SEGMENT_BYTES;
+                }
+                _ => break,
+            }
+        }
+        cuts
+    }
+
+    /// The first safe boundary at or after byte `from` (≥ 1).
+    fn next_safe(self, text: &str, from: usize) -> Option<usize> {
+        let bytes = text.as_bytes();
+        match self {
+            // After a newline, before a printable ASCII character.
+            Self::Newline => {
+                let mut at = from.checked_sub(1)?;
+                loop {
+                    let nl = at + memchr::memchr(b'\n', bytes.get(at..)?)?;
+                    let i = nl + 1;
+                    if bytes.get(i).is_some_and(u8::is_ascii_graphic) {
+                        return Some(i);
+                    }
+                    at = i;
+                }
+            }
+            // A space or `▁` (E2 96 81) whose previous character is neither.
+            Self::Metaspace => {
+                let mut at = from;
+                loop {
+                    let i = at + memchr::memchr2(b' ', 0xE2, bytes.get(at..)?)?;
+                    at = i + 1;
+                    let here = text.get(i..)?;
+                    if !(here.starts_with(' ') || here.starts_with('▁')) {
+                        continue;
+                    }
+                    let prev = text.get(..i).and_then(|t| t.chars().next_back());
+                    if prev.is_some_and(|p| p != ' ' && p != '▁') {
+                        return Some(i);
+                    }
+                }
+            }
+            Self::Whole => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The char-by-char scan [`Boundaries::cuts`] must equal.
+    fn cuts_reference(rule: Boundaries, text: &str) -> Vec<usize> {
+        let mut cuts = Vec::new();
+        if rule == Boundaries::Whole || text.len() < 2 * SEGMENT_BYTES {
             return cuts;
         }
         let bytes = text.as_bytes();
         let mut last = 0usize;
         let mut prev: Option<char> = None;
         for (i, c) in text.char_indices() {
-            let safe = match self {
-                Self::Metaspace => {
+            let safe = match rule {
+                Boundaries::Metaspace => {
                     (c == ' ' || c == '▁') && prev.is_some_and(|p| p != ' ' && p != '▁')
                 }
-                Self::Newline => {
+                Boundaries::Newline => {
                     prev == Some('\n') && bytes.get(i).is_some_and(u8::is_ascii_graphic)
                 }
-                Self::Whole => false,
+                Boundaries::Whole => false,
             };
             if safe && i >= last + SEGMENT_BYTES && text.len() - i >= SEGMENT_BYTES / 4 {
                 cuts.push(i);
@@ -194,11 +258,25 @@ impl Boundaries {
         }
         cuts
     }
-}
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(3_000))]
+        #[test]
+        fn cuts_equal_the_char_by_char_scan(
+            parts in proptest::collection::vec(
+                proptest::sample::select(vec![
+                    " ", "  ", "▁", "▁▁", "\n", "\n\n", "\n ", "word", "x", "é", "中", "🚀",
+                    "\u{2581}x", "\t", "long-ish text run ",
+                ]),
+                0..1500,
+            )
+        ) {
+            let text: String = parts.concat();
+            for rule in [Boundaries::Metaspace, Boundaries::Newline, Boundaries::Whole] {
+                proptest::prop_assert_eq!(rule.cuts(&text), cuts_reference(rule, &text));
+            }
+        }
+    }
 
     #[test]
     fn metaspace_cuts_before_spaces_after_words() {
