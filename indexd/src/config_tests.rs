@@ -193,10 +193,10 @@ fn listeners_beyond_loopback_need_a_token_or_an_explicit_waiver() {
 
 #[test]
 fn ingest_nice_is_read_and_bounded() {
-    assert_eq!(Config::new(Vec::new()).ingest_nice, 10);
+    assert_eq!(Config::new(Vec::new()).ingest_nice, 0);
     assert_eq!(
-        Config::from_yaml("ingest_nice: 0\n").unwrap().ingest_nice,
-        0
+        Config::from_yaml("ingest_nice: 7\n").unwrap().ingest_nice,
+        7
     );
     let err = Config::from_yaml("ingest_nice: 20\n")
         .unwrap_err()

@@ -84,10 +84,8 @@ impl Server {
 /// The subscriptions' own runtime: one worker thread less than the CPUs (at
 /// least one), so that decoding a flood of events leaves a CPU to the
 /// request path, and only that many writers take the index lock at once.
-/// Its threads run `nice` steps nicer than the process (Linux), so that a
-/// Pick arriving while they decode a flood takes a CPU from them at once
-/// instead of waiting out their time slice. Shut down (without blocking)
-/// when dropped.
+/// Its threads run `nice` steps nicer than the process (Linux) when
+/// configured (`ingest_nice`). Shut down (without blocking) when dropped.
 #[derive(Debug)]
 struct IngestRuntime(Option<tokio::runtime::Runtime>);
 

@@ -28,7 +28,7 @@
 //! The index has a single owner (`RwLock` in [`crate::state`]); every method
 //! here is synchronous and allocation-bounded.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::time::Instant;
 
 use kvroute_proto::keys::{BlockKey, Chain};
@@ -36,6 +36,8 @@ use smallvec::SmallVec;
 
 pub use apply::ApplyStats;
 pub(crate) use saved::{Applied, SavedBlock};
+
+use fifo::Fifo;
 
 use crate::credits::Credits;
 use crate::event::{EngineHash, Tier};
@@ -176,7 +178,7 @@ pub struct Index {
     max_partitions: usize,
     keys: KeyMap,
     replicas: HashMap<ReplicaSlot, ReplicaBlocks>,
-    order: VecDeque<(ReplicaSlot, EngineHash, u64)>,
+    order: Fifo,
     next_seq: u64,
     entries: usize,
     max_entries: usize,
@@ -192,7 +194,7 @@ impl Index {
             max_partitions: 4096,
             keys: KeyMap::new(),
             replicas: HashMap::new(),
-            order: VecDeque::new(),
+            order: Fifo::default(),
             next_seq: 0,
             entries: 0,
             max_entries: max_entries.max(1),
@@ -231,7 +233,7 @@ impl Index {
             .values()
             .map(|r| r.blocks.capacity() * (size_of::<EngineHash>() + size_of::<BlockEntry>() + 1))
             .sum();
-        let order = self.order.capacity() * size_of::<(ReplicaSlot, EngineHash, u64)>();
+        let order = self.order.capacity() * size_of::<fifo::Item>();
         key_map + replica_maps + order + self.speculative.approx_bytes()
     }
 
@@ -315,44 +317,41 @@ impl Index {
             }
         }
         self.entries += 1;
-        self.order.push_back((slot, hash, seq));
+        self.order.push((slot, hash, seq));
         while self.entries > self.max_entries {
             if !self.evict_oldest() {
                 break;
             }
             stats.evicted += 1;
         }
-        if self.order.len() > 2 * self.entries + 1024 {
-            self.compact_order();
-        }
+        self.order_upkeep();
+    }
+
+    /// One step of sweeping stale items out of the insertion order.
+    fn order_upkeep(&mut self) {
+        let replicas = &self.replicas;
+        self.order
+            .upkeep(self.entries, |item| Self::is_live(replicas, item));
+    }
+
+    fn is_live(
+        replicas: &HashMap<ReplicaSlot, ReplicaBlocks>,
+        (slot, hash, seq): &fifo::Item,
+    ) -> bool {
+        replicas
+            .get(slot)
+            .and_then(|r| r.blocks.get(hash))
+            .is_some_and(|e| e.seq == *seq)
     }
 
     fn evict_oldest(&mut self) -> bool {
-        while let Some((slot, hash, seq)) = self.order.pop_front() {
-            let live = self
-                .replicas
-                .get(&slot)
-                .and_then(|r| r.blocks.get(&hash))
-                .is_some_and(|e| e.seq == seq);
-            if live {
-                self.drop_entry(slot, hash);
+        while let Some(item) = self.order.pop_front() {
+            if Self::is_live(&self.replicas, &item) {
+                self.drop_entry(item.0, item.1);
                 return true;
             }
         }
         false
-    }
-
-    fn compact_order(&mut self) {
-        let replicas = &self.replicas;
-        self.order.retain(|(slot, hash, seq)| {
-            replicas
-                .get(slot)
-                .and_then(|r| r.blocks.get(hash))
-                .is_some_and(|e| e.seq == *seq)
-        });
-        if self.order.capacity() > 4 * self.order.len() + 1024 {
-            self.order.shrink_to(2 * self.order.len() + 1024);
-        }
     }
 
     fn block(&self, slot: ReplicaSlot, hash: &EngineHash) -> Option<&BlockEntry> {
@@ -409,9 +408,8 @@ impl Index {
             self.entries = self.entries.saturating_sub(1);
             self.release_holder((entry.partition, entry.key), slot);
         }
-        if self.order.len() > 2 * self.entries + 1024 {
-            self.compact_order();
-        }
+        let replicas = &self.replicas;
+        self.order.compact(|item| Self::is_live(replicas, item));
     }
 
     /// Purges `slot` and forgets it entirely (endpoint removed).
@@ -485,6 +483,7 @@ impl Index {
 }
 
 mod apply;
+mod fifo;
 mod saved;
 
 #[cfg(test)]

@@ -24,7 +24,7 @@ use crate::error::RequestError;
 use crate::event::Tier;
 use crate::index::PrefixMatch;
 use crate::score::{self, Input};
-use crate::state::{Replica, Shared, lock, read, write};
+use crate::state::{Replica, Shared, lock, read};
 
 fn proto_tier(t: Option<Tier>) -> i32 {
     use kvroute_proto::v1::Tier as P;
@@ -242,7 +242,7 @@ pub fn pick(
     } else if approximate {
         lock(&shared.approximate).match_prefix(&req.model, &keys, &slots, now)
     } else {
-        let index = read(&shared.index);
+        let index = shared.index_for_request();
         index.match_prefix(index.partition(&req.model), &keys, &slots, now)
     };
 
@@ -304,7 +304,7 @@ pub fn pick(
                     cfg.approximate_ttl,
                 );
             } else if !cfg.speculative_ttl.is_zero() {
-                let mut index = write(&shared.index);
+                let mut index = shared.index_for_request_mut();
                 if let Some(p) = index.partition_or_insert(&req.model) {
                     index.speculate(p, &keys, chosen.slot, now, now + cfg.speculative_ttl);
                 }

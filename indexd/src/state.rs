@@ -3,6 +3,10 @@
 //!
 //! - `index`: `RwLock` — subscribers write one batch at a time; Pick reads,
 //!   then briefly writes its speculative entries. Never held across `.await`.
+//!   Picks go first: one waiting for the lock is counted
+//!   (`requests_waiting`), and ingest yields before its next batch until no
+//!   Pick waits (at most 2 ms), since `std`'s lock would otherwise let the
+//!   next queued batch write ahead of a waiting reader.
 //! - `registry`: `RwLock` — read on every Pick (a clone of a few `Arc`s),
 //!   written only when discovery adds or removes endpoints.
 //! - per-replica load, freshness and health: atomics and small mutexes inside
@@ -363,6 +367,29 @@ pub struct Shared {
     pub(crate) token: Option<Token>,
     /// The Observe rate limit.
     pub(crate) observe_bucket: Mutex<TokenBucket>,
+    /// Picks waiting for the `index` lock: ingest defers its next write to
+    /// them (see [`Shared::index_for_ingest`]).
+    pub(crate) requests_waiting: AtomicU32,
+}
+
+/// How long ingest defers a batch to waiting Picks at most (so a stream of
+/// Picks cannot stall ingest).
+const INGEST_DEFERS_AT_MOST: Duration = Duration::from_millis(2);
+
+/// Counts a Pick as waiting for the index while it lives.
+struct Waiting<'a>(&'a AtomicU32);
+
+impl<'a> Waiting<'a> {
+    fn new(n: &'a AtomicU32) -> Self {
+        n.fetch_add(1, Ordering::AcqRel);
+        Self(n)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Shared {
@@ -393,8 +420,38 @@ impl Shared {
                 config.access.observe_rate,
                 config.access.observe_burst,
             )),
+            requests_waiting: AtomicU32::new(0),
             config,
         }
+    }
+
+    /// The index for a Pick to read. `std`'s `RwLock` lets a waiting writer
+    /// hold back new readers, and ingest writes one batch after another:
+    /// the Pick says it is waiting, and ingest lets it go first.
+    pub(crate) fn index_for_request(&self) -> RwLockReadGuard<'_, Index> {
+        let _waiting = Waiting::new(&self.requests_waiting);
+        read(&self.index)
+    }
+
+    /// The index for a Pick to write (its speculative entries), as
+    /// [`Shared::index_for_request`].
+    pub(crate) fn index_for_request_mut(&self) -> RwLockWriteGuard<'_, Index> {
+        let _waiting = Waiting::new(&self.requests_waiting);
+        write(&self.index)
+    }
+
+    /// The index for ingest to write one batch: first yields the CPU while
+    /// a Pick waits for the index, for at most [`INGEST_DEFERS_AT_MOST`].
+    pub(crate) fn index_for_ingest(&self) -> RwLockWriteGuard<'_, Index> {
+        if self.requests_waiting.load(Ordering::Acquire) > 0 {
+            let since = Instant::now();
+            while self.requests_waiting.load(Ordering::Acquire) > 0
+                && since.elapsed() < INGEST_DEFERS_AT_MOST
+            {
+                std::thread::yield_now();
+            }
+        }
+        write(&self.index)
     }
 
     /// The same state requiring `token` on every call.
@@ -484,7 +541,7 @@ impl Shared {
         }
         let mut stats = ApplyStats::default();
         {
-            let mut index = write(&self.index);
+            let mut index = self.index_for_ingest();
             for ev in &batch.events {
                 index.apply(replica.slot, &replica.config.model, ev, &mut stats);
             }

@@ -77,6 +77,7 @@ pub struct Setup {
     pub p99_budget_us: f64,
     pub indexd: String,
     pub flood_nice: i32,
+    pub ingest_nice: u8,
 }
 
 /// The verdict: peak RSS and worst p99 against their budgets (the first
@@ -129,7 +130,7 @@ pub fn write(
          the real `indexd` binary ({}) as a child process with `max_index_entries: {}`, {} \
          simulated replicas flooding KV events over ZMTP as fast as indexd reads them, and {} \
          Picks/s over gRPC, for {:.0} s in {:.0} s windows. Machine: {} CPUs, shared. \
-         indexd's ingest threads run at its default `ingest_nice: 10`; the flood's thread (the \
+         indexd's ingest threads run at `ingest_nice: {}`; the flood's thread (the \
          replicas, which are other machines in a fleet) at nice +{}.\n",
         setup.indexd,
         setup.max_index_entries,
@@ -138,6 +139,7 @@ pub fn write(
         setup.duration_s,
         setup.window_s,
         std::thread::available_parallelism().map_or(0, |n| n.get()),
+        setup.ingest_nice,
         setup.flood_nice
     );
     let _ = writeln!(md, "## Budgets\n\n{budget_note}\n");

@@ -233,6 +233,7 @@ impl Index {
             let (key, tiers) = ((entry.partition, entry.key), entry.tiers);
             if tiers == 0 {
                 self.drop_entry(slot, *hash);
+                self.order_upkeep();
             } else if let Some(h) = self.holder_mut(key, slot)
                 && h.refs == 1
             {
