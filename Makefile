@@ -92,7 +92,7 @@ bench-bodies: ## Big bodies (not CI): the filter's work and Wasm memory on 8 MiB
 .PHONY: soak-indexd
 
 soak-indexd: ## Soak indexd (not CI): 64 replicas flooding KV events for 10 min while Picks run, RSS and Pick p99 per window → indexd/results-soak/
-	$(CARGO) bench -p indexd --bench soak --profile perf -- --soak --out indexd/results-soak $(SOAK_ARGS)
+	$(CARGO) bench -p indexd --bench soak --profile perf -- --soak --out $(CURDIR)/indexd/results-soak $(SOAK_ARGS)
 
 # The nightly cargo-fuzz runs on (the machine's `nightly` of that date is linked under a name of
 # ours when the pinned one is not installed).
