@@ -2,7 +2,7 @@
 //! recently used first out. Thread-safe: one short lock per lookup or insert;
 //! nothing is encoded while it is held.
 
-use std::collections::VecDeque;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -10,16 +10,17 @@ use std::sync::{Arc, Mutex};
 /// keeps lookups fast and collisions unpredictable.
 type HashMap<K, V> = ahash::AHashMap<K, V>;
 
-/// Bytes charged per entry on top of its text and ids (map, queue, `Arc`s).
+/// Bytes charged per entry on top of its text and ids (map, order, `Arc`s).
 const OVERHEAD: usize = 96;
 
-/// A segment's identity: its text and whether Metaspace would prepend to it
-/// (which selects one of two maps).
+/// A segment's identity: whether Metaspace would prepend to it (which
+/// selects one of two maps) and its text.
 type Key = (bool, Arc<str>);
 
 #[derive(Debug)]
 struct Entry {
     ids: Arc<[u32]>,
+    /// The entry's place in [`Inner::order`].
     tick: u64,
     bytes: usize,
 }
@@ -30,9 +31,10 @@ struct Inner {
     first: HashMap<Arc<str>, Entry>,
     /// All other entries, by text.
     rest: HashMap<Arc<str>, Entry>,
-    /// Touches in order; stale ones (whose tick is not the entry's) are
-    /// skipped when evicting.
-    queue: VecDeque<(u64, Key)>,
+    /// Every entry by its last use, least recent first: exactly one item
+    /// per entry, so a hit costs one hash of its text and two small
+    /// tree operations, and nothing ever needs compacting.
+    order: BTreeMap<u64, Key>,
     tick: u64,
     bytes: usize,
 }
@@ -48,6 +50,11 @@ impl Inner {
 
     fn live(&self) -> usize {
         self.first.len() + self.rest.len()
+    }
+
+    fn next_tick(&mut self) -> u64 {
+        self.tick += 1;
+        self.tick
     }
 }
 
@@ -104,30 +111,27 @@ impl SegmentCache {
             self.misses.fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        let mut inner = self.lock();
-        inner.tick += 1;
-        let tick = inner.tick;
-        let found = inner
-            .map(first)
-            .get_key_value(text)
-            .map(|(k, e)| (Arc::clone(k), Arc::clone(&e.ids)));
-        match found {
-            Some((key, ids)) => {
-                if let Some(e) = inner.map(first).get_mut(text) {
-                    e.tick = tick;
-                }
-                inner.queue.push_back((tick, (first, key)));
-                compact(&mut inner);
-                drop(inner);
-                self.hits.fetch_add(1, Ordering::Relaxed);
-                Some(ids)
-            }
-            None => {
-                drop(inner);
-                self.misses.fetch_add(1, Ordering::Relaxed);
-                None
-            }
+        let mut guard = self.lock();
+        let inner = &mut *guard;
+        let tick = inner.next_tick();
+        let map = if first {
+            &mut inner.first
+        } else {
+            &mut inner.rest
+        };
+        let Some(entry) = map.get_mut(text) else {
+            drop(guard);
+            self.misses.fetch_add(1, Ordering::Relaxed);
+            return None;
+        };
+        let ids = Arc::clone(&entry.ids);
+        let was = std::mem::replace(&mut entry.tick, tick);
+        if let Some(key) = inner.order.remove(&was) {
+            inner.order.insert(tick, key);
         }
+        drop(guard);
+        self.hits.fetch_add(1, Ordering::Relaxed);
+        Some(ids)
     }
 
     /// Stores the ids of `text`, evicting the least recently used entries
@@ -139,30 +143,26 @@ impl SegmentCache {
         }
         let text: Arc<str> = Arc::from(text);
         let mut inner = self.lock();
-        inner.tick += 1;
-        let tick = inner.tick;
+        let tick = inner.next_tick();
         if let Some(old) = inner
             .map(first)
             .insert(Arc::clone(&text), Entry { ids, tick, bytes })
         {
             inner.bytes = inner.bytes.saturating_sub(old.bytes);
+            inner.order.remove(&old.tick);
         }
         inner.bytes += bytes;
-        inner.queue.push_back((tick, (first, text)));
+        inner.order.insert(tick, (first, text));
         let mut evicted = 0u64;
         while inner.bytes > self.capacity {
-            let Some((t, (first, k))) = inner.queue.pop_front() else {
+            let Some((_, (first, k))) = inner.order.pop_first() else {
                 break;
             };
-            let map = inner.map(first);
-            if map.get(&k).is_some_and(|e| e.tick == t)
-                && let Some(e) = map.remove(&k)
-            {
+            if let Some(e) = inner.map(first).remove(&k) {
                 inner.bytes = inner.bytes.saturating_sub(e.bytes);
                 evicted += 1;
             }
         }
-        compact(&mut inner);
         drop(inner);
         if evicted > 0 {
             self.evictions.fetch_add(evicted, Ordering::Relaxed);
@@ -181,19 +181,6 @@ impl SegmentCache {
             capacity_bytes: self.capacity as u64,
         }
     }
-}
-
-/// Drops stale queue entries once they outnumber live ones: keeps the queue
-/// within a constant factor of the map.
-fn compact(inner: &mut Inner) {
-    if inner.queue.len() <= 4 * inner.live() + 64 {
-        return;
-    }
-    let (firsts, rest) = (&inner.first, &inner.rest);
-    inner.queue.retain(|(t, (first, k))| {
-        let map = if *first { firsts } else { rest };
-        map.get(k).is_some_and(|e| e.tick == *t)
-    });
 }
 
 #[cfg(test)]
@@ -223,12 +210,85 @@ mod tests {
     }
 
     #[test]
-    fn many_hits_keep_the_queue_small() {
+    fn the_order_holds_one_item_per_entry() {
         let cache = SegmentCache::new(1 << 20);
         cache.insert("x", false, Arc::from(vec![1]));
+        cache.insert("x", true, Arc::from(vec![2]));
+        cache.insert("x", false, Arc::from(vec![3])); // replaces
         for _ in 0..10_000 {
             assert!(cache.get("x", false).is_some());
         }
-        assert!(cache.lock().queue.len() < 200);
+        let inner = cache.lock();
+        assert_eq!(inner.order.len(), 2);
+        assert_eq!(inner.live(), 2);
+        assert_eq!(inner.bytes, 2 * (1 + 4 + OVERHEAD));
+    }
+
+    /// The cache against a plain list kept in recency order.
+    #[derive(Default)]
+    struct Model {
+        /// (first, text, ids), least recent first.
+        items: Vec<(bool, String, Vec<u32>)>,
+        evictions: u64,
+    }
+
+    impl Model {
+        fn bytes(&self) -> usize {
+            self.items
+                .iter()
+                .map(|(_, t, ids)| t.len() + ids.len() * 4 + OVERHEAD)
+                .sum()
+        }
+
+        fn get(&mut self, text: &str, first: bool) -> Option<Vec<u32>> {
+            let at = self
+                .items
+                .iter()
+                .position(|(f, t, _)| *f == first && t == text)?;
+            let item = self.items.remove(at);
+            let ids = item.2.clone();
+            self.items.push(item);
+            Some(ids)
+        }
+
+        fn insert(&mut self, text: &str, first: bool, ids: Vec<u32>, capacity: usize) {
+            if text.len() + ids.len() * 4 + OVERHEAD > capacity {
+                return;
+            }
+            self.items.retain(|(f, t, _)| !(*f == first && t == text));
+            self.items.push((first, text.to_owned(), ids));
+            while self.bytes() > capacity {
+                self.items.remove(0);
+                self.evictions += 1;
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn behaves_as_a_least_recently_used_list(
+            capacity in 0usize..1_200,
+            ops in proptest::collection::vec((0u8..3, 0usize..12, proptest::bool::ANY, 0usize..40), 0..300),
+        ) {
+            let cache = SegmentCache::new(capacity);
+            let mut model = Model::default();
+            for (op, key, first, len) in ops {
+                let text = format!("segment-{key}");
+                if op == 0 {
+                    let ids: Vec<u32> = (0..len as u32).collect();
+                    cache.insert(&text, first, Arc::from(ids.clone()));
+                    model.insert(&text, first, ids, capacity);
+                } else {
+                    let got = cache.get(&text, first).map(|ids| ids.to_vec());
+                    let want = if capacity == 0 { None } else { model.get(&text, first) };
+                    proptest::prop_assert_eq!(got, want);
+                }
+                let s = cache.stats();
+                proptest::prop_assert_eq!(s.bytes as usize, model.bytes());
+                proptest::prop_assert_eq!(s.entries as usize, model.items.len());
+                proptest::prop_assert_eq!(s.evictions, model.evictions);
+                proptest::prop_assert_eq!(cache.lock().order.len(), model.items.len());
+            }
+        }
     }
 }

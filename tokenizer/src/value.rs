@@ -35,7 +35,8 @@ pub fn get(v: &Value, key: &str) -> Option<Value> {
     if v.kind() != ValueKind::Map {
         return None;
     }
-    let item = v.get_item(&Value::from(key)).ok()?;
+    // By name: maps of up to 12 keys (every message) are scanned, not hashed.
+    let item = v.get_attr(key).ok()?;
     if item.is_undefined() {
         None
     } else {
