@@ -127,12 +127,28 @@ pub fn render(shared: &Shared) -> String {
             "1 when the replica's /metrics scrapes succeed.",
         ),
         ("indexd_replica_entries", "Indexed blocks per replica."),
+        (
+            "indexd_replica_prefill_tokens_per_second",
+            "The replica's prefill speed the cost model uses: fitted from its vLLM prefill histograms, else weights.prefill_tokens_per_second.",
+        ),
+        (
+            "indexd_replica_prefill_overhead_seconds",
+            "The replica's fitted fixed prefill time per request (0 until fitted).",
+        ),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
         for r in &replicas {
+            let speed = r.prefill_speed();
             let value = match name {
                 "indexd_replica_fresh" => u8::from(r.is_fresh()) as f64,
                 "indexd_replica_healthy" => u8::from(r.is_healthy()) as f64,
+                "indexd_replica_prefill_tokens_per_second" => speed
+                    .map_or(shared.config.weights.prefill_tokens_per_second, |s| {
+                        s.tokens_per_second
+                    }),
+                "indexd_replica_prefill_overhead_seconds" => {
+                    speed.map_or(0.0, |s| s.overhead_seconds)
+                }
                 _ => index.replica_entries(r.slot) as f64,
             };
             let _ = writeln!(

@@ -15,7 +15,8 @@
 //! - [`index`]: the block index (partitions, tiers); `credits`: speculative
 //!   entries and approximate-mode keys (runs credited for a while).
 //! - `score`: the cost model, a pure function over a snapshot.
-//! - [`load`]: background scrape of each replica's /metrics.
+//! - [`load`]: background scrape of each replica's /metrics;
+//!   [`calibrate`]: each replica's prefill speed fitted from them.
 //! - `affinity`: response-id affinity and approximate-mode keys.
 //! - [`pick`]: Pick/Observe decisions; `server`: their tonic glue.
 //! - [`listen`]: the gRPC listen address (TCP or a Unix domain socket) and
@@ -38,6 +39,7 @@
 
 mod affinity;
 pub mod auth;
+pub mod calibrate;
 pub mod config;
 mod credits;
 mod daemon;

@@ -6,6 +6,8 @@
 //!   its data-parallel rank, when it has one and such series exist);
 //!   `vllm:kv_cache_usage_perc` (or the older `vllm:gpu_cache_usage_perc`)
 //!   takes the maximum.
+//! - The prefill histograms' `_count` and `_sum` feed the replica's
+//!   [`crate::calibrate`] fit of its prefill speed.
 //! - `unhealthy_after` consecutive failures mark the replica unhealthy; one
 //!   success marks it healthy again.
 //! - Picks made after a scrape started stay counted as in flight
@@ -16,6 +18,7 @@ use std::time::Duration;
 
 use tokio::time::{Instant, MissedTickBehavior};
 
+use crate::calibrate::PrefillCounters;
 use crate::config::HttpUrl;
 use crate::error::ScrapeError;
 use crate::state::{Replica, Shared};
@@ -56,6 +59,9 @@ pub(crate) async fn scrape_once(shared: &Shared, replica: &Replica, client: &req
                 let text = String::from_utf8_lossy(&body);
                 let load = parse_vllm_metrics(&text, replica.id().rank);
                 replica.scrape_ok(load.running, load.waiting, load.kv_usage, started);
+                if let Some(counters) = load.prefill {
+                    replica.calibrate(counters, shared.config.weights.prefill_tokens_per_second);
+                }
                 shared.metrics.scrapes.inc(["ok"]);
             }
             Err(e) => {
@@ -93,6 +99,8 @@ pub(crate) struct ScrapedLoad {
     pub waiting: f64,
     /// KV-cache usage, 0..1.
     pub kv_usage: f64,
+    /// The prefill histograms' counters, when the page has both.
+    pub prefill: Option<PrefillCounters>,
 }
 
 /// Parses vLLM's Prometheus text (see the module docs).
@@ -102,6 +110,8 @@ pub(crate) fn parse_vllm_metrics(text: &str, rank: Option<u32>) -> ScrapedLoad {
         .lines()
         .any(|l| l.starts_with("vllm:") && l.contains("engine=\""));
     let mut out = ScrapedLoad::default();
+    let (mut requests, mut seconds, mut tokens) = (None, None, None);
+    let add = |slot: &mut Option<f64>, v: f64| *slot = Some(slot.unwrap_or(0.0) + v);
     for line in text.lines() {
         let line = line.trim();
         if line.is_empty() || line.starts_with('#') {
@@ -147,8 +157,18 @@ pub(crate) fn parse_vllm_metrics(text: &str, rank: Option<u32>) -> ScrapedLoad {
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
                 out.kv_usage = out.kv_usage.max(value)
             }
+            "vllm:request_prefill_time_seconds_count" => add(&mut requests, value),
+            "vllm:request_prefill_time_seconds_sum" => add(&mut seconds, value),
+            "vllm:request_prefill_kv_computed_tokens_sum" => add(&mut tokens, value),
             _ => {}
         }
+    }
+    if let (Some(requests), Some(seconds), Some(tokens)) = (requests, seconds, tokens) {
+        out.prefill = Some(PrefillCounters {
+            requests,
+            seconds,
+            tokens,
+        });
     }
     out
 }
@@ -237,6 +257,43 @@ vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
 vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
 vllm:num_requests_running_total 99
 "#;
+
+    #[test]
+    fn prefill_histogram_counters_are_read_per_engine() {
+        let page = "\
+vllm:request_prefill_time_seconds_bucket{engine=\"0\",le=\"+Inf\",model_name=\"m\"} 3.0
+vllm:request_prefill_time_seconds_count{engine=\"0\",model_name=\"m\"} 3.0
+vllm:request_prefill_time_seconds_sum{engine=\"0\",model_name=\"m\"} 1.5
+vllm:request_prefill_time_seconds_count{engine=\"1\",model_name=\"m\"} 1.0
+vllm:request_prefill_time_seconds_sum{engine=\"1\",model_name=\"m\"} 0.25
+vllm:request_prefill_kv_computed_tokens_sum{engine=\"0\",model_name=\"m\"} 3000.0
+vllm:request_prefill_kv_computed_tokens_sum{engine=\"1\",model_name=\"m\"} 500.0
+vllm:request_prefill_kv_computed_tokens_count{engine=\"1\",model_name=\"m\"} 1.0
+";
+        let all = parse_vllm_metrics(page, None).prefill;
+        assert_eq!(
+            all,
+            Some(PrefillCounters {
+                requests: 4.0,
+                seconds: 1.75,
+                tokens: 3_500.0
+            })
+        );
+        let own = parse_vllm_metrics(page, Some(1)).prefill;
+        assert_eq!(
+            own,
+            Some(PrefillCounters {
+                requests: 1.0,
+                seconds: 0.25,
+                tokens: 500.0
+            })
+        );
+        assert_eq!(
+            parse_vllm_metrics(PAGE, None).prefill,
+            None,
+            "an older vLLM"
+        );
+    }
 
     #[test]
     fn sums_all_series_without_rank_and_takes_own_engine_with_rank() {

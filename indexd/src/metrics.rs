@@ -265,6 +265,9 @@ pub struct Metrics {
     pub discovery: CounterVec<1>,
     /// `previous_response_id` lookups by result (hit, or why not).
     pub affinity_lookups: CounterVec<1>,
+    /// Picks whose cheapest candidate holds less than another (a move away
+    /// from the warm replica): `moved` when it paid, `held` when not.
+    pub moves: CounterVec<1>,
     /// Replays asked for, by where they start (start, snapshot, gap).
     pub replay_requests: CounterVec<1>,
     /// Replicas resumed from a snapshot (proven) or not, and why.
@@ -358,6 +361,11 @@ impl Metrics {
                 "Discovery file reloads by result.",
                 ["result"],
             ),
+            moves: CounterVec::new(
+                "indexd_moves_total",
+                "Picks whose cheapest replica holds less than another: moved (the saving paid the re-prefill) or held (the warm replica stayed first).",
+                ["result"],
+            ),
             affinity_lookups: CounterVec::new(
                 "indexd_affinity_lookups_total",
                 "previous_response_id lookups by result (hit, unknown, model_mismatch, replica_gone, model_not_served, unhealthy, stale).",
@@ -422,6 +430,7 @@ impl Metrics {
         self.auth_failures.render(out);
         self.discovery.render(out);
         self.affinity_lookups.render(out);
+        self.moves.render(out);
         self.replay_requests.render(out);
         self.snapshot_resumes.render(out);
         self.snapshot_writes.render(out);

@@ -23,7 +23,7 @@ use crate::config::EndpointId;
 use crate::error::RequestError;
 use crate::event::Tier;
 use crate::index::PrefixMatch;
-use crate::score::{self, Input};
+use crate::score::{self, Input, Move, Ranking};
 use crate::state::{Replica, Shared, lock, read};
 
 fn proto_tier(t: Option<Tier>) -> i32 {
@@ -144,17 +144,13 @@ fn affinity_target(
     Ok(r)
 }
 
-/// Answers one Pick at `now`.
-pub fn pick(
-    shared: &Shared,
-    req: &PickRequest,
-    now: Instant,
-) -> Result<PickResponse, RequestError> {
-    let cfg = &shared.config;
-    if req.block_keys.len() > cfg.max_pick_keys {
+/// Refuses a Pick whose fields pass their bounds.
+fn validate(shared: &Shared, req: &PickRequest) -> Result<(), RequestError> {
+    let max_keys = shared.config.max_pick_keys;
+    if req.block_keys.len() > max_keys {
         return Err(RequestError::TooManyKeys {
             got: req.block_keys.len(),
-            max: cfg.max_pick_keys,
+            max: max_keys,
         });
     }
     bounded("request_id", &req.request_id, MAX_REQUEST_ID_BYTES)?;
@@ -172,46 +168,60 @@ pub fn pick(
     for id in &req.completed_request_ids {
         bounded("completed_request_ids", id, MAX_REQUEST_ID_BYTES)?;
     }
-    for id in &req.completed_request_ids {
-        complete_pick(shared, id);
-    }
-    let serving: Vec<Arc<Replica>> = read(&shared.registry)
-        .all()
-        .into_iter()
-        .filter(|r| r.serves(&req.model))
-        .collect();
+    Ok(())
+}
 
-    if !req.previous_response_id.is_empty() {
-        match affinity_target(shared, req, now) {
-            Ok(r) => {
-                shared.metrics.affinity_lookups.inc(["hit"]);
-                r.note_pick(now, &req.request_id, f64::from(req.prompt_tokens));
-                let c = candidate(&r, &PrefixMatch::default(), req.block_size, 0.0);
-                return Ok(answer(
-                    shared,
-                    DecisionKind::Affinity,
-                    "previous_response_id",
-                    vec![c],
-                ));
-            }
-            Err(miss) => shared.metrics.affinity_lookups.inc([miss]),
+/// Phase 1: `previous_response_id` names a response only one replica can
+/// continue. The answer, when that replica may take it.
+fn affinity_shortcut(shared: &Shared, req: &PickRequest, now: Instant) -> Option<PickResponse> {
+    if req.previous_response_id.is_empty() {
+        return None;
+    }
+    match affinity_target(shared, req, now) {
+        Ok(r) => {
+            shared.metrics.affinity_lookups.inc(["hit"]);
+            r.note_pick(now, &req.request_id, f64::from(req.prompt_tokens));
+            tracing::debug!(
+                request_id = %req.request_id,
+                endpoint = %r.id(),
+                "pick: affinity to the replica holding previous_response_id"
+            );
+            let c = candidate(&r, &PrefixMatch::default(), req.block_size, 0.0);
+            Some(answer(
+                shared,
+                DecisionKind::Affinity,
+                "previous_response_id",
+                vec![c],
+            ))
+        }
+        Err(miss) => {
+            shared.metrics.affinity_lookups.inc([miss]);
+            None
         }
     }
+}
 
-    let eligible: Vec<Arc<Replica>> = serving
-        .iter()
-        .filter(|r| r.is_eligible())
-        .cloned()
-        .collect();
-    if eligible.is_empty() {
-        let reason = if serving.is_empty() {
-            "unknown_model"
-        } else {
-            "no_fresh_replica"
-        };
-        return Ok(answer(shared, DecisionKind::Stale, reason, Vec::new()));
-    }
+/// What one Pick sees: the eligible replicas, what each holds of the
+/// request's keys, and their load.
+struct Snapshot {
+    eligible: Vec<Arc<Replica>>,
+    keys: Vec<BlockKey>,
+    matches: Vec<PrefixMatch>,
+    inputs: Vec<Input>,
+    approximate: bool,
+    /// The request's block size differs from the index's.
+    mismatch: bool,
+    index_block_size: u32,
+}
 
+/// Phase 2: matches and loads of the eligible replicas.
+fn snapshot(
+    shared: &Shared,
+    req: &PickRequest,
+    eligible: Vec<Arc<Replica>>,
+    now: Instant,
+) -> Snapshot {
+    let cfg = &shared.config;
     let approximate = req.mode == Mode::Approximate as i32;
     let keys: Vec<BlockKey> = req
         .block_keys
@@ -236,7 +246,6 @@ pub fn pick(
             "Pick block size differs from the index's: ranking by load only"
         );
     }
-
     let matches = if mismatch || keys.is_empty() {
         vec![PrefixMatch::default(); slots.len()]
     } else if approximate {
@@ -245,8 +254,7 @@ pub fn pick(
         let index = shared.index_for_request();
         index.match_prefix(index.partition(&req.model), &keys, &slots, now)
     };
-
-    let inputs: Vec<Input> = eligible
+    let inputs = eligible
         .iter()
         .zip(&matches)
         .map(|(r, m)| Input {
@@ -254,74 +262,174 @@ pub fn pick(
             load: r.load(now, cfg.pending_pick_ttl),
         })
         .collect();
-    let keyed_tokens = u32::try_from(keys.len())
+    Snapshot {
+        eligible,
+        keys,
+        matches,
+        inputs,
+        approximate,
+        mismatch,
+        index_block_size,
+    }
+}
+
+/// Phase 3: the cost model's order ([`score::rank`]).
+fn rank(shared: &Shared, req: &PickRequest, snap: &Snapshot) -> Ranking {
+    let keyed_tokens = u32::try_from(snap.keys.len())
         .unwrap_or(u32::MAX)
         .saturating_mul(req.block_size);
     let prompt_tokens = req.prompt_tokens.max(keyed_tokens);
-    let ranked = {
-        let mut rng = lock(&shared.rng);
-        score::rank(
-            &inputs,
-            prompt_tokens,
-            req.block_size,
-            &cfg.weights,
-            &mut *rng,
-        )
-    };
+    let mut rng = lock(&shared.rng);
+    score::rank(
+        &snap.inputs,
+        prompt_tokens,
+        req.block_size,
+        &shared.config.weights,
+        &mut *rng,
+    )
+}
 
-    let limit = match (req.max_candidates, cfg.max_candidates) {
+/// At debug level, every candidate's matched blocks, load and cost.
+fn explain(req: &PickRequest, snap: &Snapshot, ranking: &Ranking) {
+    if !tracing::enabled!(tracing::Level::DEBUG) {
+        return;
+    }
+    for (place, r) in ranking.ranked.iter().enumerate() {
+        let (Some(rep), Some(input)) = (snap.eligible.get(r.input), snap.inputs.get(r.input))
+        else {
+            continue;
+        };
+        tracing::debug!(
+            request_id = %req.request_id,
+            place,
+            endpoint = %rep.id(),
+            matched_blocks = input.matched.blocks,
+            of_blocks = snap.keys.len(),
+            running = input.load.running,
+            waiting = input.load.waiting,
+            pending_tokens = input.load.pending_tokens,
+            prefill_tokens_per_second = input.load.prefill_tokens_per_second,
+            cost_seconds = r.cost,
+            moved = ?ranking.moved,
+            "pick: candidate"
+        );
+    }
+}
+
+/// Phase 4: the chosen replica is credited with the pick's queued prefill
+/// work and, speculatively, with the keys it will hold.
+fn credit(shared: &Shared, req: &PickRequest, snap: &Snapshot, ranking: &Ranking, now: Instant) {
+    let cfg = &shared.config;
+    let Some(first) = ranking.ranked.first() else {
+        return;
+    };
+    let Some(chosen) = snap.eligible.get(first.input) else {
+        return;
+    };
+    // Credit the run unless the chosen replica already holds all of it.
+    let held = snap
+        .matches
+        .get(first.input)
+        .map_or(0, |m| m.blocks as usize);
+    // The pick's queued prefill work, in the full blocks it will add. A
+    // continuation credited with these blocks (speculatively) then costs on
+    // this replica exactly what a cold replica costs: the overlap is not
+    // counted twice, and the tie goes to the replica holding more.
+    #[allow(clippy::cast_precision_loss)]
+    let queued = (snap.keys.len().saturating_sub(held) as f64) * f64::from(req.block_size);
+    chosen.note_pick(now, &req.request_id, queued);
+    if snap.mismatch || held >= snap.keys.len() {
+        return;
+    }
+    if snap.approximate {
+        lock(&shared.approximate).learn(
+            &req.model,
+            &snap.keys,
+            chosen.slot,
+            now,
+            cfg.approximate_ttl,
+        );
+    } else if !cfg.speculative_ttl.is_zero() {
+        let mut index = shared.index_for_request_mut();
+        if let Some(p) = index.partition_or_insert(&req.model) {
+            index.speculate(p, &snap.keys, chosen.slot, now, now + cfg.speculative_ttl);
+        }
+    }
+}
+
+/// Phase 5: the answer, its decision kind and reason, and the metrics.
+fn classify(
+    shared: &Shared,
+    req: &PickRequest,
+    snap: &Snapshot,
+    ranking: &Ranking,
+) -> PickResponse {
+    let limit = match (req.max_candidates, shared.config.max_candidates) {
         (0, 0) => usize::MAX,
         (0, n) | (n, _) => n as usize,
     };
-    let mut candidates = Vec::with_capacity(ranked.len().min(limit));
+    let mut candidates = Vec::with_capacity(ranking.ranked.len().min(limit));
     let mut any_match = false;
-    for r in ranked.iter().take(limit) {
-        if let (Some(rep), Some(m)) = (eligible.get(r.input), matches.get(r.input)) {
+    for r in ranking.ranked.iter().take(limit) {
+        if let (Some(rep), Some(m)) = (snap.eligible.get(r.input), snap.matches.get(r.input)) {
             any_match |= m.blocks > 0;
             candidates.push(candidate(rep, m, req.block_size, r.cost));
         }
     }
-
-    if let Some(first) = ranked.first()
-        && let Some(chosen) = eligible.get(first.input)
-    {
-        // Credit the run unless the chosen replica already holds all of it.
-        let held = matches.get(first.input).map_or(0, |m| m.blocks as usize);
-        // The pick's queued prefill work, in the full blocks it will add. A
-        // continuation credited with these blocks (speculatively) then costs
-        // on this replica exactly what a cold replica costs: the overlap is
-        // not counted twice, and the tie goes to the replica holding more.
-        #[allow(clippy::cast_precision_loss)]
-        let queued = (keys.len().saturating_sub(held) as f64) * f64::from(req.block_size);
-        chosen.note_pick(now, &req.request_id, queued);
-        if !mismatch && held < keys.len() {
-            if approximate {
-                lock(&shared.approximate).learn(
-                    &req.model,
-                    &keys,
-                    chosen.slot,
-                    now,
-                    cfg.approximate_ttl,
-                );
-            } else if !cfg.speculative_ttl.is_zero() {
-                let mut index = shared.index_for_request_mut();
-                if let Some(p) = index.partition_or_insert(&req.model) {
-                    index.speculate(p, &keys, chosen.slot, now, now + cfg.speculative_ttl);
-                }
-            }
-        }
+    match ranking.moved {
+        Move::None => {}
+        Move::Held => shared.metrics.moves.inc(["held"]),
+        Move::Moved => shared.metrics.moves.inc(["moved"]),
     }
-
-    let (decision, reason) = match (mismatch, any_match, approximate) {
+    let (decision, reason) = match (snap.mismatch, any_match, snap.approximate) {
         (true, ..) => (DecisionKind::Load, "block_size_mismatch"),
         (false, true, false) => (DecisionKind::Precise, "prefix_match"),
         (false, true, true) => (DecisionKind::Approximate, "prefix_match"),
         (false, false, _) => (DecisionKind::Load, "no_match"),
     };
     let mut resp = answer(shared, decision, reason, candidates);
-    resp.index_block_size = index_block_size;
-    resp.block_size_mismatch = mismatch;
-    Ok(resp)
+    resp.index_block_size = snap.index_block_size;
+    resp.block_size_mismatch = snap.mismatch;
+    resp
+}
+
+/// Answers one Pick at `now`: the affinity shortcut, else a snapshot of the
+/// eligible replicas, ranked, the first credited, and the answer classified.
+pub fn pick(
+    shared: &Shared,
+    req: &PickRequest,
+    now: Instant,
+) -> Result<PickResponse, RequestError> {
+    validate(shared, req)?;
+    for id in &req.completed_request_ids {
+        complete_pick(shared, id);
+    }
+    if let Some(resp) = affinity_shortcut(shared, req, now) {
+        return Ok(resp);
+    }
+    let serving: Vec<Arc<Replica>> = read(&shared.registry)
+        .all()
+        .into_iter()
+        .filter(|r| r.serves(&req.model))
+        .collect();
+    let eligible: Vec<Arc<Replica>> = serving
+        .iter()
+        .filter(|r| r.is_eligible())
+        .cloned()
+        .collect();
+    if eligible.is_empty() {
+        let reason = if serving.is_empty() {
+            "unknown_model"
+        } else {
+            "no_fresh_replica"
+        };
+        return Ok(answer(shared, DecisionKind::Stale, reason, Vec::new()));
+    }
+    let snap = snapshot(shared, req, eligible, now);
+    let ranking = rank(shared, req, &snap);
+    explain(req, &snap, &ranking);
+    credit(shared, req, &snap, &ranking, now);
+    Ok(classify(shared, req, &snap, &ranking))
 }
 
 /// Records which replica served a request (feeds response-id affinity).

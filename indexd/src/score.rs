@@ -7,17 +7,28 @@
 //! credited_r = block_size × Σ_tier matched_blocks_r[tier] × credit[tier]
 //! uncached_r = max(prompt_tokens − credited_r, 0)
 //! queued_r   = queued_tokens_per_waiting × waiting_r + pending_tokens_r
-//! cost_r     = (uncached_r + queued_r) / prefill_tokens_per_second
+//! cost_r     = (uncached_r + queued_r) / rate_r
 //!            + running_penalty_seconds   × running_r
 //!            + kv_usage_penalty_seconds  × kv_usage_r
 //!            + occupancy_penalty_seconds × occupancy_r        (capacity signal)
 //! ```
 //!
-//! `credit` is 1.0 for GPU, less for CPU and storage; with a capacity signal
+//! `rate_r` is the replica's prefill speed fitted from its own metrics
+//! ([`crate::calibrate`]), `prefill_tokens_per_second` until there is enough
+//! evidence. `credit` is 1.0 for GPU, less for CPU and storage; with a capacity signal
 //! saying `cache_available: false`, lower tiers earn nothing. Candidates are
 //! ordered by cost (rounded to microseconds), then more matched blocks, then
 //! fewer requests in flight (`running + waiting + pending`), then a random
 //! draw from the caller's RNG (seeded in tests).
+//!
+//! **Moves pay or do not happen.** When the cheapest candidate holds less of
+//! the prompt than the candidate holding the most (the conversation's warm
+//! replica), going there re-prefills the difference, and that work delays
+//! everything queued behind it on the target: a cost the request's own TTFT
+//! does not show. Load figures are also partly stale (a scrape interval, and
+//! other gateways' picks are not seen at all). So the warm replica stays
+//! first unless the move saves more than `move_margin` times its re-prefill
+//! time at the target's rate.
 //!
 //! `pending_tokens_r` is the prefill work of picks the replica's metrics do
 //! not show yet: each pick adds the prompt tokens that replica had not cached,
@@ -54,6 +65,9 @@ pub struct Weights {
     pub credit_cpu: f64,
     /// Credit of a block matched in storage.
     pub credit_storage: f64,
+    /// A move away from the replica holding the most of the prompt must save
+    /// more than this many times its re-prefill time (0: cheapest wins).
+    pub move_margin: f64,
 }
 
 impl Default for Weights {
@@ -67,6 +81,7 @@ impl Default for Weights {
             credit_gpu: 1.0,
             credit_cpu: 0.8,
             credit_storage: 0.5,
+            move_margin: 1.0,
         }
     }
 }
@@ -98,6 +113,7 @@ impl Weights {
             ("weights.credit_gpu", self.credit_gpu),
             ("weights.credit_cpu", self.credit_cpu),
             ("weights.credit_storage", self.credit_storage),
+            ("weights.move_margin", self.move_margin),
         ];
         for (field, v) in fields {
             if !v.is_finite() || v < 0.0 {
@@ -144,6 +160,8 @@ pub struct Load {
     pub occupancy: Option<f64>,
     /// Capacity signal `cache_available` (true without a signal).
     pub cache_available: bool,
+    /// Its prefill speed as fitted from its metrics (None: use the prior).
+    pub prefill_tokens_per_second: Option<f64>,
 }
 
 /// One candidate as the scorer sees it.
@@ -164,17 +182,52 @@ pub struct Ranked {
     pub cost: f64,
 }
 
-/// The cost of one candidate (see the module docs).
-pub fn cost(input: &Input, prompt_tokens: u32, block_size: u32, w: &Weights) -> f64 {
+/// The order, and what the move rule did to it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Ranking {
+    /// Best first.
+    pub ranked: Vec<Ranked>,
+    /// What happened to the warm replica (the one holding the most).
+    pub moved: Move,
+}
+
+/// The move rule's verdict on one ranking.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Move {
+    /// No candidate holds more than the cheapest (nothing to leave).
+    None,
+    /// The cheapest is elsewhere but the saving does not pay the re-prefill:
+    /// the warm replica stays first.
+    Held,
+    /// The saving pays the re-prefill: the cheapest goes first.
+    Moved,
+}
+
+/// The prompt tokens `input` holds, credited by tier.
+fn credited(input: &Input, block_size: u32, w: &Weights) -> f64 {
     let available = input.load.cache_available;
-    let credited: f64 = Tier::ALL
+    Tier::ALL
         .into_iter()
         .zip(input.matched.per_tier)
         .map(|(tier, n)| f64::from(n) * f64::from(block_size) * w.credit(tier, available))
-        .sum();
+        .sum()
+}
+
+/// Its prefill speed: fitted, else the prior.
+fn rate(input: &Input, w: &Weights) -> f64 {
+    input
+        .load
+        .prefill_tokens_per_second
+        .filter(|r| r.is_finite() && *r > 0.0)
+        .unwrap_or(w.prefill_tokens_per_second)
+}
+
+/// The cost of one candidate (see the module docs).
+pub fn cost(input: &Input, prompt_tokens: u32, block_size: u32, w: &Weights) -> f64 {
+    let credited = credited(input, block_size, w);
     let uncached = (f64::from(prompt_tokens) - credited).max(0.0);
     let queued = w.queued_tokens_per_waiting * input.load.waiting + input.load.pending_tokens;
-    let mut c = (uncached + queued) / w.prefill_tokens_per_second
+    let mut c = (uncached + queued) / rate(input, w)
         + w.running_penalty_seconds * input.load.running
         + w.kv_usage_penalty_seconds * input.load.kv_usage.clamp(0.0, 1.0);
     if let Some(occ) = input.load.occupancy {
@@ -183,8 +236,60 @@ pub fn cost(input: &Input, prompt_tokens: u32, block_size: u32, w: &Weights) -> 
     if c.is_finite() { c } else { f64::MAX }
 }
 
-/// Orders `inputs` best first. `prompt_tokens` is at least the keyed tokens.
+/// Orders `inputs` best first, then applies the move rule (module docs).
+/// `prompt_tokens` is at least the keyed tokens.
 pub fn rank<R: Rng>(
+    inputs: &[Input],
+    prompt_tokens: u32,
+    block_size: u32,
+    w: &Weights,
+    rng: &mut R,
+) -> Ranking {
+    let mut ranked = by_cost(inputs, prompt_tokens, block_size, w, rng);
+    let moved = apply_move_rule(inputs, &mut ranked, block_size, w);
+    Ranking { ranked, moved }
+}
+
+/// Keeps the warm replica first unless leaving it pays (module docs).
+fn apply_move_rule(inputs: &[Input], ranked: &mut [Ranked], block_size: u32, w: &Weights) -> Move {
+    let Some(first) = ranked.first().copied() else {
+        return Move::None;
+    };
+    let Some(cheapest) = inputs.get(first.input) else {
+        return Move::None;
+    };
+    let held_by_cheapest = credited(cheapest, block_size, w);
+    // The warm replica: the one holding the most (the first in cost order
+    // among equals).
+    let mut warm: Option<(usize, f64)> = None;
+    for (at, r) in ranked.iter().enumerate() {
+        let Some(input) = inputs.get(r.input) else {
+            continue;
+        };
+        let held = credited(input, block_size, w);
+        if held > warm.map_or(held_by_cheapest, |(_, h)| h) {
+            warm = Some((at, held));
+        }
+    }
+    let Some((at, held)) = warm else {
+        return Move::None;
+    };
+    let Some(warm_cost) = ranked.get(at).map(|r| r.cost) else {
+        return Move::None;
+    };
+    let reprefill_seconds = (held - held_by_cheapest) / rate(cheapest, w);
+    if warm_cost - first.cost > w.move_margin * reprefill_seconds {
+        return Move::Moved;
+    }
+    if let Some(head) = ranked.get_mut(..=at) {
+        head.rotate_right(1);
+    }
+    Move::Held
+}
+
+/// Orders `inputs` by cost, then more matched blocks, fewer in flight, and
+/// a random draw.
+fn by_cost<R: Rng>(
     inputs: &[Input],
     prompt_tokens: u32,
     block_size: u32,
@@ -250,7 +355,8 @@ mod tests {
             64,
             &w,
             &mut StdRng::seed_from_u64(1),
-        );
+        )
+        .ranked;
         assert_eq!(r[0].input, 1);
         assert!(r[0].cost < r[1].cost);
     }
@@ -264,7 +370,8 @@ mod tests {
             64,
             &w,
             &mut StdRng::seed_from_u64(1),
-        );
+        )
+        .ranked;
         assert_eq!(r[0].input, 1);
     }
 
@@ -278,7 +385,8 @@ mod tests {
             64,
             &w,
             &mut StdRng::seed_from_u64(1),
-        );
+        )
+        .ranked;
         assert_eq!(r[0].input, 1);
     }
 
@@ -291,7 +399,8 @@ mod tests {
             64,
             &w,
             &mut StdRng::seed_from_u64(1),
-        );
+        )
+        .ranked;
         assert_eq!(r[0].input, 1);
     }
 
@@ -308,16 +417,17 @@ mod tests {
             64,
             &w,
             &mut StdRng::seed_from_u64(1),
-        );
+        )
+        .ranked;
         assert_eq!(r[0].input, 1);
         // Full tie: the seed decides, reproducibly, and both orders occur.
         let tie = [input(0, 0, 0.0, 0.0), input(0, 0, 0.0, 0.0)];
         let firsts: std::collections::HashSet<usize> = (0..32)
-            .map(|seed| rank(&tie, 64, 64, &w, &mut StdRng::seed_from_u64(seed))[0].input)
+            .map(|seed| rank(&tie, 64, 64, &w, &mut StdRng::seed_from_u64(seed)).ranked[0].input)
             .collect();
         assert_eq!(firsts.len(), 2);
-        let a = rank(&tie, 64, 64, &w, &mut StdRng::seed_from_u64(7));
-        let b = rank(&tie, 64, 64, &w, &mut StdRng::seed_from_u64(7));
+        let a = rank(&tie, 64, 64, &w, &mut StdRng::seed_from_u64(7)).ranked;
+        let b = rank(&tie, 64, 64, &w, &mut StdRng::seed_from_u64(7)).ranked;
         assert_eq!(a, b);
     }
 
@@ -343,5 +453,82 @@ mod tests {
                 .to_string()
                 .contains("weights.credit_cpu")
         );
+    }
+
+    /// A conversation of `held` blocks on replica 0, waiting `queue` requests
+    /// there; replica 1 holds nothing and is idle. Replica 1's fitted speed is
+    /// `cold_rate` (None: the prior).
+    fn warm_and_cold(held: u32, queue: f64, cold_rate: Option<f64>) -> [Input; 2] {
+        let mut cold = input(0, 0, 0.0, 0.0);
+        cold.load.prefill_tokens_per_second = cold_rate;
+        [input(held, 0, 0.0, queue), cold]
+    }
+
+    #[test]
+    fn a_move_that_saves_less_than_its_reprefill_is_held() {
+        let w = Weights::default();
+        // 3,200 tokens held; 2 waiting there (2,048 tokens of queue, 0.26 s at
+        // 8,000/s) vs re-prefilling 3,200 tokens elsewhere (0.4 s): the
+        // cheapest is the cold replica by cost, but the move does not pay.
+        let inputs = warm_and_cold(50, 2.0, None);
+        let by_cost_alone = by_cost(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        let ranking = rank(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        let costs: Vec<f64> = by_cost_alone.iter().map(|r| r.cost).collect();
+        assert_eq!(by_cost_alone[0].input, 0, "{costs:?}");
+        assert_eq!(ranking.moved, Move::None);
+
+        let inputs = warm_and_cold(50, 4.0, None);
+        let ranking = rank(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        let cheapest = by_cost(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1))[0].input;
+        assert_eq!(cheapest, 1, "4 waiting make the cold replica cheaper");
+        assert_eq!(ranking.moved, Move::Held);
+        assert_eq!(ranking.ranked[0].input, 0, "the warm replica stays first");
+        assert_eq!(ranking.ranked.len(), 2);
+
+        let inputs = warm_and_cold(50, 12.0, None);
+        let ranking = rank(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        assert_eq!(ranking.moved, Move::Moved);
+        assert_eq!(ranking.ranked[0].input, 1, "a long queue pays for the move");
+    }
+
+    #[test]
+    fn the_targets_measured_speed_prices_the_reprefill() {
+        let w = Weights::default();
+        // At the prior's 8,000 tokens/s on both, 12 waiting on the warm
+        // replica (12,288 tokens) pay for re-prefilling 3,200 tokens on the
+        // cold one; measured at 2,000/s, the cold one's re-prefill (1.66 s)
+        // costs more than the warm queue (1.55 s).
+        let fast = warm_and_cold(50, 12.0, None);
+        let ranking = rank(&fast, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        assert_eq!(ranking.moved, Move::Moved);
+        assert_eq!(ranking.ranked[0].input, 1);
+        let slow = warm_and_cold(50, 12.0, Some(2_000.0));
+        let ranking = rank(&slow, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        assert_eq!(ranking.moved, Move::None);
+        assert_eq!(ranking.ranked[0].input, 0);
+        assert!((ranking.ranked[1].cost - 3_328.0 / 2_000.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_zero_margin_leaves_the_cheapest_first() {
+        let w = Weights {
+            move_margin: 0.0,
+            ..Weights::default()
+        };
+        let inputs = warm_and_cold(50, 4.0, None);
+        let ranking = rank(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        assert_eq!(ranking.moved, Move::Moved);
+        assert_eq!(ranking.ranked[0].input, 1);
+    }
+
+    #[test]
+    fn the_held_replica_moves_to_the_front_keeping_the_rest_in_order() {
+        let w = Weights::default();
+        let mut inputs = vec![input(0, 0, 0.0, 0.0), input(0, 0, 1.0, 0.0)];
+        inputs.push(input(50, 0, 0.0, 4.0));
+        let ranking = rank(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        assert_eq!(ranking.moved, Move::Held);
+        let order: Vec<usize> = ranking.ranked.iter().map(|r| r.input).collect();
+        assert_eq!(order, vec![2, 0, 1]);
     }
 }

@@ -26,6 +26,8 @@
 //!   The snapshot writer reads the index one replica at a time, under the
 //!   read lock, in a blocking task (no `.await` while held); `snapshot_lock`
 //!   serializes writers (the periodic one and the one at shutdown).
+//! - per-replica prefill calibration: a short `Mutex`, written by that
+//!   replica's scrape task, read once per Pick candidate.
 //! - per-replica resume point (from a snapshot): a short `Mutex`, taken once
 //!   by the replica's subscription.
 //!
@@ -47,6 +49,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::affinity::{Affinity, Approximate};
 use crate::auth::Token;
+use crate::calibrate::{Calibration, PrefillCounters, PrefillSpeed};
 use crate::config::{Config, EndpointConfig, EndpointId};
 use crate::event::{EventBatch, KvEvent};
 use crate::ids::ReplicaSlot;
@@ -103,6 +106,17 @@ pub struct Replica {
     last_warning: Mutex<Option<Instant>>,
     /// Where its event stream resumes, when a snapshot restored its blocks.
     resume: Mutex<Option<Applied>>,
+    /// Its prefill speed, fitted from its metrics.
+    calibration: Mutex<Fitted>,
+}
+
+/// A replica's calibration and what it last concluded.
+#[derive(Debug, Default)]
+struct Fitted {
+    fit: Calibration,
+    speed: Option<PrefillSpeed>,
+    /// The rate last logged (changes of a quarter or more are logged).
+    logged: Option<f64>,
 }
 
 const MAX_PENDING: usize = 4096;
@@ -136,7 +150,44 @@ impl Replica {
             loras: Mutex::new(BTreeSet::new()),
             last_warning: Mutex::new(None),
             resume: Mutex::new(None),
+            calibration: Mutex::new(Fitted::default()),
         }
+    }
+
+    /// Takes one scrape's prefill counters into the fit of its speed
+    /// (`prior`: the configured tokens per second).
+    pub(crate) fn calibrate(&self, counters: PrefillCounters, prior: f64) {
+        let mut f = lock(&self.calibration);
+        if !f.fit.observe(counters) && f.speed.is_some() {
+            // Idle, or restarted (which resets the fit).
+            f.speed = f.fit.speed(prior);
+            return;
+        }
+        f.speed = f.fit.speed(prior);
+        let Some(speed) = f.speed else {
+            return;
+        };
+        let moved = f.logged.is_none_or(|l| {
+            let ratio = speed.tokens_per_second / l;
+            !(0.8..=1.25).contains(&ratio)
+        });
+        if moved {
+            f.logged = Some(speed.tokens_per_second);
+            drop(f);
+            tracing::info!(
+                endpoint = %self.id(),
+                tokens_per_second = speed.tokens_per_second.round(),
+                overhead_ms = (speed.overhead_seconds * 1e3).round(),
+                prior,
+                "prefill speed calibrated from the replica's metrics"
+            );
+        }
+    }
+
+    /// Its fitted prefill speed (None: not enough evidence yet; the prior
+    /// applies).
+    pub(crate) fn prefill_speed(&self) -> Option<PrefillSpeed> {
+        lock(&self.calibration).speed
     }
 
     /// True at most once per 10 s: bad input from one replica is counted
@@ -272,9 +323,11 @@ impl Replica {
             }
             (p.len(), p.iter().map(|p| p.tokens).sum::<f64>())
         };
+        let prefill = self.prefill_speed();
         let s = lock(&self.scraped);
         #[allow(clippy::cast_precision_loss)]
         Load {
+            prefill_tokens_per_second: prefill.map(|p| p.tokens_per_second),
             running: s.running,
             waiting: s.waiting,
             kv_usage: s.kv_usage,

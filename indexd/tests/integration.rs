@@ -789,6 +789,77 @@ async fn metrics_server(body: Arc<Mutex<(u16, String)>>) -> SocketAddr {
     addr
 }
 
+/// One gauge of indexd's /metrics page.
+fn gauge(page: &str, series: &str) -> Option<f64> {
+    page.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_speed_is_fitted_from_the_replicas_histograms() {
+    // A replica prefilling 2,000 tokens/s with 40 ms per request on top;
+    // its counters advance between scrapes, requests of varied sizes.
+    let page = |requests: f64, seconds: f64, tokens: f64| {
+        format!(
+            "vllm:num_requests_running{{engine=\"0\"}} 0\n\
+             vllm:request_prefill_time_seconds_count{{engine=\"0\"}} {requests}\n\
+             vllm:request_prefill_time_seconds_sum{{engine=\"0\"}} {seconds}\n\
+             vllm:request_prefill_kv_computed_tokens_sum{{engine=\"0\"}} {tokens}\n"
+        )
+    };
+    let body = Arc::new(Mutex::new((200, page(0.0, 0.0, 0.0))));
+    let addr = metrics_server(Arc::clone(&body)).await;
+    let feeder = {
+        let body = Arc::clone(&body);
+        tokio::spawn(async move {
+            let (mut requests, mut seconds, mut tokens) = (0.0, 0.0, 0.0);
+            for i in 0..400u32 {
+                let (n, t) = (f64::from(1 + i % 3), f64::from(300 + (i * 733) % 3_000));
+                requests += n;
+                tokens += t;
+                seconds += 0.040 * n + t / 2_000.0;
+                body.lock().unwrap().1 = page(requests, seconds, tokens);
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let mut a = endpoint(18016, None);
+    a.metrics_url = HttpUrl::parse(&format!("http://{addr}/metrics"));
+    let mut b = endpoint(18017, None);
+    b.metrics_url = None;
+    let d = Daemon::start(vec![a, b], 16).await;
+    let series =
+        |port: u16, name: &str| format!("{name}{{endpoint=\"127.0.0.1:{port}\",model=\"m\"}}");
+    eventually("a fitted speed near 2,000 tokens/s", || async {
+        let page = String::from_utf8(d.http_get("/metrics").await.unwrap()).unwrap();
+        gauge(
+            &page,
+            &series(18016, "indexd_replica_prefill_tokens_per_second"),
+        )
+        .is_some_and(|r| (r - 2_000.0).abs() < 20.0)
+    })
+    .await;
+    let page = String::from_utf8(d.http_get("/metrics").await.unwrap()).unwrap();
+    let overhead = gauge(
+        &page,
+        &series(18016, "indexd_replica_prefill_overhead_seconds"),
+    );
+    assert!(
+        overhead.is_some_and(|o| (o - 0.040).abs() < 0.002),
+        "{overhead:?}"
+    );
+    // Without metrics, the prior stands.
+    assert_eq!(
+        gauge(
+            &page,
+            &series(18017, "indexd_replica_prefill_tokens_per_second")
+        ),
+        Some(indexd::Weights::default().prefill_tokens_per_second)
+    );
+    feeder.abort();
+    d.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn load_from_metrics_and_failing_scrapes_mark_unhealthy() {
     let busy = Arc::new(Mutex::new((

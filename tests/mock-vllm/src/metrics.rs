@@ -13,6 +13,7 @@ use crate::engine::Replica;
 use crate::rank::{Engine, Metrics};
 
 type Sampler = fn(&Engine, &Metrics) -> Vec<(&'static str, f64)>;
+type HistogramOf = fn(&Metrics) -> &crate::rank::Histogram;
 
 fn g(a: &AtomicUsize) -> f64 {
     a.load(Ordering::Relaxed) as f64
@@ -96,6 +97,45 @@ pub fn render(replica: &Replica) -> String {
             }
         }
     }
+    let token_bounds = crate::rank::token_buckets(cfg.max_model_len);
+    let histograms: [(&str, &str, &[f64], HistogramOf); 2] = [
+        (
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            crate::rank::LATENCY_BUCKETS,
+            |m| &m.prefill_time,
+        ),
+        (
+            "vllm:request_prefill_kv_computed_tokens",
+            "Histogram of new KV tokens computed during prefill (excluding cached tokens).",
+            &token_bounds,
+            |m| &m.prefill_computed,
+        ),
+    ];
+    for (name, help, bounds, pick) in histograms {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for e in replica.engines() {
+            let h = pick(&e.metrics).snapshot();
+            let mut cumulative = 0u64;
+            for (i, le) in bounds.iter().enumerate() {
+                cumulative += h.counts.get(i).copied().unwrap_or(0);
+                let _ = writeln!(
+                    out,
+                    "{name}_bucket{{{},le=\"{le:?}\"}} {:?}",
+                    labels(e),
+                    cumulative as f64
+                );
+            }
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{},le=\"+Inf\"}} {:?}",
+                labels(e),
+                h.count as f64
+            );
+            let _ = writeln!(out, "{name}_sum{{{}}} {:?}", labels(e), h.sum);
+            let _ = writeln!(out, "{name}_count{{{}}} {:?}", labels(e), h.count as f64);
+        }
+    }
     let name = "vllm:cache_config_info";
     let _ = writeln!(
         out,
@@ -154,5 +194,37 @@ mod tests {
             1
         );
         assert_eq!(text.matches("vllm:cache_config_info{").count(), 2);
+    }
+
+    #[test]
+    fn prefill_histograms_are_cumulative_with_sum_and_count() {
+        let r = Replica::new(Config::default(), "r".to_owned(), Vec::new());
+        let e = r.engines().first().cloned().expect("one engine");
+        e.metrics
+            .prefill_time
+            .observe(crate::rank::LATENCY_BUCKETS, 0.4);
+        e.metrics
+            .prefill_time
+            .observe(crate::rank::LATENCY_BUCKETS, 3.0);
+        let bounds = crate::rank::token_buckets(32_768);
+        assert_eq!(bounds.first(), Some(&1.0));
+        assert_eq!(bounds.last(), Some(&20_000.0));
+        e.metrics.prefill_computed.observe(&bounds, 700.0);
+        let text = render(&r);
+        let l = "engine=\"0\",model_name=\"mock-model\"";
+        for line in [
+            "# TYPE vllm:request_prefill_time_seconds histogram".to_owned(),
+            format!("vllm:request_prefill_time_seconds_bucket{{{l},le=\"0.3\"}} 0.0"),
+            format!("vllm:request_prefill_time_seconds_bucket{{{l},le=\"0.5\"}} 1.0"),
+            format!("vllm:request_prefill_time_seconds_bucket{{{l},le=\"5.0\"}} 2.0"),
+            format!("vllm:request_prefill_time_seconds_bucket{{{l},le=\"+Inf\"}} 2.0"),
+            format!("vllm:request_prefill_time_seconds_sum{{{l}}} 3.4"),
+            format!("vllm:request_prefill_time_seconds_count{{{l}}} 2.0"),
+            format!("vllm:request_prefill_kv_computed_tokens_bucket{{{l},le=\"500.0\"}} 0.0"),
+            format!("vllm:request_prefill_kv_computed_tokens_bucket{{{l},le=\"1000.0\"}} 1.0"),
+            format!("vllm:request_prefill_kv_computed_tokens_sum{{{l}}} 700.0"),
+        ] {
+            assert!(text.contains(&line), "{line} missing from\n{text}");
+        }
     }
 }

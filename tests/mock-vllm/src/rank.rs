@@ -31,6 +31,71 @@ pub struct Metrics {
     pub finished_length: AtomicU64,
     /// Requests assigned and not yet finished (waiting + running), for internal balancing.
     pub in_flight: AtomicUsize,
+    /// `vllm:request_prefill_time_seconds`: scheduled to first token, per request.
+    pub prefill_time: Histogram,
+    /// `vllm:request_prefill_kv_computed_tokens`: prompt tokens computed (not cached), per
+    /// request.
+    pub prefill_computed: Histogram,
+}
+
+/// vLLM's `REQUEST_LATENCY_BUCKETS` (seconds).
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+    480.0, 960.0, 1920.0, 7680.0,
+];
+
+/// vLLM's 1-2-5 token buckets up to `max`.
+pub fn token_buckets(max: u32) -> Vec<f64> {
+    let mut out = Vec::new();
+    let mut exp = 1u64;
+    'outer: loop {
+        for m in [1u64, 2, 5] {
+            let b = m * exp;
+            if b > u64::from(max) {
+                break 'outer;
+            }
+            out.push(b as f64);
+        }
+        exp *= 10;
+    }
+    out
+}
+
+/// A Prometheus histogram: cumulative-free bucket counts (rendered cumulatively), sum, count.
+#[derive(Debug, Default)]
+pub struct Histogram {
+    inner: std::sync::Mutex<HistogramInner>,
+}
+
+#[derive(Debug, Default, Clone)]
+pub struct HistogramInner {
+    /// Observations per bucket of the bounds given at observe time (not cumulative).
+    pub counts: Vec<u64>,
+    pub sum: f64,
+    pub count: u64,
+}
+
+impl Histogram {
+    pub fn observe(&self, bounds: &[f64], value: f64) {
+        let mut h = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        if h.counts.len() != bounds.len() {
+            h.counts = vec![0; bounds.len()];
+        }
+        if let Some(i) = bounds.iter().position(|b| value <= *b)
+            && let Some(c) = h.counts.get_mut(i)
+        {
+            *c += 1;
+        }
+        h.sum += value;
+        h.count += 1;
+    }
+
+    pub fn snapshot(&self) -> HistogramInner {
+        self.inner
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
 }
 
 #[derive(Debug)]
@@ -167,7 +232,14 @@ impl Engine {
         m.prompt_tokens
             .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
         let latency = &self.config.latency;
+        let scheduled = std::time::Instant::now();
         pause(latency.scaled(latency.prefill_ms(job.prompt.len(), cached_tokens))).await;
+        m.prefill_time
+            .observe(LATENCY_BUCKETS, scheduled.elapsed().as_secs_f64());
+        m.prefill_computed.observe(
+            &token_buckets(self.config.max_model_len),
+            job.prompt.len().saturating_sub(cached_tokens) as f64,
+        );
         self.store(job, &job.prompt, &blocks, generation);
         drop(turn);
         Prefilled {

