@@ -92,6 +92,16 @@ struct Args {
     /// end) and report the writes' size and duration under the flood.
     #[arg(long)]
     snapshot: bool,
+    /// How Picks reach indexd: its default for the node-local case, a Unix
+    /// socket (in a temporary directory), or loopback TCP.
+    #[arg(long, value_enum, default_value_t = Transport::Unix)]
+    transport: Transport,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+enum Transport {
+    Unix,
+    Tcp,
 }
 
 /// Makes the calling thread `by` steps nicer (Linux: per thread); 20 puts
@@ -202,7 +212,7 @@ fn picker(
         .build()
         .unwrap();
     rt.block_on(async move {
-        let mut client = IndexClient::connect(format!("http://{grpc}"))
+        let mut client = IndexClient::connect(grpc)
             .await
             .unwrap();
         let bs = BlockSize::new(flood::BLOCK).unwrap();
@@ -290,6 +300,11 @@ async fn run(args: Args) -> Result<bool, String> {
         listeners.push(l);
     }
     let config = args.out.join("soak-indexd.yaml");
+    let socket_dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let grpc_listen = match args.transport {
+        Transport::Unix => format!("unix://{}", socket_dir.path().join("indexd.sock").display()),
+        Transport::Tcp => "127.0.0.1:0".to_owned(),
+    };
     let snapshot = if args.snapshot {
         format!("snapshot_path: {}\n", args.out.join("index.snap").display())
     } else {
@@ -298,7 +313,7 @@ async fn run(args: Args) -> Result<bool, String> {
     std::fs::write(
         &config,
         format!(
-            "grpc_listen: 127.0.0.1:0\nhttp_listen: 127.0.0.1:0\nblock_size: {}\nmax_index_entries: {}\nspeculative_ttl: 5s\ningest_nice: {}\n{snapshot}endpoints:\n{endpoints}",
+            "grpc_listen: '{grpc_listen}'\nhttp_listen: 127.0.0.1:0\nblock_size: {}\nmax_index_entries: {}\nspeculative_ttl: 5s\ningest_nice: {}\n{snapshot}endpoints:\n{endpoints}",
             flood::BLOCK,
             args.max_index_entries,
             args.ingest_nice
@@ -324,7 +339,12 @@ async fn run(args: Args) -> Result<bool, String> {
         .map_err(|e| e.to_string())?;
     let addrs: serde_json::Value =
         serde_json::from_str(&line).map_err(|e| format!("{line:?}: {e}"))?;
-    let grpc = addrs["grpc"].as_str().unwrap_or_default().to_owned();
+    let grpc = addrs["grpc"].as_str().unwrap_or_default();
+    let grpc = if grpc.starts_with("unix:") {
+        grpc.to_owned()
+    } else {
+        format!("http://{grpc}")
+    };
     let http = HttpUrl::parse(&format!(
         "http://{}/metrics",
         addrs["http"].as_str().unwrap_or_default()
@@ -466,6 +486,10 @@ async fn run(args: Args) -> Result<bool, String> {
         indexd: binary.display().to_string(),
         flood_nice: args.flood_nice,
         ingest_nice: args.ingest_nice,
+        transport: match args.transport {
+            Transport::Unix => "a Unix socket",
+            Transport::Tcp => "loopback TCP",
+        },
     };
     let ok = report::write(&args.out, &setup, &windows, &note).map_err(|e| e.to_string())?;
     let (_, summary) = report::verdict(&setup, &windows);

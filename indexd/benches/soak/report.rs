@@ -78,6 +78,8 @@ pub struct Setup {
     pub indexd: String,
     pub flood_nice: i32,
     pub ingest_nice: u8,
+    /// How Picks reach indexd ("a Unix socket", "loopback TCP").
+    pub transport: &'static str,
 }
 
 /// The verdict: peak RSS and worst p99 against their budgets (the first
@@ -129,13 +131,14 @@ pub fn write(
         "`make soak-indexd` (`cargo bench -p indexd --bench soak --profile perf -- --soak`): \
          the real `indexd` binary ({}) as a child process with `max_index_entries: {}`, {} \
          simulated replicas flooding KV events over ZMTP as fast as indexd reads them, and {} \
-         Picks/s over gRPC, for {:.0} s in {:.0} s windows. Machine: {} CPUs, shared. \
+         Picks/s over gRPC on {}, for {:.0} s in {:.0} s windows. Machine: {} CPUs, shared. \
          indexd's ingest threads run at `ingest_nice: {}`; the flood's thread (the \
          replicas, which are other machines in a fleet) at nice +{}.\n",
         setup.indexd,
         setup.max_index_entries,
         setup.replicas,
         setup.pick_rate,
+        setup.transport,
         setup.duration_s,
         setup.window_s,
         std::thread::available_parallelism().map_or(0, |n| n.get()),
