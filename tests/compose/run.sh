@@ -20,6 +20,7 @@ compose_file=envoy/docker-compose.yaml
 project="kvroute-test-$(date +%s)-$$"
 scratch=$(mktemp -d -t kvroute-compose.XXXXXX)
 dockerd_pid=
+had_docker0=yes
 compose=()
 project_up=
 main_done=
@@ -95,6 +96,10 @@ teardown() { # idempotent; counts leftovers as failures
     fi
     wait "$dockerd_pid" 2>/dev/null
     check "the dockerd this run started has stopped" [ -z "$(pgrep -x dockerd)" ]
+    # Its default bridge, when it made it (a stopped engine leaves the link behind).
+    if [ -z "$had_docker0" ] && ip link show docker0 >/dev/null 2>&1; then
+      ip link delete docker0
+    fi
   fi
   rm -rf "$scratch"
   set -e
@@ -136,6 +141,8 @@ else
     die "a dockerd runs but does not answer: see its log"
   fi
   [ "$(id -u)" -eq 0 ] || die "no Docker engine answers and starting dockerd needs root"
+  had_docker0=
+  if ip link show docker0 >/dev/null 2>&1; then had_docker0=yes; fi
   say "starting dockerd (log: $scratch/dockerd.log until the end of the run)"
   # Its own session: a Ctrl-C reaches this script, whose cleanup stops it in order.
   setsid dockerd >"$scratch/dockerd.log" 2>&1 &
