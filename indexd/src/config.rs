@@ -13,7 +13,8 @@
 //! scrape_interval: 1s
 //! speculative_ttl: 5s
 //! endpoints:
-//!   - address: 10.0.0.7:8000          # as Envoy knows the host
+//!   - address: 10.0.0.7:8000          # as Envoy knows the host (host:port: see
+//!                                     # `from_file_with`)
 //!     data_parallel_rank: 0           # optional
 //!     model: llama-3-8b               # served model name
 //!     adapters: [my-lora]             # optional LoRA adapters served
@@ -47,7 +48,8 @@ pub mod endpoint;
 pub use access::AccessConfig;
 use endpoint::RawEndpoint;
 pub use endpoint::{
-    EndpointConfig, EndpointId, HttpUrl, parse_discovery, parse_endpoint, validate_endpoints,
+    EndpointConfig, EndpointId, HttpUrl, NoResolve, Resolve, SystemResolve, parse_discovery,
+    parse_endpoint, parse_endpoint_with, validate_endpoints,
 };
 
 /// The whole daemon's configuration.
@@ -150,20 +152,33 @@ impl Config {
         }
     }
 
-    /// Parses YAML and validates it.
+    /// Parses YAML and validates it (endpoint addresses as `ip:port`).
     pub fn from_yaml(text: &str) -> Result<Self, ConfigError> {
-        let raw: RawConfig =
-            serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
-        raw.into_config()
+        Self::from_yaml_with(text, &NoResolve)
     }
 
-    /// Reads and parses a YAML file.
+    /// Parses YAML and validates it; an endpoint `address` given as
+    /// `host:port` is resolved by `resolve` to its one address (IPv4 first),
+    /// once, now.
+    pub fn from_yaml_with(text: &str, resolve: &dyn Resolve) -> Result<Self, ConfigError> {
+        let raw: RawConfig =
+            serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
+        raw.into_config(resolve)
+    }
+
+    /// Reads and parses a YAML file (endpoint addresses as `ip:port`).
     pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        Self::from_file_with(path, &NoResolve)
+    }
+
+    /// Reads and parses a YAML file, resolving host names in endpoint
+    /// addresses like [`Config::from_yaml_with`].
+    pub fn from_file_with(path: &Path, resolve: &dyn Resolve) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
-        Self::from_yaml(&text)
+        Self::from_yaml_with(&text, resolve)
     }
 
     /// Checks the invariants the types cannot express.
@@ -320,7 +335,7 @@ struct RawConfig {
 }
 
 impl RawConfig {
-    fn into_config(self) -> Result<Config, ConfigError> {
+    fn into_config(self, resolve: &dyn Resolve) -> Result<Config, ConfigError> {
         let mut c = Config::new(Vec::new());
         let addr =
             |field: &str, v: Option<String>, d: SocketAddr| -> Result<SocketAddr, ConfigError> {
@@ -345,7 +360,7 @@ impl RawConfig {
             .endpoints
             .into_iter()
             .enumerate()
-            .map(|(i, e)| e.into_endpoint(&format!("endpoints[{i}]")))
+            .map(|(i, e)| e.into_endpoint(&format!("endpoints[{i}]"), resolve))
             .collect::<Result<_, _>>()?;
         c.discovery_file = self.discovery_file;
         c.discovery_interval = duration(

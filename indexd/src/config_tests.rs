@@ -105,6 +105,107 @@ fn endpoint_flag() {
     );
 }
 
+/// A resolver that knows a few names and answers nothing else.
+fn fake_dns(host: &str, port: u16) -> std::io::Result<Vec<SocketAddr>> {
+    let ips: &[&str] = match host {
+        "vllm-0" => &["fd00::10", "172.20.0.10"],
+        "vllm-1" => &["172.20.0.11", "172.20.0.11"],
+        "v6-only" => &["fd00::12"],
+        "scaled" => &["172.20.0.13", "172.20.0.14"],
+        "nothing" => &[],
+        _ => return Err(std::io::Error::other("no such host")),
+    };
+    Ok(ips
+        .iter()
+        .map(|ip| SocketAddr::new(ip.parse().unwrap(), port))
+        .collect())
+}
+
+#[test]
+fn host_names_in_addresses_resolve_once_to_one_address() {
+    let yaml = "endpoints:\n  - {address: vllm-0:8000, model: m, events: 'tcp://vllm-0:5557', metrics_url: 'http://vllm-0:8000/metrics'}\n  - {address: vllm-1:8000, model: m}\n  - {address: v6-only:8000, model: m}\n  - {address: 10.0.0.9:8000, model: m}\n";
+    let c = Config::from_yaml_with(yaml, &fake_dns).unwrap();
+    let addresses: Vec<String> = c.endpoints.iter().map(|e| e.id.to_string()).collect();
+    // IPv4 first (Envoy's V4_PREFERRED), duplicates of one address are one.
+    assert_eq!(
+        addresses,
+        [
+            "172.20.0.10:8000",
+            "172.20.0.11:8000",
+            "[fd00::12]:8000",
+            "10.0.0.9:8000"
+        ]
+    );
+    // The other sources keep the name: they resolve at each connect.
+    assert_eq!(c.endpoints[0].events.as_deref(), Some("tcp://vllm-0:5557"));
+    assert_eq!(
+        c.endpoints[0]
+            .metrics_url
+            .as_ref()
+            .map(|u| u.authority.as_str()),
+        Some("vllm-0:8000")
+    );
+
+    for (address, reason) in [
+        (
+            "scaled:8000",
+            "resolves to 2 addresses (172.20.0.13:8000, 172.20.0.14:8000)",
+        ),
+        ("nothing:8000", "resolves to no address"),
+        ("unknown:8000", "cannot resolve \"unknown\": no such host"),
+        ("vllm 0:8000", "is not ip:port or host:port"),
+        ("vllm-0", "is not ip:port or host:port"),
+        ("vllm-0:http", "is not ip:port or host:port"),
+        (":8000", "is not ip:port or host:port"),
+        ("[vllm-0]:8000", "is not ip:port or host:port"),
+    ] {
+        let yaml = format!("endpoints:\n  - {{address: '{address}', model: m}}\n");
+        let err = Config::from_yaml_with(&yaml, &fake_dns)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`endpoints[0].address`"), "{address}: {err}");
+        assert!(err.contains(reason), "{address}: {err}");
+    }
+    // Two names for one replica are one endpoint twice.
+    let twice = "endpoints:\n  - {address: vllm-1:8000, model: m}\n  - {address: 172.20.0.11:8000, model: m}\n";
+    let err = Config::from_yaml_with(twice, &fake_dns).unwrap_err();
+    assert!(err.to_string().contains("duplicate endpoint"), "{err}");
+}
+
+#[test]
+fn parsing_alone_never_resolves() {
+    let yaml = "endpoints:\n  - {address: localhost:8000, model: m}\n";
+    let err = Config::from_yaml(yaml).unwrap_err().to_string();
+    assert!(err.contains("`endpoints[0].address`"), "{err}");
+    assert!(err.contains("not resolved here"), "{err}");
+    let err = parse_endpoint("{address: localhost:8000, model: m}")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--endpoint.address"), "{err}");
+    let err = parse_discovery("endpoints:\n  - {address: localhost:8000, model: m}\n")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("not resolved here"), "{err}");
+}
+
+#[test]
+fn the_system_resolver_reads_the_hosts_file() {
+    // localhost is in /etc/hosts: no query leaves the machine.
+    let e = parse_endpoint_with("{address: localhost:8000, model: m}", &SystemResolve).unwrap();
+    assert!(e.id.address.ip().is_loopback(), "{}", e.id);
+    assert_eq!(e.id.address.port(), 8000);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("indexd.yaml");
+    std::fs::write(
+        &path,
+        "endpoints:\n  - {address: localhost:8000, model: m}\n",
+    )
+    .unwrap();
+    let c = Config::from_file_with(&path, &SystemResolve).unwrap();
+    assert!(c.endpoints[0].id.address.ip().is_loopback());
+    assert!(Config::from_file(&path).is_err());
+}
+
 #[test]
 fn durations() {
     assert_eq!(parse_duration("1.5s"), Some(Duration::from_millis(1500)));

@@ -63,7 +63,8 @@ struct Args {
 
 fn config(args: &Args) -> anyhow::Result<indexd::Config> {
     let mut c = match &args.config {
-        Some(path) => indexd::Config::from_file(path)?,
+        // Host names in endpoint addresses are resolved once, here.
+        Some(path) => indexd::Config::from_file_with(path, &indexd::config::SystemResolve)?,
         None => indexd::Config::new(Vec::new()),
     };
     if let Some(a) = &args.grpc_listen {
@@ -85,7 +86,10 @@ fn config(args: &Args) -> anyhow::Result<indexd::Config> {
         c.discovery_file = Some(p.clone());
     }
     for text in &args.endpoints {
-        c.endpoints.push(indexd::config::parse_endpoint(text)?);
+        c.endpoints.push(indexd::config::parse_endpoint_with(
+            text,
+            &indexd::config::SystemResolve,
+        )?);
     }
     if args.seed.is_some() {
         c.seed = args.seed;

@@ -1,8 +1,13 @@
 //! Endpoints: a replica's identity and sources, their YAML shape (the
 //! config's `endpoints:`, the discovery file's, the `--endpoint` flag's) and
 //! their checks.
+//!
+//! An endpoint's `address` is `ip:port`, or `host:port` where a [`Resolve`]
+//! is given: the name is resolved once, when the endpoint is loaded, to the
+//! one address Envoy knows the replica by (a `STRICT_DNS` cluster resolving
+//! the same name, as in docker compose). Parsing alone never resolves.
 
-use std::net::SocketAddr;
+use std::net::{SocketAddr, ToSocketAddrs};
 
 use serde::Deserialize;
 
@@ -156,6 +161,95 @@ pub fn validate_endpoints(endpoints: &[EndpointConfig], field: &str) -> Result<(
     Ok(())
 }
 
+/// Turns the host name of an endpoint's `address` into addresses.
+pub trait Resolve {
+    /// The addresses `host` resolves to, each with `port`.
+    fn lookup(&self, host: &str, port: u16) -> std::io::Result<Vec<SocketAddr>>;
+}
+
+/// Resolves nothing: `address` must be `ip:port` (parsing alone, the
+/// discovery file).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct NoResolve;
+
+impl Resolve for NoResolve {
+    fn lookup(&self, _host: &str, _port: u16) -> std::io::Result<Vec<SocketAddr>> {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "host names are not resolved here: give ip:port",
+        ))
+    }
+}
+
+/// The system's resolver (`/etc/hosts`, DNS), as indexd's binary uses for
+/// its config file and `--endpoint` flags.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SystemResolve;
+
+impl Resolve for SystemResolve {
+    fn lookup(&self, host: &str, port: u16) -> std::io::Result<Vec<SocketAddr>> {
+        Ok((host, port).to_socket_addrs()?.collect())
+    }
+}
+
+impl<F> Resolve for F
+where
+    F: Fn(&str, u16) -> std::io::Result<Vec<SocketAddr>>,
+{
+    fn lookup(&self, host: &str, port: u16) -> std::io::Result<Vec<SocketAddr>> {
+        self(host, port)
+    }
+}
+
+/// `ip:port` as is; `host:port` through `resolve`, to its one IPv4 address
+/// (else its one IPv6 address). A name with several addresses of that family
+/// is refused: an endpoint is one replica.
+fn endpoint_address(text: &str, resolve: &dyn Resolve) -> Result<SocketAddr, String> {
+    if let Ok(address) = text.parse::<SocketAddr>() {
+        return Ok(address);
+    }
+    let not_an_address = || format!("{text:?} is not ip:port or host:port");
+    let (host, port) = text.rsplit_once(':').ok_or_else(not_an_address)?;
+    let port: u16 = port.parse().map_err(|_| not_an_address())?;
+    let is_name = !host.is_empty()
+        && host.len() <= 253
+        && host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '.' | '_'));
+    if !is_name {
+        return Err(not_an_address());
+    }
+    let found = resolve
+        .lookup(host, port)
+        .map_err(|e| format!("cannot resolve {host:?}: {e}"))?;
+    let of_family = |v4: bool| {
+        let mut addrs: Vec<SocketAddr> = found
+            .iter()
+            .filter(|a| a.is_ipv4() == v4)
+            .map(|a| SocketAddr::new(a.ip(), port))
+            .collect();
+        addrs.sort();
+        addrs.dedup();
+        addrs
+    };
+    let mut addrs = of_family(true);
+    if addrs.is_empty() {
+        addrs = of_family(false);
+    }
+    match addrs.as_slice() {
+        [one] => Ok(*one),
+        [] => Err(format!("{host:?} resolves to no address")),
+        many => Err(format!(
+            "{host:?} resolves to {} addresses ({}): name one replica per endpoint",
+            many.len(),
+            many.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
+}
+
 /// The YAML shape of an endpoint (also the discovery file's).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -180,13 +274,13 @@ pub(crate) struct RawEndpoint {
 }
 
 impl RawEndpoint {
-    pub(crate) fn into_endpoint(self, field: &str) -> Result<EndpointConfig, ConfigError> {
-        let address: SocketAddr = self.address.parse().map_err(|_| {
-            ConfigError::field(
-                format!("{field}.address"),
-                format!("{:?} is not ip:port", self.address),
-            )
-        })?;
+    pub(crate) fn into_endpoint(
+        self,
+        field: &str,
+        resolve: &dyn Resolve,
+    ) -> Result<EndpointConfig, ConfigError> {
+        let address = endpoint_address(&self.address, resolve)
+            .map_err(|reason| ConfigError::field(format!("{field}.address"), reason))?;
         let url = |name: &str, v: Option<String>| -> Result<Option<HttpUrl>, ConfigError> {
             v.map(|u| {
                 HttpUrl::parse(&u).ok_or_else(|| {
@@ -224,14 +318,23 @@ struct RawDiscovery {
 
 /// Parses one endpoint written as a YAML flow mapping, e.g.
 /// `{address: 127.0.0.1:8000, model: m, events: tcp://127.0.0.1:5557}`
-/// (the binary's `--endpoint` flag).
+/// (the binary's `--endpoint` flag), with `address` as `ip:port`.
 pub fn parse_endpoint(text: &str) -> Result<EndpointConfig, ConfigError> {
-    let raw: RawEndpoint =
-        serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(format!("--endpoint: {e}")))?;
-    raw.into_endpoint("--endpoint")
+    parse_endpoint_with(text, &NoResolve)
 }
 
-/// Parses a discovery file's text.
+/// [`parse_endpoint`], with a host name in `address` resolved by `resolve`.
+pub fn parse_endpoint_with(
+    text: &str,
+    resolve: &dyn Resolve,
+) -> Result<EndpointConfig, ConfigError> {
+    let raw: RawEndpoint =
+        serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(format!("--endpoint: {e}")))?;
+    raw.into_endpoint("--endpoint", resolve)
+}
+
+/// Parses a discovery file's text (addresses as `ip:port`: the file is
+/// re-read while indexd runs, and names are resolved only at start).
 pub fn parse_discovery(text: &str) -> Result<Vec<EndpointConfig>, ConfigError> {
     let raw: RawDiscovery =
         serde_yaml::from_str(text).map_err(|e| ConfigError::Parse(e.to_string()))?;
@@ -239,7 +342,7 @@ pub fn parse_discovery(text: &str) -> Result<Vec<EndpointConfig>, ConfigError> {
         .endpoints
         .into_iter()
         .enumerate()
-        .map(|(i, e)| e.into_endpoint(&format!("endpoints[{i}]")))
+        .map(|(i, e)| e.into_endpoint(&format!("endpoints[{i}]"), &NoResolve))
         .collect::<Result<Vec<_>, _>>()?;
     validate_endpoints(&endpoints, "endpoints")?;
     Ok(endpoints)

@@ -484,11 +484,37 @@ fn kubernetes_network_policies_match_the_daemonset_and_the_service() {
     );
 }
 
+/// The compose file with its YAML merge keys (`<<: *mock-vllm`) applied.
+fn compose_file() -> Value {
+    let text = std::fs::read_to_string(repo("envoy/docker-compose.yaml")).unwrap();
+    let mut doc: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
+    doc.apply_merge().unwrap();
+    serde_json::to_value(doc).unwrap()
+}
+
+/// The compose network's DNS, as indexd sees it there: each service name is
+/// one container address.
+fn compose_dns(
+    services: &[String],
+) -> impl Fn(&str, u16) -> std::io::Result<Vec<std::net::SocketAddr>> {
+    let services = services.to_vec();
+    move |host: &str, port: u16| {
+        let i = services
+            .iter()
+            .position(|s| s == host)
+            .ok_or_else(|| std::io::Error::other(format!("{host} is no compose service")))?;
+        let ip = std::net::Ipv4Addr::new(172, 30, 0, 10 + u8::try_from(i).unwrap());
+        Ok(vec![std::net::SocketAddr::from((ip, port))])
+    }
+}
+
 #[test]
 fn compose_services_match_their_binaries_and_each_other() {
-    let compose = &yaml_docs("envoy/docker-compose.yaml")[0];
+    let compose = &compose_file();
     let services = compose["services"].as_object().unwrap();
     let dockerfile = std::fs::read_to_string(repo("envoy/docker/Dockerfile")).unwrap();
+    let names: Vec<String> = services.keys().cloned().collect();
+    let dns = compose_dns(&names);
 
     let mut replicas = Vec::new();
     for (name, service) in services {
@@ -497,16 +523,30 @@ fn compose_services_match_their_binaries_and_each_other() {
             dockerfile.contains(&format!(" AS {target}\n")),
             "{name}: no Dockerfile target {target}"
         );
+        // Every image builds from the same context, prebuilt or not as the environment says.
+        assert_eq!(service["build"]["context"], "..", "{name}");
+        assert_eq!(
+            service["build"]["args"]["BINARIES"], "${KVROUTE_BINARIES:-build}",
+            "{name}"
+        );
+        // Health checks, so that depends_on can wait for them.
+        assert!(
+            service["healthcheck"]["test"].is_array(),
+            "{name}: no healthcheck"
+        );
+        // Host ports on loopback only.
+        for port in service["ports"].as_array().into_iter().flatten() {
+            assert!(
+                port.as_str().unwrap().starts_with("127.0.0.1:"),
+                "{name}: {port}"
+            );
+        }
         let command: Vec<String> = service["command"]
             .as_array()
             .unwrap()
             .iter()
             .map(|a| a.as_str().unwrap().to_owned())
             .collect();
-        let ip = service["networks"]["kvroute"]["ipv4_address"]
-            .as_str()
-            .unwrap()
-            .to_owned();
         if target == "mock-vllm" {
             use clap::Parser;
             let cli = mock_vllm::Cli::try_parse_from(
@@ -514,38 +554,85 @@ fn compose_services_match_their_binaries_and_each_other() {
             )
             .unwrap_or_else(|e| panic!("{name}: {e}"));
             let config = cli.into_config().unwrap();
-            replicas.push((format!("{ip}:{}", config.http_addr.port()), config));
+            replicas.push((name.clone(), config));
         }
     }
     assert_eq!(replicas.len(), 2);
+    // No fixed addresses: services find each other by name on the project's own network.
+    assert!(compose.get("networks").is_none());
 
-    // indexd's endpoints are exactly the replicas, with their event ports.
-    let indexd = indexd::Config::from_file(&repo("envoy/docker/indexd.yaml")).unwrap();
+    // indexd's endpoints are exactly the replicas by service name, with their event ports;
+    // indexd resolves the names to the addresses Envoy resolves them to.
+    let indexd_yaml = std::fs::read_to_string(repo("envoy/docker/indexd.yaml")).unwrap();
+    let indexd = indexd::Config::from_yaml_with(&indexd_yaml, &dns).unwrap();
+    assert!(
+        indexd::Config::from_yaml(&indexd_yaml).is_err(),
+        "names need resolving"
+    );
     let mut named: Vec<String> = indexd
         .endpoints
         .iter()
         .map(|e| e.id.address.to_string())
         .collect();
-    let mut expected: Vec<String> = replicas.iter().map(|(a, _)| a.clone()).collect();
+    let mut expected: Vec<String> = replicas
+        .iter()
+        .map(|(name, config)| dns(name, config.http_addr.port()).unwrap()[0].to_string())
+        .collect();
     named.sort();
     expected.sort();
     assert_eq!(named, expected);
-    for e in &indexd.endpoints {
-        let (_, config) = replicas
+    for (name, config) in &replicas {
+        let port = config.http_addr.port();
+        let e = indexd
+            .endpoints
             .iter()
-            .find(|(a, _)| *a == e.id.address.to_string())
+            .find(|e| e.id.address == dns(name, port).unwrap()[0])
             .unwrap();
         let events = config.kv_events.as_ref().unwrap();
         assert_eq!(indexd.block_size.get(), config.block_size);
-        assert!(e.events.as_deref().unwrap().ends_with(":5557"));
+        assert_eq!(
+            e.events.as_deref(),
+            Some(format!("tcp://{name}:5557").as_str())
+        );
+        assert_eq!(
+            e.replay.as_deref(),
+            Some(format!("tcp://{name}:5558").as_str())
+        );
         assert_eq!(events.replay.map(|r| r.port()), Some(5558));
+        assert_eq!(
+            e.metrics_url.as_ref().map(ToString::to_string),
+            Some(format!("http://{name}:{port}/metrics"))
+        );
+        assert!(indexd_yaml.contains(&format!("address: {name}:{port}\n")));
+    }
+    // indexd starts once the replicas are healthy (it resolves their names at start).
+    for (name, _) in &replicas {
+        assert_eq!(
+            services["indexd"]["depends_on"][name]["condition"], "service_healthy",
+            "indexd on {name}"
+        );
+        assert_eq!(
+            services["envoy"]["depends_on"][name]["condition"], "service_healthy",
+            "envoy on {name}"
+        );
     }
 
-    // Envoy's clusters name the same replicas and indexd; Envoy validates it.
+    // Envoy's STRICT_DNS cluster names the same replicas and indexd; Envoy validates it.
     let envoy_yaml = std::fs::read_to_string(repo("envoy/docker/envoy.yaml")).unwrap();
-    for (address, _) in &replicas {
-        let (ip, port) = address.split_once(':').unwrap();
-        assert!(envoy_yaml.contains(&format!("address: {ip}, port_value: {port}")));
+    let envoy_doc = yaml_docs("envoy/docker/envoy.yaml").remove(0);
+    let vllm = envoy_doc["static_resources"]["clusters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "vllm")
+        .unwrap()
+        .clone();
+    assert_eq!(vllm["type"], "STRICT_DNS");
+    // indexd picks a name's IPv4 address first, as this family policy does.
+    assert_eq!(vllm["dns_lookup_family"], "V4_PREFERRED");
+    for (name, config) in &replicas {
+        let port = config.http_addr.port();
+        assert!(envoy_yaml.contains(&format!("address: {name}, port_value: {port}")));
     }
     // Envoy reaches indexd's socket through the volume both mount, as
     // indexd's user and group.
@@ -585,6 +672,34 @@ fn compose_services_match_their_binaries_and_each_other() {
     )
     .unwrap();
     envoy::validate(&path, dir.path()).unwrap();
+}
+
+#[test]
+fn the_docker_build_context_keeps_sources_and_only_the_prebuilt_outputs() {
+    let ignore = std::fs::read_to_string(repo(".dockerignore")).unwrap();
+    let rules: Vec<&str> = ignore
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    assert!(rules.contains(&".git"));
+    assert!(rules.contains(&"**/target"));
+    // What the Dockerfile's prebuilt stage copies is let back in, and nothing else of target/.
+    let dockerfile = std::fs::read_to_string(repo("envoy/docker/Dockerfile")).unwrap();
+    let prebuilt = dockerfile
+        .split("\nFROM ")
+        .find(|stage| stage.contains(" AS prebuilt\n"))
+        .unwrap();
+    let copied: Vec<&str> = prebuilt
+        .split_whitespace()
+        .filter(|w| w.starts_with("target/"))
+        .collect();
+    assert_eq!(copied.len(), 3, "{prebuilt}");
+    let mut allowed: Vec<&str> = rules.iter().filter_map(|r| r.strip_prefix('!')).collect();
+    allowed.sort_unstable();
+    let mut copied = copied;
+    copied.sort_unstable();
+    assert_eq!(allowed, copied);
 }
 
 #[test]
