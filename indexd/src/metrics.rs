@@ -281,6 +281,13 @@ pub struct Metrics {
     pub snapshot_loaded_entries: Gauge,
     /// ZMTP connections closed (or refused) for what the peer did, by reason.
     pub zmtp_violations: CounterVec<1>,
+    /// Kubernetes watch events by resource and event (list, apply, delete,
+    /// error).
+    pub kubernetes_events: CounterVec<2>,
+    /// Endpoints Kubernetes discovery derived at its last change.
+    pub kubernetes_endpoints: Gauge,
+    /// Ready addresses Kubernetes discovery left out at its last change.
+    pub kubernetes_skipped: Gauge,
 }
 
 impl Default for Metrics {
@@ -400,6 +407,19 @@ impl Metrics {
                 "ZMTP connections closed or refused for a protocol violation, by reason.",
                 ["reason"],
             ),
+            kubernetes_events: CounterVec::new(
+                "indexd_kubernetes_events_total",
+                "Kubernetes watch events by resource and event: list (a full list began: at start and after 410 Gone), apply, delete, error.",
+                ["resource", "event"],
+            ),
+            kubernetes_endpoints: Gauge::new(
+                "indexd_kubernetes_endpoints",
+                "Endpoints derived from the watched Kubernetes objects at the last change.",
+            ),
+            kubernetes_skipped: Gauge::new(
+                "indexd_kubernetes_skipped_addresses",
+                "Ready addresses left out at the last change (no model, a bad annotation, a missing named port).",
+            ),
         }
     }
 
@@ -430,6 +450,9 @@ impl Metrics {
         self.snapshot_write_seconds.render(out);
         self.snapshot_loaded_entries.render(out);
         self.zmtp_violations.render(out);
+        self.kubernetes_events.render(out);
+        self.kubernetes_endpoints.render(out);
+        self.kubernetes_skipped.render(out);
     }
 }
 
