@@ -1147,3 +1147,9 @@ mod snapshot;
 
 #[path = "integration/access.rs"]
 mod access;
+
+#[path = "integration/kube_api.rs"]
+mod kube_api;
+
+#[path = "integration/kubernetes.rs"]
+mod kubernetes;
