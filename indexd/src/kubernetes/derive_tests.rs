@@ -124,7 +124,8 @@ fn pods_that_do_not_serve_are_left_out() {
 
 #[test]
 fn bad_annotations_and_missing_ports_skip_the_address_with_a_reason() {
-    let cases: [(&str, Box<dyn Fn(&mut Pod, &mut KubernetesConfig)>); 5] = [
+    type Change = Box<dyn Fn(&mut Pod, &mut KubernetesConfig)>;
+    let cases: [(&str, Change); 5] = [
         (
             RANKS_ANNOTATION,
             Box::new(|p, _| {
