@@ -241,3 +241,35 @@ async fn kubernetes_pods_by_selector_with_ranks_and_annotations() {
     assert_eq!(d.counter("indexd_purges_total{reason=\"removed\"}"), 2.0);
     d.stop().await;
 }
+
+#[test]
+fn kubernetes_flags_are_documented_and_checked() {
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_indexd"))
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let help = String::from_utf8(run(&["--help"]).stdout).unwrap();
+    for flag in [
+        "--kubernetes-service",
+        "--kubernetes-pod-selector",
+        "--kubernetes-namespace",
+        "--kubernetes-model",
+        "--kubernetes-api-server",
+    ] {
+        assert!(help.contains(flag), "{flag}: {help}");
+    }
+    let out = run(&["--kubernetes-model", "m"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("need --kubernetes-service"),
+        "{out:?}"
+    );
+    let out = run(&["--kubernetes-service", "Not_A_Name"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("`kubernetes.service`"),
+        "{out:?}"
+    );
+}
