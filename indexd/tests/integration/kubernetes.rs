@@ -126,8 +126,12 @@ async fn kubernetes_endpointslices_add_remove_readd_and_relist() {
         slice("vllm-test-a", "vllm-a", a_port, &pa, false),
         true,
     );
-    eventually("A removed", || async { d.handle.replica(&a).is_none() }).await;
-    assert_eq!(d.counter("indexd_purges_total{reason=\"removed\"}"), 1.0);
+    // (The purge is counted just after the replica leaves the registry.)
+    eventually("A removed and purged", || async {
+        d.handle.replica(&a).is_none()
+            && d.counter("indexd_purges_total{reason=\"removed\"}") == 1.0
+    })
+    .await;
     assert!(d.handle.replica(&b).is_some());
 
     // While the watch is cut and its history gone, A comes back at the same
@@ -152,7 +156,10 @@ async fn kubernetes_endpointslices_add_remove_readd_and_relist() {
         d.counter("indexd_replay_requests_total{from=\"start\"}"),
         3.0
     );
-    assert_eq!(d.counter("indexd_purges_total{reason=\"removed\"}"), 2.0);
+    eventually("B purged", || async {
+        d.counter("indexd_purges_total{reason=\"removed\"}") == 2.0
+    })
+    .await;
     assert!(
         d.counter("indexd_kubernetes_events_total{resource=\"endpointslices\",event=\"list\"}")
             >= 2.0
@@ -234,11 +241,12 @@ async fn kubernetes_pods_by_selector_with_ranks_and_annotations() {
     assert_eq!(d.counter("indexd_observes_total{result=\"recorded\"}"), 1.0);
 
     api.delete(PODS, "vllm-x", true);
-    eventually("both ranks removed", || async {
-        d.handle.replica(&rank(0)).is_none() && d.handle.replica(&rank(1)).is_none()
+    eventually("both ranks removed and purged", || async {
+        d.handle.replica(&rank(0)).is_none()
+            && d.handle.replica(&rank(1)).is_none()
+            && d.counter("indexd_purges_total{reason=\"removed\"}") == 2.0
     })
     .await;
-    assert_eq!(d.counter("indexd_purges_total{reason=\"removed\"}"), 2.0);
     d.stop().await;
 }
 
