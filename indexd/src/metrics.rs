@@ -456,6 +456,14 @@ impl Metrics {
     }
 }
 
+/// A label value as the text format writes it: backslash, double quote
+/// and line feed escaped, everything else (UTF-8 included) as it is.
+pub fn label_value(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
 /// Appends one gauge.
 pub fn gauge(out: &mut String, name: &str, help: &str, value: f64) {
     let _ = writeln!(
@@ -491,5 +499,14 @@ mod tests {
         assert!(out.contains("t_latency_seconds_count 7\n"), "{out}");
         // Bounds strictly increase, so every bucket is a proper cumulative count.
         assert!(LATENCY_BUCKETS.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn label_values_escape_what_the_text_format_escapes_only() {
+        assert_eq!(label_value("plain-1.0"), "plain-1.0");
+        assert_eq!(
+            label_value("o'brien \"q\" \\ é\n"),
+            "o'brien \\\"q\\\" \\\\ é\\n"
+        );
     }
 }

@@ -1153,3 +1153,6 @@ mod kube_api;
 
 #[path = "integration/kubernetes.rs"]
 mod kubernetes;
+
+#[path = "integration/metrics.rs"]
+mod metrics;
