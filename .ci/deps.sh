@@ -9,6 +9,9 @@
 #     ~/.cache/kvroute/venv
 #   - promtool (checks indexd's /metrics): $KVROUTE_PROMTOOL or
 #     ~/.cache/kvroute/promtool/promtool
+#   - kubernetes-validate (the Kubernetes manifests against the API's schemas,
+#     offline): a venv in $KVROUTE_K8S_VALIDATE_VENV or
+#     ~/.cache/kvroute/k8s-validate
 # `deps.sh run` installs only what `make run` needs (no wasm test runner).
 set -euo pipefail
 only_run=${1:-}
@@ -120,5 +123,20 @@ else
   install -D -m 0755 "$debdir/usr/bin/promtool" "$promtool"
   rm -rf "$debdir"
   "$promtool" --version | head -1
+fi
+fi
+
+# --- kubernetes-validate: envoy/kubernetes/*.yaml against the schemas -----
+# PyPI's kubernetes-validate bundles the API's OpenAPI schemas (no cluster,
+# no network at test time).
+if [ "$only_run" != run ]; then
+kvenv=${KVROUTE_K8S_VALIDATE_VENV:-$HOME/.cache/kvroute/k8s-validate}
+if "$kvenv/bin/kubernetes-validate" --version 2>/dev/null | grep -q '1\.37\.0'; then
+  say "kubernetes-validate in $kvenv (present)"
+else
+  say "kubernetes-validate==1.37.0 into $kvenv"
+  python3 -m venv "$kvenv"
+  "$kvenv/bin/pip" install -q --upgrade pip
+  "$kvenv/bin/pip" install -q kubernetes-validate==1.37.0
 fi
 fi
