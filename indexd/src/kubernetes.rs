@@ -25,6 +25,7 @@ pub mod derive;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Debug;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::stream::{BoxStream, StreamExt};
 use k8s_openapi::api::core::v1::Pod;
@@ -129,6 +130,9 @@ impl<K: Resource> Mirror<K> {
     }
 }
 
+const RESTART_PAUSE: Duration = Duration::from_millis(800);
+const MAX_RESTART_PAUSE: Duration = Duration::from_secs(30);
+
 type Events<K> = BoxStream<'static, Result<watcher::Event<K>, watcher::Error>>;
 
 fn events<K>(api: &Api<K>, selector: Option<&str>) -> Events<K>
@@ -151,6 +155,8 @@ struct Watched<K> {
     selector: Option<String>,
     stream: Events<K>,
     mirror: Mirror<K>,
+    /// New watchers started since the last change seen, for their backoff.
+    restarts: u32,
 }
 
 impl<K> Watched<K>
@@ -165,6 +171,7 @@ where
             selector,
             stream,
             mirror: Mirror::new(),
+            restarts: 0,
         }
     }
 
@@ -184,6 +191,10 @@ where
                     watcher::Event::Apply(_) => count("apply"),
                     watcher::Event::Delete(_) => count("delete"),
                     watcher::Event::InitApply(_) | watcher::Event::InitDone => {}
+                }
+                if matches!(event, watcher::Event::Apply(_) | watcher::Event::Delete(_)) {
+                    // A watch delivered: the next restart need not wait long.
+                    self.restarts = 0;
                 }
                 self.mirror.apply(event)
             }
@@ -207,8 +218,20 @@ where
         }
     }
 
+    /// A new watcher (it lists first), after a pause that doubles with each
+    /// restart without a change in between (0.8 s to 30 s, as the watcher's
+    /// own backoff): an API that refuses every watch is not listed in a
+    /// tight loop.
     fn restart(&mut self) {
-        self.stream = events(&self.api, self.selector.as_deref());
+        let pause = RESTART_PAUSE
+            .saturating_mul(1 << self.restarts.min(6))
+            .min(MAX_RESTART_PAUSE);
+        self.restarts = self.restarts.saturating_add(1);
+        let fresh = events(&self.api, self.selector.as_deref());
+        self.stream = futures::stream::once(tokio::time::sleep(pause))
+            .filter_map(|()| std::future::ready(None))
+            .chain(fresh)
+            .boxed();
     }
 }
 
