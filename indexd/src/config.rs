@@ -23,10 +23,11 @@
 //!     metrics_url: http://10.0.0.7:8000/metrics
 //!     capacity_url: http://10.0.0.7:9000/capacity   # optional
 //! discovery_file: /etc/kvroute/endpoints.yaml        # optional, same `endpoints:` format
+//! kubernetes: {service: vllm, model: llama}         # or watch the cluster (not with discovery_file)
 //! ```
 //!
 //! Pieces with their own module: [`endpoint`] (endpoints and the discovery
-//! file), [`access`] (the token, listeners beyond loopback, the Observe
+//! file), [`kubernetes`] (Kubernetes discovery), [`access`] (the token, listeners beyond loopback, the Observe
 //! rate), `crate::tokenize::config` (the `tokenize:` section).
 
 use std::net::SocketAddr;
@@ -44,6 +45,7 @@ use crate::wire::Limits;
 
 pub mod access;
 pub mod endpoint;
+pub mod kubernetes;
 
 pub use access::AccessConfig;
 use endpoint::RawEndpoint;
@@ -51,6 +53,7 @@ pub use endpoint::{
     EndpointConfig, EndpointId, HttpUrl, NoResolve, Resolve, SystemResolve, parse_discovery,
     parse_endpoint, parse_endpoint_with, validate_endpoints,
 };
+pub use kubernetes::KubernetesConfig;
 
 /// The whole daemon's configuration.
 #[derive(Clone, Debug)]
@@ -68,6 +71,8 @@ pub struct Config {
     pub discovery_file: Option<PathBuf>,
     /// How often the discovery file is checked.
     pub discovery_interval: Duration,
+    /// Endpoints from a Kubernetes watch (not with `discovery_file`).
+    pub kubernetes: Option<KubernetesConfig>,
     /// How often each replica's /metrics is scraped.
     pub scrape_interval: Duration,
     /// Timeout of one scrape.
@@ -127,6 +132,7 @@ impl Config {
             endpoints,
             discovery_file: None,
             discovery_interval: Duration::from_secs(2),
+            kubernetes: None,
             scrape_interval: Duration::from_secs(1),
             scrape_timeout: Duration::from_millis(800),
             unhealthy_after: NonZeroU32::MIN.saturating_add(1),
@@ -184,6 +190,15 @@ impl Config {
     /// Checks the invariants the types cannot express.
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_endpoints(&self.endpoints, "endpoints")?;
+        if let Some(k) = &self.kubernetes {
+            if self.discovery_file.is_some() {
+                return Err(ConfigError::field(
+                    "kubernetes",
+                    "discovery_file is set too: use one source of discovered endpoints",
+                ));
+            }
+            k.validate()?;
+        }
         let positive = [
             ("scrape_interval", self.scrape_interval),
             ("scrape_timeout", self.scrape_timeout),
@@ -298,6 +313,7 @@ struct RawConfig {
     endpoints: Vec<RawEndpoint>,
     discovery_file: Option<PathBuf>,
     discovery_interval: Option<RawDuration>,
+    kubernetes: Option<kubernetes::RawKubernetes>,
     scrape_interval: Option<RawDuration>,
     scrape_timeout: Option<RawDuration>,
     unhealthy_after: Option<u32>,
@@ -368,6 +384,10 @@ impl RawConfig {
             self.discovery_interval,
             c.discovery_interval,
         )?;
+        c.kubernetes = self
+            .kubernetes
+            .map(kubernetes::RawKubernetes::into_config)
+            .transpose()?;
         c.scrape_interval = duration("scrape_interval", self.scrape_interval, c.scrape_interval)?;
         c.scrape_timeout = duration("scrape_timeout", self.scrape_timeout, c.scrape_timeout)?;
         if let Some(n) = self.unhealthy_after {

@@ -305,3 +305,116 @@ fn ingest_nice_is_read_and_bounded() {
     assert!(err.contains("ingest_nice"), "{err}");
     assert!(Config::from_yaml("ingest_nice: -1\n").is_err());
 }
+
+#[test]
+fn the_kubernetes_section_parses_with_defaults_and_names_bad_fields() {
+    use super::kubernetes::{IpFamily, KubeSource, PortRef};
+    let c = Config::from_yaml(
+        "kubernetes:\n  service: vllm-llama\n  namespace: inference\n  model: llama\n  data_parallel_ranks: 0-1,4\n  port: http\n  events_port: \"5560\"\n  ip_family: IPv6\n",
+    )
+    .unwrap();
+    let k = c.kubernetes.unwrap();
+    assert_eq!(
+        k.source,
+        KubeSource::Service {
+            name: "vllm-llama".into(),
+            pods: None
+        }
+    );
+    assert_eq!(k.namespace.as_deref(), Some("inference"));
+    assert_eq!(k.ranks, Some(vec![0, 1, 4]));
+    assert_eq!(k.port, PortRef::Name("http".into()));
+    assert_eq!(k.events_port, PortRef::Number(5560));
+    assert_eq!(k.replay_port, PortRef::Number(5558));
+    assert_eq!(k.metrics_path, "/metrics");
+    assert_eq!(k.ip_family, Some(IpFamily::IPv6));
+    let pods = Config::from_yaml(
+        "kubernetes: {pod_selector: 'app=vllm,tier in (gpu)', data_parallel_ranks: [1, 0, 1]}\n",
+    )
+    .unwrap()
+    .kubernetes
+    .unwrap();
+    assert_eq!(
+        pods.source,
+        KubeSource::Pods {
+            selector: "app=vllm,tier in (gpu)".into()
+        }
+    );
+    assert_eq!(pods.ranks, Some(vec![0, 1]));
+    assert!(Config::from_yaml("{}").unwrap().kubernetes.is_none());
+
+    for (yaml, field) in [
+        ("kubernetes: {model: m}", "kubernetes"),
+        ("kubernetes: {service: Vllm}", "kubernetes.service"),
+        (
+            "kubernetes: {service: v, namespace: 'a b'}",
+            "kubernetes.namespace",
+        ),
+        ("kubernetes: {pod_selector: ' '}", "kubernetes.pod_selector"),
+        ("kubernetes: {service: v, port: 0}", "kubernetes.port"),
+        ("kubernetes: {service: v, port: 70000}", "kubernetes.port"),
+        (
+            "kubernetes: {service: v, replay_port: Replay}",
+            "kubernetes.replay_port",
+        ),
+        (
+            "kubernetes: {service: v, events_port: a-very-long-port-name}",
+            "kubernetes.events_port",
+        ),
+        (
+            "kubernetes: {service: v, data_parallel_ranks: '3-1'}",
+            "kubernetes.data_parallel_ranks",
+        ),
+        (
+            "kubernetes: {service: v, data_parallel_ranks: '0-999'}",
+            "kubernetes.data_parallel_ranks",
+        ),
+        (
+            "kubernetes: {service: v, data_parallel_ranks: []}",
+            "kubernetes.data_parallel_ranks",
+        ),
+        (
+            "kubernetes: {service: v, metrics_path: metrics}",
+            "kubernetes.metrics_path",
+        ),
+        (
+            "kubernetes: {service: v, capacity_path: /c}",
+            "kubernetes.capacity_path",
+        ),
+        (
+            "kubernetes: {service: v, api_server: 'ftp://x'}",
+            "kubernetes.api_server",
+        ),
+        ("kubernetes: {service: v, model: ''}", "kubernetes.model"),
+        (
+            "kubernetes: {service: v, adapters: ['']}",
+            "kubernetes.adapters",
+        ),
+        (
+            "kubernetes: {service: v}\ndiscovery_file: /e.yaml",
+            "kubernetes",
+        ),
+    ] {
+        let err = Config::from_yaml(yaml).unwrap_err().to_string();
+        assert!(err.contains(&format!("`{field}`")), "{yaml}: {err}");
+    }
+    let err = Config::from_yaml("kubernetes: {service: v, ip_family: v4}")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("ip_family"), "{err}");
+    let err = Config::from_yaml("kubernetes: {service: v, selector: x}")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("selector"), "{err}");
+}
+
+#[test]
+fn ranks_parse_as_lists_and_ranges() {
+    use super::kubernetes::parse_ranks;
+    assert_eq!(parse_ranks("3"), Ok(vec![3]));
+    assert_eq!(parse_ranks("0-3"), Ok(vec![0, 1, 2, 3]));
+    assert_eq!(parse_ranks(" 4, 0-1 ,1"), Ok(vec![0, 1, 4]));
+    for bad in ["", "a", "1-", "-1", "2-1", "0-4294967295", "0-200,300-400"] {
+        assert!(parse_ranks(bad).is_err(), "{bad}");
+    }
+}

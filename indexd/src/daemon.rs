@@ -16,7 +16,7 @@ use crate::listen::{self, GrpcListener, ListenAddr};
 use crate::server::IndexService;
 use crate::state::{self, Shared};
 use crate::tokenize::{self, Tokenizers};
-use crate::{discovery, http, snapshot};
+use crate::{discovery, http, kubernetes, snapshot};
 
 /// Entry point for starting indexd.
 #[derive(Debug)]
@@ -47,6 +47,12 @@ impl Server {
             tracing::warn!(grpc = %grpc_addr, "gRPC serves beyond loopback without a token (allow_unauthenticated)");
         }
         let tokenizers = Tokenizers::load(config.tokenize.clone())?;
+        // The client is set up (credentials read) now, so that a missing
+        // service account stops the start; the watch starts with `serve`.
+        let kubernetes = match &config.kubernetes {
+            Some(k) => Some(kubernetes::Connection::new(k).await?),
+            None => None,
+        };
         let stop = CancellationToken::new();
         let shared = Arc::new(
             Shared::new(config, stop.clone())
@@ -65,7 +71,7 @@ impl Server {
         for endpoint in shared.config.endpoints.clone() {
             shared.add_replica(endpoint);
         }
-        if shared.config.discovery_file.is_none() {
+        if shared.config.discovery_file.is_none() && shared.config.kubernetes.is_none() {
             // No other endpoint will come from the snapshot's era.
             state::lock(&shared.restores).clear();
         }
@@ -76,6 +82,7 @@ impl Server {
             http_addr,
             shared,
             stop,
+            kubernetes,
             _ingest: ingest,
         })
     }
@@ -139,6 +146,7 @@ pub struct Bound {
     http_addr: SocketAddr,
     shared: Arc<Shared>,
     stop: CancellationToken,
+    kubernetes: Option<kubernetes::Connection>,
     _ingest: IngestRuntime,
 }
 
@@ -169,6 +177,7 @@ impl Bound {
             http,
             shared,
             stop,
+            kubernetes,
             ..
         } = self;
         for replica in state::read(&shared.registry).all() {
@@ -179,6 +188,11 @@ impl Bound {
             shared
                 .tasks
                 .spawn(discovery::watch(Arc::clone(&shared), path));
+        }
+        if let (Some(connection), Some(config)) = (kubernetes, shared.config.kubernetes.clone()) {
+            shared
+                .tasks
+                .spawn(kubernetes::watch(Arc::clone(&shared), connection, config));
         }
         let models: Vec<String> = shared.tokenizers.locals().map(|(m, _)| m.clone()).collect();
         for model in models {

@@ -64,6 +64,12 @@ pub enum StartError {
         /// The error.
         reason: String,
     },
+    /// The Kubernetes client could not be set up.
+    #[error("kubernetes discovery: {reason}")]
+    Kubernetes {
+        /// What is missing or wrong.
+        reason: String,
+    },
     /// A local tokenizer did not load.
     #[error(transparent)]
     Tokenizer(#[from] crate::tokenize::LoadError),

@@ -13,7 +13,7 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
 
-use crate::metrics::gauge;
+use crate::metrics::{gauge, label_value};
 use crate::state::{Shared, lock, read};
 
 /// The router serving `/metrics`, `/healthz`, `/readyz`, `/tokenize` and
@@ -155,7 +155,7 @@ pub fn render(shared: &Shared) -> String {
                 out,
                 "{name}{{endpoint=\"{}\",model=\"{}\"}} {value}",
                 r.id(),
-                r.config.model.escape_default()
+                label_value(&r.config.model)
             );
         }
     }

@@ -27,7 +27,8 @@
 //!   carry their body and for vLLM-compatible `/tokenize` and
 //!   `/v1/responses/render`.
 //! - `http`: Prometheus `/metrics`, `/healthz`, `/readyz`.
-//! - `discovery`: static endpoints plus a watched discovery file.
+//! - `discovery`: static endpoints plus a watched discovery file;
+//!   [`kubernetes`]: endpoints from a watch on EndpointSlices or pods.
 //! - `snapshot`: the index saved periodically and at shutdown, restored at
 //!   start and proven by each replica's replay ([`SnapshotConfig`]).
 //! - [`message`]: vLLM's live messages and replay answers, frame by frame.
@@ -49,6 +50,7 @@ pub mod event;
 mod http;
 mod ids;
 pub mod index;
+pub mod kubernetes;
 pub mod listen;
 pub mod load;
 pub mod message;
@@ -64,7 +66,7 @@ pub mod tokenize;
 pub mod wire;
 pub mod zmtp;
 
-pub use config::{AccessConfig, Config, EndpointConfig, EndpointId, HttpUrl};
+pub use config::{AccessConfig, Config, EndpointConfig, EndpointId, HttpUrl, KubernetesConfig};
 pub use daemon::{Bound, Handle, ReplicaStatus, Server, run};
 pub use error::{ConfigError, StartError};
 pub use event::Tier;

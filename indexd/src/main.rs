@@ -19,7 +19,8 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Debug, Parser)]
 #[command(name = "indexd", version, about)]
 struct Args {
-    /// YAML config file (see the `indexd::config` docs for the format).
+    /// YAML config file (see indexd/README.md for the format; Kubernetes
+    /// discovery is its `kubernetes:` section).
     #[arg(short, long, env = "INDEXD_CONFIG")]
     config: Option<PathBuf>,
     /// gRPC listen address, ip:port or unix:///path/to/socket (overrides the
@@ -46,6 +47,26 @@ struct Args {
     /// '{address: 10.0.0.7:8000, model: m, events: tcp://10.0.0.7:5557, replay: tcp://10.0.0.7:5558, metrics_url: http://10.0.0.7:8000/metrics}'
     #[arg(long = "endpoint", value_name = "YAML")]
     endpoints: Vec<String>,
+    /// Kubernetes discovery: watch this Service's EndpointSlices (and its
+    /// pods' kvroute.io/* annotations); overrides the file's `kubernetes:`
+    /// source. Ports, ranks and the rest: the file's `kubernetes:` section.
+    #[arg(long, value_name = "NAME")]
+    kubernetes_service: Option<String>,
+    /// Kubernetes discovery: watch pods matching this label selector (with
+    /// --kubernetes-service: only these pods' annotations are read).
+    #[arg(long, value_name = "SELECTOR")]
+    kubernetes_pod_selector: Option<String>,
+    /// The namespace to watch (default: indexd's own, from its service
+    /// account; or the kubeconfig's).
+    #[arg(long, value_name = "NS")]
+    kubernetes_namespace: Option<String>,
+    /// The model of pods without a kvroute.io/model annotation.
+    #[arg(long, value_name = "MODEL")]
+    kubernetes_model: Option<String>,
+    /// Talk to this API server URL without credentials (e.g. a `kubectl
+    /// proxy`); default: the pod's service account, else $KUBECONFIG.
+    #[arg(long, value_name = "URL")]
+    kubernetes_api_server: Option<String>,
     /// Seed for tie-breaking (reproducible test runs; leave unset in a fleet
     /// with several indexd, or they all break ties the same way).
     #[arg(long)]
@@ -85,6 +106,7 @@ fn config(args: &Args) -> anyhow::Result<indexd::Config> {
     if let Some(p) = &args.discovery_file {
         c.discovery_file = Some(p.clone());
     }
+    kubernetes_flags(args, &mut c)?;
     for text in &args.endpoints {
         c.endpoints.push(indexd::config::parse_endpoint_with(
             text,
@@ -101,6 +123,51 @@ fn config(args: &Args) -> anyhow::Result<indexd::Config> {
     }
     c.validate()?;
     Ok(c)
+}
+
+/// The `--kubernetes-*` flags over the file's `kubernetes:` section.
+fn kubernetes_flags(args: &Args, c: &mut indexd::Config) -> anyhow::Result<()> {
+    use indexd::KubernetesConfig;
+    use indexd::config::kubernetes::KubeSource;
+    let source = match (&args.kubernetes_service, &args.kubernetes_pod_selector) {
+        (Some(name), pods) => Some(KubeSource::Service {
+            name: name.clone(),
+            pods: pods.clone(),
+        }),
+        (None, Some(selector)) => Some(KubeSource::Pods {
+            selector: selector.clone(),
+        }),
+        (None, None) => None,
+    };
+    if let Some(source) = source {
+        let k = c
+            .kubernetes
+            .get_or_insert_with(|| KubernetesConfig::service(String::new()));
+        k.source = source;
+    }
+    let rest = [
+        &args.kubernetes_namespace,
+        &args.kubernetes_model,
+        &args.kubernetes_api_server,
+    ];
+    let Some(k) = c.kubernetes.as_mut() else {
+        anyhow::ensure!(
+            rest.iter().all(|v| v.is_none()),
+            "--kubernetes-namespace, --kubernetes-model and --kubernetes-api-server need \
+             --kubernetes-service or --kubernetes-pod-selector (or the file's kubernetes: section)"
+        );
+        return Ok(());
+    };
+    if let Some(ns) = &args.kubernetes_namespace {
+        k.namespace = Some(ns.clone());
+    }
+    if let Some(m) = &args.kubernetes_model {
+        k.model = Some(m.clone());
+    }
+    if let Some(url) = &args.kubernetes_api_server {
+        k.api_server = Some(url.clone());
+    }
+    Ok(())
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {

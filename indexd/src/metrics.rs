@@ -284,6 +284,13 @@ pub struct Metrics {
     pub snapshot_loaded_entries: Gauge,
     /// ZMTP connections closed (or refused) for what the peer did, by reason.
     pub zmtp_violations: CounterVec<1>,
+    /// Kubernetes watch events by resource and event (list, apply, delete,
+    /// error).
+    pub kubernetes_events: CounterVec<2>,
+    /// Endpoints Kubernetes discovery derived at its last change.
+    pub kubernetes_endpoints: Gauge,
+    /// Ready addresses Kubernetes discovery left out at its last change.
+    pub kubernetes_skipped: Gauge,
 }
 
 impl Default for Metrics {
@@ -408,6 +415,19 @@ impl Metrics {
                 "ZMTP connections closed or refused for a protocol violation, by reason.",
                 ["reason"],
             ),
+            kubernetes_events: CounterVec::new(
+                "indexd_kubernetes_events_total",
+                "Kubernetes watch events by resource and event: list (a full list began: at start and after 410 Gone), apply, delete, error.",
+                ["resource", "event"],
+            ),
+            kubernetes_endpoints: Gauge::new(
+                "indexd_kubernetes_endpoints",
+                "Endpoints derived from the watched Kubernetes objects at the last change.",
+            ),
+            kubernetes_skipped: Gauge::new(
+                "indexd_kubernetes_skipped_addresses",
+                "Ready addresses left out at the last change (no model, a bad annotation, a missing named port).",
+            ),
         }
     }
 
@@ -439,7 +459,18 @@ impl Metrics {
         self.snapshot_write_seconds.render(out);
         self.snapshot_loaded_entries.render(out);
         self.zmtp_violations.render(out);
+        self.kubernetes_events.render(out);
+        self.kubernetes_endpoints.render(out);
+        self.kubernetes_skipped.render(out);
     }
+}
+
+/// A label value as the text format writes it: backslash, double quote
+/// and line feed escaped, everything else (UTF-8 included) as it is.
+pub fn label_value(s: &str) -> String {
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// Appends one gauge.
@@ -477,5 +508,14 @@ mod tests {
         assert!(out.contains("t_latency_seconds_count 7\n"), "{out}");
         // Bounds strictly increase, so every bucket is a proper cumulative count.
         assert!(LATENCY_BUCKETS.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn label_values_escape_what_the_text_format_escapes_only() {
+        assert_eq!(label_value("plain-1.0"), "plain-1.0");
+        assert_eq!(
+            label_value("o'brien \"q\" \\ é\n"),
+            "o'brien \\\"q\\\" \\\\ é\\n"
+        );
     }
 }

@@ -1218,3 +1218,12 @@ mod snapshot;
 
 #[path = "integration/access.rs"]
 mod access;
+
+#[path = "integration/kube_api.rs"]
+mod kube_api;
+
+#[path = "integration/kubernetes.rs"]
+mod kubernetes;
+
+#[path = "integration/metrics.rs"]
+mod metrics;

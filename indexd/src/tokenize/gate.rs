@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use super::{Api, TokenizeError, Tokenizers, local_ids};
+use crate::metrics::label_value as escape;
 use crate::state::Shared;
 
 /// Where a gate stands.
@@ -490,13 +491,6 @@ pub fn render_metrics(tokenizers: &Tokenizers, out: &mut String) {
             let _ = writeln!(out, "{name}{{model=\"{}\"}} {}", escape(model), get(s));
         }
     }
-}
-
-/// A Prometheus label value.
-fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }
 
 #[cfg(test)]

@@ -253,19 +253,49 @@ fn kubernetes_indexd_config_is_valid_for_indexd() {
         .unwrap();
     let parsed =
         indexd::Config::from_yaml(config["data"]["indexd.yaml"].as_str().unwrap()).unwrap();
-    assert!(!parsed.endpoints.is_empty());
-    let endpoints = kind("ConfigMap")
-        .find(|d| d["metadata"]["name"] == "kvroute-indexd-endpoints")
-        .unwrap();
-    assert!(
-        endpoints["data"]["endpoints.yaml"]
-            .as_str()
-            .unwrap()
-            .contains("endpoints:")
-    );
+    // The replicas come from the watch, not from a list of pod IPs.
+    assert!(parsed.endpoints.is_empty() && parsed.discovery_file.is_none());
+    let watch = parsed.kubernetes.clone().expect("kubernetes discovery");
+    assert!(matches!(
+        watch.source,
+        indexd::config::kubernetes::KubeSource::Service { .. }
+    ));
 
     let daemonset = kind("DaemonSet").next().unwrap();
     let pod = &daemonset["spec"]["template"]["spec"];
+    // Its ServiceAccount may list and watch what the watch reads, in the
+    // namespace it watches (its own, unless the config names one).
+    let namespace = daemonset["metadata"]["namespace"].as_str().unwrap();
+    let watched = watch.namespace.as_deref().unwrap_or(namespace);
+    let account = pod["serviceAccountName"].as_str().unwrap();
+    assert!(
+        kind("ServiceAccount")
+            .any(|a| a["metadata"]["name"] == account && a["metadata"]["namespace"] == namespace)
+    );
+    let binding = kind("RoleBinding")
+        .find(|b| {
+            b["subjects"].as_array().unwrap().iter().any(|s| {
+                s["kind"] == "ServiceAccount" && s["name"] == account && s["namespace"] == namespace
+            })
+        })
+        .unwrap();
+    assert_eq!(binding["metadata"]["namespace"], watched);
+    assert_eq!(binding["roleRef"]["kind"], "Role");
+    let role = kind("Role")
+        .find(|r| r["metadata"]["name"] == binding["roleRef"]["name"])
+        .unwrap();
+    assert_eq!(role["metadata"]["namespace"], watched);
+    let allows = |group: &str, resource: &str| {
+        role["rules"].as_array().unwrap().iter().any(|r| {
+            let has = |key: &str, v: &str| r[key].as_array().unwrap().iter().any(|x| x == v);
+            has("apiGroups", group)
+                && has("resources", resource)
+                && has("verbs", "list")
+                && has("verbs", "watch")
+        })
+    };
+    assert!(allows("discovery.k8s.io", "endpointslices"));
+    assert!(allows("", "pods"));
     let container = &pod["containers"][0];
     assert_eq!(
         container["args"],
@@ -445,21 +475,16 @@ fn kubernetes_network_policies_match_the_daemonset_and_the_service() {
 
     // The replicas' KV-event and replay ports: from indexd only.
     let vllm = policy("kvroute-vllm");
-    let mut kv_ports: Vec<u64> = parsed
-        .endpoints
-        .iter()
-        .flat_map(|e| [e.events.clone(), e.replay.clone()])
-        .flatten()
-        .map(|url| url.rsplit(':').next().unwrap().parse().unwrap())
-        .collect();
+    use indexd::config::kubernetes::PortRef;
+    let watch = parsed.kubernetes.clone().expect("kubernetes discovery");
+    let number = |p: &PortRef| match p {
+        PortRef::Number(n) => u64::from(*n),
+        PortRef::Name(n) => panic!("the sample names port {n:?}: the policy needs numbers"),
+    };
+    let mut kv_ports = vec![number(&watch.events_port), number(&watch.replay_port)];
     kv_ports.sort_unstable();
-    kv_ports.dedup();
     assert_eq!(kv_ports, vec![5557, 5558]);
-    let replica_ports: Vec<u64> = parsed
-        .endpoints
-        .iter()
-        .map(|e| u64::from(e.id.address.port()))
-        .collect();
+    let replica_ports = vec![number(&watch.port)];
     for rule in vllm["spec"]["ingress"].as_array().unwrap() {
         let ports = rule_ports(rule);
         let from = &rule["from"][0]["podSelector"]["matchLabels"];
@@ -730,4 +755,75 @@ fn local_indexd_yaml_matches_the_local_envoy_yaml() {
         );
     }
     assert_eq!(envoy_indexd_pipe(&envoy_yaml), socket_path(&indexd));
+}
+
+/// `kubernetes-validate` (PyPI; `.ci/deps.sh` installs it in a venv):
+/// `$KVROUTE_K8S_VALIDATE_VENV` or `~/.cache/kvroute/k8s-validate`.
+fn kubernetes_validate() -> Option<PathBuf> {
+    let venv = std::env::var_os("KVROUTE_K8S_VALIDATE_VENV").map_or_else(
+        || {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/kvroute/k8s-validate")
+        },
+        PathBuf::from,
+    );
+    let bin = venv.join("bin/kubernetes-validate");
+    bin.is_file().then_some(bin)
+}
+
+#[test]
+fn kubernetes_manifests_validate_against_the_api_schemas() {
+    let Some(validate) = kubernetes_validate() else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "kubernetes-validate is missing in CI: .ci/deps.sh installs it"
+        );
+        eprintln!(
+            "SKIPPED kubernetes_manifests_validate_against_the_api_schemas: no kubernetes-validate \
+             in ~/.cache/kvroute/k8s-validate (or $KVROUTE_K8S_VALIDATE_VENV); `bash .ci/deps.sh` \
+             installs it"
+        );
+        return;
+    };
+    let dir = repo("envoy/kubernetes");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    files.sort();
+    assert!(files.len() >= 2, "{files:?}");
+    let run = |version: &str, files: &[PathBuf]| {
+        std::process::Command::new(&validate)
+            .args(["--strict", "--kubernetes-version", version])
+            .args(files)
+            .output()
+            .unwrap()
+    };
+    // The oldest API the client is built for (k8s-openapi's v1_33) and the
+    // newest the validator knows.
+    for version in ["1.33.0", "1.37.0"] {
+        let out = run(version, &files);
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "{version}:\n{said}");
+        for kind in ["role/", "rolebinding/", "serviceaccount/", "daemonset/"] {
+            assert!(
+                said.contains(&format!("passed for resource {kind}")),
+                "{kind}: {said}"
+            );
+        }
+    }
+    // The validator refuses what it should: a misspelled field.
+    let bad = tempfile::Builder::new().suffix(".yaml").tempfile().unwrap();
+    std::fs::write(
+        bad.path(),
+        "apiVersion: rbac.authorization.k8s.io/v1\nkind: Role\nmetadata: {name: r, namespace: n}\n\
+         rules:\n- apiGroups: [\"\"]\n  resources: [pods]\n  verb: [list]\n",
+    )
+    .unwrap();
+    assert!(!run("1.37.0", &[bad.path().to_path_buf()]).status.success());
 }
