@@ -212,9 +212,7 @@ fn picker(
         .build()
         .unwrap();
     rt.block_on(async move {
-        let mut client = IndexClient::connect(grpc)
-            .await
-            .unwrap();
+        let mut client = IndexClient::connect(grpc).await.unwrap();
         let bs = BlockSize::new(flood::BLOCK).unwrap();
         let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(rate)));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

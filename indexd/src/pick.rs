@@ -309,6 +309,7 @@ fn explain(req: &PickRequest, snap: &Snapshot, ranking: &Ranking) {
             waiting = input.load.waiting,
             pending_tokens = input.load.pending_tokens,
             prefill_tokens_per_second = input.load.prefill_tokens_per_second,
+            prefill_overhead_seconds = input.load.prefill_overhead_seconds,
             cost_seconds = r.cost,
             moved = ?ranking.moved,
             "pick: candidate"

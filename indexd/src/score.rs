@@ -8,14 +8,17 @@
 //! uncached_r = max(prompt_tokens − credited_r, 0)
 //! queued_r   = queued_tokens_per_waiting × waiting_r + pending_tokens_r
 //! cost_r     = (uncached_r + queued_r) / rate_r
+//!            + overhead_r × (waiting_r + pending_picks_r)
 //!            + running_penalty_seconds   × running_r
 //!            + kv_usage_penalty_seconds  × kv_usage_r
 //!            + occupancy_penalty_seconds × occupancy_r        (capacity signal)
 //! ```
 //!
-//! `rate_r` is the replica's prefill speed fitted from its own metrics
-//! ([`crate::calibrate`]), `prefill_tokens_per_second` until there is enough
-//! evidence. `credit` is 1.0 for GPU, less for CPU and storage; with a capacity signal
+//! `rate_r` and `overhead_r` are the replica's prefill speed and fixed time
+//! per request, fitted from its own metrics ([`crate::calibrate`]):
+//! `prefill_tokens_per_second` and 0 until there is enough evidence. Each
+//! request queued ahead pays the overhead too (the request's own overhead is
+//! the same everywhere and left out). `credit` is 1.0 for GPU, less for CPU and storage; with a capacity signal
 //! saying `cache_available: false`, lower tiers earn nothing. Candidates are
 //! ordered by cost (rounded to microseconds), then more matched blocks, then
 //! fewer requests in flight (`running + waiting + pending`), then a random
@@ -162,6 +165,8 @@ pub struct Load {
     pub cache_available: bool,
     /// Its prefill speed as fitted from its metrics (None: use the prior).
     pub prefill_tokens_per_second: Option<f64>,
+    /// Its fitted fixed prefill time per request, in seconds (0 unfitted).
+    pub prefill_overhead_seconds: f64,
 }
 
 /// One candidate as the scorer sees it.
@@ -227,7 +232,10 @@ pub fn cost(input: &Input, prompt_tokens: u32, block_size: u32, w: &Weights) -> 
     let credited = credited(input, block_size, w);
     let uncached = (f64::from(prompt_tokens) - credited).max(0.0);
     let queued = w.queued_tokens_per_waiting * input.load.waiting + input.load.pending_tokens;
+    let overhead = input.load.prefill_overhead_seconds.max(0.0)
+        * (input.load.waiting + input.load.pending_picks);
     let mut c = (uncached + queued) / rate(input, w)
+        + if overhead.is_finite() { overhead } else { 0.0 }
         + w.running_penalty_seconds * input.load.running
         + w.kv_usage_penalty_seconds * input.load.kv_usage.clamp(0.0, 1.0);
     if let Some(occ) = input.load.occupancy {
@@ -530,5 +538,20 @@ mod tests {
         assert_eq!(ranking.moved, Move::Held);
         let order: Vec<usize> = ranking.ranked.iter().map(|r| r.input).collect();
         assert_eq!(order, vec![2, 0, 1]);
+    }
+
+    #[test]
+    fn each_queued_request_pays_the_fitted_overhead() {
+        let w = Weights::default();
+        let mut i = input(0, 0, 0.0, 3.0);
+        i.load.pending_picks = 1.0;
+        let unfitted = cost(&i, 640, 64, &w);
+        i.load.prefill_tokens_per_second = Some(8_000.0);
+        i.load.prefill_overhead_seconds = 0.1;
+        let fitted = cost(&i, 640, 64, &w);
+        assert!(
+            (fitted - unfitted - 0.4).abs() < 1e-9,
+            "{fitted} vs {unfitted}"
+        );
     }
 }

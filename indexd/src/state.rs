@@ -328,6 +328,7 @@ impl Replica {
         #[allow(clippy::cast_precision_loss)]
         Load {
             prefill_tokens_per_second: prefill.map(|p| p.tokens_per_second),
+            prefill_overhead_seconds: prefill.map_or(0.0, |p| p.overhead_seconds),
             running: s.running,
             waiting: s.waiting,
             kv_usage: s.kv_usage,
