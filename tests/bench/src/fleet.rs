@@ -402,7 +402,7 @@ pub fn wait_ready(
                 .count();
             match metric(&text, &gate) {
                 Some(g) if g == 1.0 && seen == replicas.len() => break,
-                Some(g) if g == 2.0 => {
+                Some(2.0) => {
                     return Err(harness(
                         "indexd tokenizer gate",
                         "the local tokenizer disagrees with vLLM (gate closed)",

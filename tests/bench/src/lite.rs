@@ -292,7 +292,24 @@ pub fn working_set_blocks(w: &Workload) -> usize {
 /// replicas' caches together hold half the working set.
 pub fn pressure(w: &Workload) -> FleetOptions {
     let replicas = w.replicas.max(1);
-    let blocks = working_set_blocks(w).div_ceil(2 * replicas);
+    // Never below the largest prompt and a block to spare (smoke scale: the
+    // working set is smaller than one full-scale prompt).
+    let system = w
+        .conversations
+        .first()
+        .and_then(|c| c.system.as_deref())
+        .map_or(0.0, tokens);
+    let largest = w
+        .conversations
+        .iter()
+        .map(|c| {
+            ((system + conversation_tokens(c)) / f64::from(w.block_size.max(1))).ceil() as usize
+        })
+        .max()
+        .unwrap_or(0);
+    let blocks = working_set_blocks(w)
+        .div_ceil(2 * replicas)
+        .max(largest + 2);
     // vLLM admits a max_model_len its cache holds, less the null block.
     let fits = (blocks.saturating_sub(1) as u64 * u64::from(w.block_size)) as u32;
     FleetOptions {

@@ -70,6 +70,11 @@ pub struct Args {
     pub out: PathBuf,
 }
 
+/// A line on stderr, also when the progress bar is hidden (no terminal: a log).
+fn say(progress: &ProgressBar, line: &str) {
+    progress.suspend(|| eprintln!("{line}"));
+}
+
 /// Runs every workload × profile; writes what was measured even when a run
 /// failed, then reports the failure.
 pub fn run(args: &Args) -> Result<(), BenchError> {
@@ -103,12 +108,17 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
             .iter()
             .filter(|r| r.fleet == options_of_fleet)
             .collect();
-        progress.println(format!(
-            "starting {} vLLM replicas ({:?} KV blocks each, max_model_len {})",
-            options_of_fleet.replicas,
-            options_of_fleet.num_gpu_blocks,
-            options_of_fleet.max_model_len
-        ));
+        say(
+            &progress,
+            &format!(
+                "starting {} vLLM replicas ({} KV blocks each, max_model_len {})",
+                options_of_fleet.replicas,
+                options_of_fleet
+                    .num_gpu_blocks
+                    .map_or_else(|| "roomy".to_owned(), |n| n.to_string()),
+                options_of_fleet.max_model_len
+            ),
+        );
         let fleet_started = Instant::now();
         let mut fleet = match Fleet::start(options_of_fleet) {
             Ok(f) => f,
@@ -117,10 +127,13 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
                 break 'all;
             }
         };
-        progress.println(format!(
-            "replicas ready in {:.0} s",
-            fleet_started.elapsed().as_secs_f64()
-        ));
+        say(
+            &progress,
+            &format!(
+                "replicas ready in {:.0} s",
+                fleet_started.elapsed().as_secs_f64()
+            ),
+        );
         for r in these {
             for p in &args.profiles {
                 nonce += 1;
@@ -131,12 +144,16 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
                 };
                 let run_started = Instant::now();
                 let result = runner::run(&r.workload, *p, target, options, &progress);
-                progress.println(format!(
-                    "{} / {}: {:.0} s",
-                    r.workload.name,
-                    p.name(),
-                    run_started.elapsed().as_secs_f64()
-                ));
+                say(
+                    &progress,
+                    &format!(
+                        "{} / {}: {:.0} s ({:.0} s in all)",
+                        r.workload.name,
+                        p.name(),
+                        run_started.elapsed().as_secs_f64(),
+                        started.elapsed().as_secs_f64()
+                    ),
+                );
                 match result {
                     Ok(mut s) => samples.append(&mut s),
                     Err(e) => {

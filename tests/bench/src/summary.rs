@@ -21,7 +21,7 @@
 //!   did not pay (they re-prefilled what the best replica held and came out
 //!   slower than the same turn under the sticky oracle).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
@@ -81,6 +81,9 @@ pub struct Group {
     /// the best replica held.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moves_reprefilled_tokens: Option<u64>,
+    /// Answered requests per replica (every turn): the load split.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_requests: Option<BTreeMap<String, usize>>,
 }
 
 /// One workload × profile × fault phase.
@@ -199,6 +202,19 @@ fn against_sticky(by_profile: &[((String, String), Vec<&Sample>)], groups: &mut 
                         .is_none_or(|l| s.latency_ms > *l)
             })
             .count();
+        // Every replica of the workload (the sticky oracle uses them all),
+        // zero for those this profile never used.
+        let mut load: BTreeMap<String, usize> = by_profile
+            .iter()
+            .filter(|((w, _), _)| *w == g.workload)
+            .flat_map(|(_, rows)| rows.iter())
+            .filter(|s| !s.replica.is_empty())
+            .map(|s| (s.replica.clone(), 0))
+            .collect();
+        for r in rows.iter().filter(|s| s.ok() && !s.replica.is_empty()) {
+            *load.entry(r.replica.clone()).or_insert(0) += 1;
+        }
+        g.replica_requests = Some(load);
         g.moves = Some(moves.len());
         g.unpaid_moves = Some(unpaid);
         g.moves_reprefilled_tokens = Some(
@@ -243,6 +259,7 @@ fn group(workload: String, profile: String, rows: &[&Sample]) -> Group {
         moves: None,
         unpaid_moves: None,
         moves_reprefilled_tokens: None,
+        replica_requests: None,
     }
 }
 
@@ -275,7 +292,8 @@ impl Summary {
                  continuations served by another replica than the request they continue; did \
                  not pay: moves that re-prefilled tokens the best replica held (cached < oracle) \
                  and were slower than the same turn under the sticky oracle; re-prefilled: \
-                 Σ (oracle − cached) tokens over the moves.\n",
+                 Σ (oracle − cached) tokens over the moves; load split: answered requests per \
+                 replica (r0/r1/…) and the busiest one's share.\n",
             );
         }
         for w in workloads {
@@ -285,8 +303,8 @@ impl Summary {
                 .any(|g| g.workload == w && g.moves.is_some());
             let (extra_head, extra_rule) = if sticky {
                 (
-                    " vs sticky | moves | did not pay | re-prefilled |",
-                    "---:|---:|---:|---:|",
+                    " vs sticky | moves | did not pay | re-prefilled | load split |",
+                    "---:|---:|---:|---:|---:|",
                 )
             } else {
                 ("", "")
@@ -300,7 +318,7 @@ impl Summary {
             for g in self.groups.iter().filter(|g| g.workload == w) {
                 let extra = if sticky {
                     format!(
-                        " {} | {} | {} | {} |",
+                        " {} | {} | {} | {} | {} |",
                         g.vs_sticky
                             .map_or_else(|| "n/a".to_owned(), |r| format!("{r:.2}×")),
                         g.moves.map_or_else(|| "n/a".to_owned(), |n| n.to_string()),
@@ -308,6 +326,9 @@ impl Summary {
                             .map_or_else(|| "n/a".to_owned(), |n| n.to_string()),
                         g.moves_reprefilled_tokens
                             .map_or_else(|| "n/a".to_owned(), |n| n.to_string()),
+                        g.replica_requests
+                            .as_ref()
+                            .map_or_else(|| "n/a".to_owned(), load_split),
                     )
                 } else {
                     String::new()
@@ -373,6 +394,20 @@ impl Summary {
         }
         out
     }
+}
+
+/// Requests per replica in name order, and the busiest one's share:
+/// `25/23 (52%)`.
+fn load_split(load: &BTreeMap<String, usize>) -> String {
+    let total: usize = load.values().sum();
+    let max = load.values().copied().max().unwrap_or(0);
+    let counts: Vec<String> = load.values().map(ToString::to_string).collect();
+    format!(
+        "{} ({})",
+        counts.join("/"),
+        ratio(max as u64, total as u64)
+            .map_or_else(|| "n/a".to_owned(), |r| format!("{:.0}%", 100.0 * r))
+    )
 }
 
 /// `49.54%`, or `n/a`.
@@ -487,7 +522,7 @@ mod tests {
             .unwrap();
         assert_eq!((sticky.moves, sticky.vs_sticky), (Some(0), Some(1.0)));
         let md = s.to_markdown();
-        assert!(md.contains("| 1.75× | 2 | 1 | 160 |"), "{md}");
+        assert!(md.contains("| 1.75× | 2 | 1 | 160 | 2/2 (50%) |"), "{md}");
         // Without the sticky oracle the table and JSON keep their old shape.
         let plain = summarize(&samples[4..]);
         assert!(plain.groups.iter().all(|g| g.moves.is_none()));
