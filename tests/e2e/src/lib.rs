@@ -31,4 +31,4 @@ pub mod workload;
 pub use envoy::{Envoy, EnvoyConfig};
 pub use error::HarnessError;
 pub use process::Spawned;
-pub use stack::{Routing, Stack, StackOptions};
+pub use stack::{ExternalReplica, Routing, Stack, StackOptions};

@@ -82,14 +82,7 @@ impl Spawned {
 
     /// Kills the process tree and waits for the leader.
     pub fn stop(&mut self) {
-        // Descendants first collected, then killed: once the leader dies they
-        // are re-parented and cannot be found by parentage any more.
-        let mut tree = descendants(self.child.id());
-        tree.push(self.child.id());
-        for pid in &tree {
-            kill_group(*pid);
-            kill(*pid);
-        }
+        kill_tree(self.child.id());
         let _ = self.child.wait();
     }
 }
@@ -106,6 +99,20 @@ impl Drop for Spawned {
                 self.name
             );
         }
+    }
+}
+
+/// Kills `root` (a [`Spawned`] child's pid, also its group) and every
+/// descendant, without reaping: for a signal handler that must not leave a
+/// child's tree behind when the process exits without running destructors.
+pub fn kill_tree(root: u32) {
+    // Descendants first collected, then killed: once the leader dies they
+    // are re-parented and cannot be found by parentage any more.
+    let mut tree = descendants(root);
+    tree.push(root);
+    for pid in &tree {
+        kill_group(*pid);
+        kill(*pid);
     }
 }
 

