@@ -158,11 +158,8 @@ impl Replica {
     /// (`prior`: the configured tokens per second).
     pub(crate) fn calibrate(&self, counters: PrefillCounters, prior: f64) {
         let mut f = lock(&self.calibration);
-        if !f.fit.observe(counters) && f.speed.is_some() {
-            // Idle, or restarted (which resets the fit).
-            f.speed = f.fit.speed(prior);
-            return;
-        }
+        // An idle interval adds nothing; a restart resets the fit.
+        f.fit.observe(counters);
         f.speed = f.fit.speed(prior);
         let Some(speed) = f.speed else {
             return;

@@ -20,7 +20,7 @@ use clap::ValueEnum;
 
 use crate::fleet::FleetOptions;
 use crate::rng::Rng;
-use crate::workload::{Api, Conversation, GatewayChoice, Scale, Step, Workload};
+use crate::workload::{Api, Conversation, GatewayChoice, Scale, Step, Workload, w1_pair};
 
 /// A real-vLLM workload family on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -122,29 +122,24 @@ fn w1(api: Api, scale: Scale, seed: u64) -> Workload {
     let conversations = (0..pairs)
         .map(|i| {
             let mut rng = Rng::new(seed, (7u64 << 32) | (api_tag << 24) | i as u64);
-            Conversation {
-                id: i as u32,
-                api,
-                salt: Some(format!("w1-pair{i}-{}", rng.tag())),
-                system: None,
-                tools: None,
-                first: format!("Read this document. {}", rng.words(doc_words)),
-                steps: vec![Step::User(format!(
-                    "Now answer the follow-up question. {}",
-                    rng.words(25)
-                ))],
-                max_tokens: 4,
-            }
+            w1_pair(&mut rng, i, api, doc_words, 25)
         })
         .collect();
+    let name = if api == Api::Chat {
+        "w1-chat"
+    } else {
+        "w1-responses"
+    };
+    workload(name, 1, conversations)
+}
+
+/// A lite workload on the real fleet: `REPLICAS` replicas, one gateway, no
+/// faults, real time (W4-lite and W3-lite change what they need after).
+fn workload(name: &str, concurrency: usize, conversations: Vec<Conversation>) -> Workload {
     Workload {
-        name: if api == Api::Chat {
-            "w1-chat".into()
-        } else {
-            "w1-responses".into()
-        },
+        name: name.to_owned(),
         replicas: REPLICAS,
-        concurrency: 1,
+        concurrency,
         time_scale: 1.0,
         block_size: BLOCK_SIZE,
         gpu_blocks: 0,
@@ -238,19 +233,7 @@ fn w2(name: &str, scale: Scale, seed: u64, salted: bool) -> Workload {
             }
         })
         .collect();
-    Workload {
-        name: name.to_owned(),
-        replicas: REPLICAS,
-        concurrency: shape.conversations,
-        time_scale: 1.0,
-        block_size: BLOCK_SIZE,
-        gpu_blocks: 0,
-        reasoning_tokens: 0,
-        conversations,
-        gateways: 1,
-        gateway_choice: GatewayChoice::Drawn,
-        faults: Vec::new(),
-    }
+    workload(name, shape.conversations, conversations)
 }
 
 fn tokens(text: &str) -> f64 {

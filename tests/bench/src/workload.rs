@@ -304,6 +304,30 @@ fn w3(scale: Scale, seed: u64) -> Workload {
 /// prompt is ≈ 6,650 tokens, as in the published figure (6,653).
 const W1_DOCUMENT_WORDS: usize = 6_560;
 
+/// W1's pair `i`: a document, then one follow-up question of `question_words`.
+pub(crate) fn w1_pair(
+    rng: &mut Rng,
+    i: usize,
+    api: Api,
+    doc_words: usize,
+    question_words: usize,
+) -> Conversation {
+    Conversation {
+        id: i as u32,
+        api,
+        // A fresh salt per pair: nothing is shared across pairs.
+        salt: Some(format!("w1-pair{i}-{}", rng.tag())),
+        system: None,
+        tools: None,
+        first: format!("Read this document. {}", rng.words(doc_words)),
+        steps: vec![Step::User(format!(
+            "Now answer the follow-up question. {}",
+            rng.words(question_words)
+        ))],
+        max_tokens: 4,
+    }
+}
+
 fn w1(api: Api, scale: Scale, seed: u64) -> Workload {
     let (pairs, doc_words) = match scale {
         Scale::Full => (12, W1_DOCUMENT_WORDS),
@@ -313,20 +337,7 @@ fn w1(api: Api, scale: Scale, seed: u64) -> Workload {
     let conversations = (0..pairs)
         .map(|i| {
             let mut rng = Rng::new(seed, (api_tag << 32) | i as u64);
-            Conversation {
-                id: i as u32,
-                api,
-                // A fresh salt per pair: nothing is shared across pairs.
-                salt: Some(format!("w1-pair{i}-{}", rng.tag())),
-                system: None,
-                tools: None,
-                first: format!("Read this document. {}", rng.words(doc_words)),
-                steps: vec![Step::User(format!(
-                    "Now answer the follow-up question. {}",
-                    rng.words(60)
-                ))],
-                max_tokens: 4,
-            }
+            w1_pair(&mut rng, i, api, doc_words, 60)
         })
         .collect();
     Workload {
