@@ -101,8 +101,22 @@ fuzz_target!(|data: &[u8]| {
             };
             assert!(serves, "{} named for {:?}", c.address, req.model);
         }
-        for w in resp.candidates.windows(2) {
+        // Best first: by cost, except that the warm replica (holding more
+        // than the cheapest) stays first when moving away would not pay.
+        let rest = resp.candidates.get(1..).unwrap_or_default();
+        for w in rest.windows(2) {
             assert!(!(w[0].cost > w[1].cost), "not best first");
+        }
+        if let [first, second, ..] = resp.candidates.as_slice() {
+            if first.cost > second.cost {
+                // (more credited tokens: more blocks, or as many in a
+                // faster tier)
+                assert!(
+                    first.matched_blocks > 0 && first.matched_blocks >= second.matched_blocks,
+                    "held first without holding more: {:?}",
+                    resp.candidates
+                );
+            }
         }
     } else if let Ok(req) = ObserveRequest::decode(body) {
         let _ = pick::observe(shared, &req, now);
