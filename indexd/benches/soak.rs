@@ -133,8 +133,9 @@ fn duration(s: &str) -> Result<Duration, String> {
 /// added all the time, the hash maps settle at up to four buckets per entry
 /// (a map doubles to clear its tombstones once it is half full): the
 /// per-replica map (≈ 49 B a bucket) and the key map (≈ 41 B) then take up
-/// to ≈ 360 B, the FIFO 24–72 B.
-const BYTES_PER_ENTRY: f64 = 480.0;
+/// to ≈ 360 B, the FIFO 24–72 B; the key map's second copy (the one Picks
+/// read while the writer updates the other) up to 164 B more.
+const BYTES_PER_ENTRY: f64 = 644.0;
 /// The process without its index: runtime, 64 connections' read buffers,
 /// metrics, allocator slack.
 const BASE_MIB: f64 = 64.0;
@@ -463,7 +464,8 @@ async fn run(args: Args) -> Result<bool, String> {
         "- RSS: {budget:.0} MiB = {BASE_MIB:.0} MiB (the process without its index: runtime, {} \
          connections' read buffers, metrics, allocator slack) + `max_index_entries` {} × {BYTES_PER_ENTRY:.0} B \
          (217 B per entry without churn, BENCHMARKS.md; at the bound, entries evicted and added all \
-         the time, the hash maps settle at up to four buckets per entry: ≈ 360 B, plus the FIFO). The flood offers about {} entries (64 blocks per prompt, \
+         the time, the hash maps settle at up to four buckets per entry: ≈ 360 B, plus the FIFO, plus \
+         up to 164 B for the key map's second copy, the one Picks read). The flood offers about {} entries (64 blocks per prompt, \
          {} prompts kept per replica), past the bound: indexd evicts.\n\
          - Pick p99: {:.0} µs per window, measured at the client (a gRPC round trip on loopback, on \
          cores the flood keeps busy).",

@@ -298,7 +298,7 @@ impl Handle {
     /// The status of one replica.
     pub fn replica(&self, id: &EndpointId) -> Option<ReplicaStatus> {
         let r = state::read(&self.shared.registry).get(id)?;
-        let entries = state::read(&self.shared.index).replica_entries(r.slot);
+        let entries = state::lock(&self.shared.index).replica_entries(r.slot);
         Some(ReplicaStatus {
             fresh: r.is_fresh(),
             healthy: r.is_healthy(),

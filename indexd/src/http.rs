@@ -71,7 +71,7 @@ pub fn render(shared: &Shared) -> String {
     shared.metrics.render(&mut out);
     shared.tokenizers.render_metrics(&mut out);
     let (entries, keys, bytes, spec) = {
-        let index = read(&shared.index);
+        let index = lock(&shared.index);
         (
             index.entries(),
             index.distinct_keys(),
@@ -116,7 +116,7 @@ pub fn render(shared: &Shared) -> String {
         lock(&shared.approximate).len() as f64,
     );
     let replicas = read(&shared.registry).all();
-    let index = read(&shared.index);
+    let index = lock(&shared.index);
     for (name, help) in [
         (
             "indexd_replica_fresh",

@@ -18,76 +18,34 @@
 //!   the parent's chain.
 //! - A hard bound on `(block, replica)` entries: beyond it the oldest entries
 //!   are evicted first (global FIFO; a parent goes before its children).
-//! - Speculative entries ([`Credits`]): credit for a picked replica for a few
-//!   seconds, bounded.
+//! - Speculative entries ([`crate::credits::Credits`]): credit for a picked
+//!   replica for a few seconds, bounded.
 //!
 //! - Per replica, the last batch applied (seq and payload digest), so that a
 //!   snapshot of its blocks says where its event stream resumes
 //!   ([`crate::snapshot`]).
 //!
-//! The index has a single owner (`RwLock` in [`crate::state`]); every method
-//! here is synchronous and allocation-bounded.
+//! The index has a single owner (a `Mutex` in [`crate::state`]); every method
+//! here is synchronous and allocation-bounded. Picks do not take that lock:
+//! they read a [`Lookup`] (the key map as last published, the partitions,
+//! the credits), which the index keeps current (see [`keymap`]).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 use kvroute_proto::keys::{BlockKey, Chain};
-use smallvec::SmallVec;
+use left_right::WriteHandle;
 
 pub use apply::ApplyStats;
+pub use lookup::Lookup;
 pub(crate) use saved::{Applied, SavedBlock};
 
 use fifo::Fifo;
+use keymap::{KeyMap, KeyOp};
 
-use crate::credits::Credits;
 use crate::event::{EngineHash, Tier};
 use crate::ids::{PartitionId, ReplicaSlot};
-
-/// `(partition, key) → holders`, in shards by key: a map of a million keys
-/// rehashing under the index's write lock (growth, or clearing tombstones)
-/// would stall Picks for tens of milliseconds; a shard takes a 64th of that.
-#[derive(Debug)]
-struct KeyMap {
-    shards: Vec<HashMap<(PartitionId, BlockKey), Holders>>,
-}
-
-const KEY_SHARDS: usize = 64;
-
-impl KeyMap {
-    fn new() -> Self {
-        Self {
-            shards: (0..KEY_SHARDS).map(|_| HashMap::new()).collect(),
-        }
-    }
-
-    fn index(key: &(PartitionId, BlockKey)) -> usize {
-        // Keys are SHA-256 prefixes: their low bits are uniform.
-        (key.1.as_u64() % KEY_SHARDS as u64) as usize
-    }
-
-    fn get(&self, key: &(PartitionId, BlockKey)) -> Option<&Holders> {
-        self.shards.get(Self::index(key))?.get(key)
-    }
-
-    fn get_mut(&mut self, key: &(PartitionId, BlockKey)) -> Option<&mut Holders> {
-        self.shards.get_mut(Self::index(key))?.get_mut(key)
-    }
-
-    fn shard_mut(
-        &mut self,
-        key: &(PartitionId, BlockKey),
-    ) -> Option<&mut HashMap<(PartitionId, BlockKey), Holders>> {
-        self.shards.get_mut(Self::index(key))
-    }
-
-    fn len(&self) -> usize {
-        self.shards.iter().map(HashMap::len).sum()
-    }
-
-    fn capacity(&self) -> usize {
-        self.shards.iter().map(HashMap::capacity).sum()
-    }
-}
 
 /// Gives memory back from a map that emptied out: the bound is on entries,
 /// and a map keeps the capacity of its peak otherwise (per-replica maps
@@ -146,15 +104,6 @@ impl PrefixMatch {
 }
 
 #[derive(Clone, Copy, Debug)]
-struct Holder {
-    slot: ReplicaSlot,
-    tiers: u8,
-    refs: u16,
-}
-
-type Holders = SmallVec<[Holder; 2]>;
-
-#[derive(Clone, Copy, Debug)]
 struct BlockEntry {
     chain: Chain,
     key: BlockKey,
@@ -174,32 +123,48 @@ struct ReplicaBlocks {
 /// The block index. See the module docs.
 #[derive(Debug)]
 pub struct Index {
-    partitions: HashMap<String, PartitionId>,
-    max_partitions: usize,
-    keys: KeyMap,
+    /// The key map's writer: changes are logged, and readers see them at
+    /// [`Index::publish`].
+    keys: WriteHandle<KeyMap, KeyOp>,
+    lookup: Arc<Lookup>,
     replicas: HashMap<ReplicaSlot, ReplicaBlocks>,
     order: Fifo,
     next_seq: u64,
     entries: usize,
     max_entries: usize,
-    speculative: Credits,
 }
 
 impl Index {
     /// An empty index holding at most `max_entries` `(block, replica)`
     /// entries and `max_speculative` speculative ones.
     pub fn new(max_entries: usize, max_speculative: usize) -> Self {
+        let (mut keys, reader) = left_right::new_from_empty(KeyMap::default());
+        // Published once empty: from here on changes are logged (before the
+        // first publish they would go straight to the writer's copy, and
+        // `flush` would see nothing to publish).
+        keys.publish();
         Self {
-            partitions: HashMap::new(),
-            max_partitions: 4096,
-            keys: KeyMap::new(),
+            keys,
+            lookup: Arc::new(Lookup::new(reader.factory(), max_speculative)),
             replicas: HashMap::new(),
             order: Fifo::default(),
             next_seq: 0,
             entries: 0,
             max_entries: max_entries.max(1),
-            speculative: Credits::new(max_speculative),
         }
+    }
+
+    /// What Picks read, shared: it follows this index's publishes.
+    pub fn lookup(&self) -> Arc<Lookup> {
+        Arc::clone(&self.lookup)
+    }
+
+    /// Makes every change so far visible to readers (once per batch of
+    /// events; the mutating methods other than [`Index::apply_unpublished`]
+    /// call it themselves). Waits for readers still in the copy published
+    /// before the last one.
+    pub fn publish(&mut self) {
+        self.keys.flush();
     }
 
     /// `(block, replica)` entries currently indexed.
@@ -209,7 +174,7 @@ impl Index {
 
     /// Distinct `(partition, key)` pairs.
     pub fn distinct_keys(&self) -> usize {
-        self.keys.len()
+        self.lookup.with_keys(|m| m.map_or(0, KeyMap::len))
     }
 
     /// Entries held by one replica.
@@ -220,50 +185,33 @@ impl Index {
     /// Live speculative entries (expired ones may linger until the next
     /// insertion).
     pub fn speculative_entries(&self) -> usize {
-        self.speculative.len()
+        self.lookup.speculative_entries()
     }
 
-    /// An estimate of the heap bytes the index holds (capacity-based).
+    /// An estimate of the heap bytes the index holds (capacity-based; the
+    /// key map counts twice, one copy for readers and one for the writer).
     pub fn approx_bytes(&self) -> usize {
         use std::mem::size_of;
-        let key_map = self.keys.capacity()
-            * (size_of::<(PartitionId, BlockKey)>() + size_of::<Holders>() + 1);
+        let key_map =
+            2 * self.lookup.with_keys(|m| m.map_or(0, KeyMap::capacity)) * KeyMap::SLOT_BYTES;
         let replica_maps: usize = self
             .replicas
             .values()
             .map(|r| r.blocks.capacity() * (size_of::<EngineHash>() + size_of::<BlockEntry>() + 1))
             .sum();
         let order = self.order.capacity() * size_of::<fifo::Item>();
-        key_map + replica_maps + order + self.speculative.approx_bytes()
+        key_map + replica_maps + order + self.lookup.credit_bytes()
     }
 
     /// The partition of `model`, if any event or pick has named it.
     pub fn partition(&self, model: &str) -> Option<PartitionId> {
-        self.partitions.get(model).copied()
+        self.lookup.partition(model)
     }
 
     /// The partition of `model`, created on first use (`None` once the
     /// partition table is full).
     pub fn partition_or_insert(&mut self, model: &str) -> Option<PartitionId> {
-        if let Some(p) = self.partitions.get(model) {
-            return Some(*p);
-        }
-        if self.partitions.len() >= self.max_partitions {
-            return None;
-        }
-        let id = PartitionId::new(u32::try_from(self.partitions.len()).ok()?);
-        self.partitions.insert(model.to_owned(), id);
-        Some(id)
-    }
-
-    fn holder_mut(
-        &mut self,
-        key: (PartitionId, BlockKey),
-        slot: ReplicaSlot,
-    ) -> Option<&mut Holder> {
-        self.keys
-            .get_mut(&key)
-            .and_then(|hs| hs.iter_mut().find(|h| h.slot == slot))
+        self.lookup.partition_or_insert(model)
     }
 
     fn insert(
@@ -281,9 +229,11 @@ impl Index {
             if existing.key == key && existing.partition == partition {
                 existing.tiers |= tier_bit;
                 let tiers = existing.tiers;
-                if let Some(h) = self.holder_mut((partition, key), slot) {
-                    h.tiers |= tiers;
-                }
+                self.keys.append(KeyOp::AddTiers {
+                    key: (partition, key),
+                    slot,
+                    tiers,
+                });
                 return;
             }
             self.drop_entry(slot, hash);
@@ -302,20 +252,11 @@ impl Index {
             .or_default()
             .blocks
             .insert(hash, entry);
-        if let Some(shard) = self.keys.shard_mut(&(partition, key)) {
-            let holders = shard.entry((partition, key)).or_default();
-            match holders.iter_mut().find(|h| h.slot == slot) {
-                Some(h) => {
-                    h.refs = h.refs.saturating_add(1);
-                    h.tiers |= tier_bit;
-                }
-                None => holders.push(Holder {
-                    slot,
-                    tiers: tier_bit,
-                    refs: 1,
-                }),
-            }
-        }
+        self.keys.append(KeyOp::Hold {
+            key: (partition, key),
+            slot,
+            tiers: tier_bit,
+        });
         self.entries += 1;
         self.order.push((slot, hash, seq));
         while self.entries > self.max_entries {
@@ -377,28 +318,18 @@ impl Index {
     }
 
     fn release_holder(&mut self, key: (PartitionId, BlockKey), slot: ReplicaSlot) {
-        if let Some(holders) = self.keys.get_mut(&key) {
-            if let Some(pos) = holders.iter().position(|h| h.slot == slot)
-                && let Some(h) = holders.get_mut(pos)
-            {
-                h.refs = h.refs.saturating_sub(1);
-                if h.refs == 0 {
-                    holders.swap_remove(pos);
-                }
-            }
-            if holders.is_empty()
-                && let Some(shard) = self.keys.shard_mut(&key)
-            {
-                shard.remove(&key);
-                shrink_if_sparse(shard);
-            }
-        }
+        self.keys.append(KeyOp::Release { key, slot });
     }
 
     /// Forgets everything `slot` holds (restart, AllBlocksCleared, an
     /// unrecoverable gap). Speculative credit for it is dropped too.
     pub fn purge(&mut self, slot: ReplicaSlot) {
-        self.speculative.forget_replica(slot);
+        self.purge_unpublished(slot);
+        self.publish();
+    }
+
+    fn purge_unpublished(&mut self, slot: ReplicaSlot) {
+        self.lookup.forget_credits(slot);
         let Some(replica) = self.replicas.get_mut(&slot) else {
             return;
         };
@@ -418,9 +349,7 @@ impl Index {
         self.replicas.remove(&slot);
     }
 
-    /// Walks `keys` in order and returns, per candidate, the leading blocks
-    /// it holds (indexed or speculative, unexpired at `now`). Stops at the
-    /// first block no candidate still matching holds.
+    /// [`Lookup::match_prefix`] on what this index last published.
     pub fn match_prefix(
         &self,
         partition: Option<PartitionId>,
@@ -428,62 +357,26 @@ impl Index {
         candidates: &[ReplicaSlot],
         now: Instant,
     ) -> Vec<PrefixMatch> {
-        let mut out = vec![PrefixMatch::default(); candidates.len()];
-        let Some(partition) = partition else {
-            return out;
-        };
-        let mut alive: SmallVec<[usize; 16]> = (0..candidates.len()).collect();
-        // Per candidate: held speculatively up to (excluding) this position.
-        let mut credited_until: SmallVec<[usize; 16]> = SmallVec::from_elem(0, candidates.len());
-        for (pos, key) in keys.iter().enumerate() {
-            let holders = self.keys.get(&(partition, *key));
-            alive.retain(|i| {
-                let (Some(slot), Some(until)) = (candidates.get(*i), credited_until.get_mut(*i))
-                else {
-                    return false;
-                };
-                let indexed = holders
-                    .and_then(|hs| hs.iter().find(|h| h.slot == *slot))
-                    .and_then(|h| best_tier(h.tiers));
-                let tier = indexed.or_else(|| {
-                    if pos < *until {
-                        return Some(Tier::Gpu);
-                    }
-                    let n = self.speculative.extend(partition, *slot, keys, pos, now);
-                    *until = pos + n;
-                    (n > 0).then_some(Tier::Gpu)
-                });
-                match (tier, out.get_mut(*i)) {
-                    (Some(tier), Some(m)) => {
-                        m.push(tier);
-                        true
-                    }
-                    _ => false,
-                }
-            });
-            if alive.is_empty() {
-                break;
-            }
-        }
-        out
+        self.lookup.match_prefix(partition, keys, candidates, now)
     }
 
-    /// Credits `slot` with `keys` until `expires` (speculative entries after
-    /// a pick, before its events arrive).
+    /// [`Lookup::speculate`].
     pub fn speculate(
-        &mut self,
+        &self,
         partition: PartitionId,
         keys: &[BlockKey],
         slot: ReplicaSlot,
         now: Instant,
         expires: Instant,
     ) {
-        self.speculative.credit(partition, keys, slot, now, expires);
+        self.lookup.speculate(partition, keys, slot, now, expires);
     }
 }
 
 mod apply;
 mod fifo;
+mod keymap;
+mod lookup;
 mod saved;
 
 #[cfg(test)]

@@ -421,11 +421,7 @@ proptest! {
             }
             for (slot, rb) in &ix.replicas {
                 for (h, e) in &rb.blocks {
-                    let partition = ix
-                        .partitions
-                        .iter()
-                        .find(|(_, id)| **id == e.partition)
-                        .map(|(name, _)| name.clone());
+                    let partition = ix.partition_name(e.partition);
                     prop_assert_eq!(
                         (partition, e.key),
                         truth.get(&h.0).map(|(m, k)| (Some(m.clone()), *k)).unwrap(),

@@ -251,8 +251,8 @@ fn snapshot(
     } else if approximate {
         lock(&shared.approximate).match_prefix(&req.model, &keys, &slots, now)
     } else {
-        let index = shared.index_for_request();
-        index.match_prefix(index.partition(&req.model), &keys, &slots, now)
+        let lookup = &shared.lookup;
+        lookup.match_prefix(lookup.partition(&req.model), &keys, &slots, now)
     };
     let inputs = eligible
         .iter()
@@ -351,9 +351,9 @@ fn credit(shared: &Shared, req: &PickRequest, snap: &Snapshot, ranking: &Ranking
             cfg.approximate_ttl,
         );
     } else if !cfg.speculative_ttl.is_zero() {
-        let mut index = shared.index_for_request_mut();
-        if let Some(p) = index.partition_or_insert(&req.model) {
-            index.speculate(p, &snap.keys, chosen.slot, now, now + cfg.speculative_ttl);
+        let lookup = &shared.lookup;
+        if let Some(p) = lookup.partition_or_insert(&req.model) {
+            lookup.speculate(p, &snap.keys, chosen.slot, now, now + cfg.speculative_ttl);
         }
     }
 }

@@ -92,6 +92,65 @@ fn the_holder_wins_and_only_eligible_replicas_are_named() {
     );
 }
 
+/// A writer stalled mid-batch (here: the index's lock held, as by an ingest
+/// thread descheduled while applying) holds back no Pick: Picks read what
+/// was last published, and the batch shows once it is published.
+#[test]
+fn picks_do_not_wait_for_a_writer_holding_the_index() {
+    let (s, rs) = shared(2, |_| {});
+    let s = Arc::new(s);
+    let (a, b): (Vec<u32>, Vec<u32>) = ((0..16).collect(), (100..116).collect());
+    store(&s, &rs[0], &a);
+    let mut index = crate::state::lock(&s.index);
+    // Half a batch for replica 1, not yet published.
+    let ev = KvEvent::BlockStored(BlockStored {
+        block_hashes: (0..4).map(EngineHash).collect(),
+        parent: None,
+        token_ids: b.clone(),
+        block_size: 4,
+        tier: crate::event::Tier::Gpu,
+        lora_name: None,
+        extra_keys: Some(vec![ExtraKeys::None; 4]),
+        group_idx: 0,
+    });
+    index.apply_unpublished(
+        rs[1].slot,
+        "m",
+        &ev,
+        &mut crate::index::ApplyStats::default(),
+    );
+    let (tx, rx) = std::sync::mpsc::channel();
+    let picker = {
+        let s = Arc::clone(&s);
+        let (ka, kb) = (keys(&a), keys(&b));
+        std::thread::spawn(move || {
+            let first = |k: &[u64]| {
+                let r = pick(&s, &req(k), Instant::now()).unwrap();
+                (
+                    r.candidates[0].address.clone(),
+                    r.candidates[0].matched_blocks,
+                )
+            };
+            let _ = tx.send((first(&ka), first(&kb)));
+        })
+    };
+    let answered = rx.recv_timeout(Duration::from_secs(30));
+    index.publish();
+    drop(index);
+    picker.join().unwrap();
+    let (held, unpublished) = answered.expect("a Pick waited for the index's writer");
+    assert_eq!(held, ("10.0.0.1:8000".to_owned(), 4));
+    assert_eq!(unpublished.1, 0, "an unpublished batch was visible");
+    let r = pick(&s, &req(&keys(&b)), Instant::now()).unwrap();
+    assert_eq!(
+        (
+            r.candidates[0].address.as_str(),
+            r.candidates[0].matched_blocks
+        ),
+        ("10.0.0.1:8001", 4)
+    );
+}
+
 #[test]
 fn speculative_entries_send_siblings_to_the_same_replica_then_expire() {
     let (s, _) = shared(4, |c| c.speculative_ttl = Duration::from_secs(2));

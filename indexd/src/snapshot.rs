@@ -42,7 +42,7 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::config::EndpointId;
 use crate::ids::PartitionId;
 use crate::index::SavedBlock;
-use crate::state::{Replica, Shared, lock, read, write as write_lock};
+use crate::state::{Replica, Shared, lock, read};
 
 mod format;
 
@@ -171,7 +171,7 @@ pub(crate) fn partial_path(path: &Path) -> PathBuf {
 /// last purge (nothing to resume from).
 fn capture(shared: &Shared, replica: &Replica) -> Result<Option<(Vec<u8>, usize)>, SnapshotError> {
     let (applied, blocks, names) = {
-        let index = read(&shared.index);
+        let index = lock(&shared.index);
         let Some(applied) = index.applied(replica.slot) else {
             return Ok(None);
         };
@@ -181,7 +181,7 @@ fn capture(shared: &Shared, replica: &Replica) -> Result<Option<(Vec<u8>, usize)
             if !names.contains_key(&b.partition)
                 && let Some(name) = index.partition_name(b.partition)
             {
-                names.insert(b.partition, name.to_owned());
+                names.insert(b.partition, name);
             }
         }
         (applied, blocks, names)
@@ -333,7 +333,7 @@ pub(crate) fn restore(shared: &Shared, replica: &Replica) {
         return;
     }
     let applied = section.applied();
-    let restored = write_lock(&shared.index).restore(replica.slot, applied, section.blocks());
+    let restored = lock(&shared.index).restore(replica.slot, applied, section.blocks());
     replica.set_resume(applied);
     let gauge = &shared.metrics.snapshot_loaded_entries;
     #[allow(clippy::cast_precision_loss)]

@@ -108,7 +108,7 @@ fn store(shared: &Shared, replica: &Replica, seq: u64, blocks: u32, salt: &str) 
 }
 
 fn matched(shared: &Shared, replica: &Replica, keys: &[u64]) -> u32 {
-    let index = read(&shared.index);
+    let index = lock(&shared.index);
     let keys: Vec<_> = keys
         .iter()
         .map(|k| kvroute_proto::BlockKey::from_u64(*k))
@@ -147,7 +147,7 @@ fn a_snapshot_round_trips_blocks_tiers_and_resume_points() {
     assert_eq!(matched(&restored, &replicas[1], &b), 5);
     assert_eq!(matched(&restored, &replicas[0], &b), 0);
     let m = {
-        let index = read(&restored.index);
+        let index = lock(&restored.index);
         let keys: Vec<_> = a
             .iter()
             .map(|k| kvroute_proto::BlockKey::from_u64(*k))
@@ -268,7 +268,7 @@ fn a_refused_file_restores_nothing_and_is_counted() {
     let eps = vec![endpoint(8000, "tcp://10.0.0.1:5558")];
     let (shared, replicas) = start(config(&dir.file(), eps));
     assert_eq!(shared.metrics.snapshot_loads.get(["corrupt"]), 1);
-    assert_eq!(read(&shared.index).entries(), 0);
+    assert_eq!(lock(&shared.index).entries(), 0);
     assert_eq!(replicas[0].take_resume(), None);
 }
 
@@ -286,7 +286,7 @@ fn a_snapshot_older_than_max_age_is_refused() {
     std::thread::sleep(Duration::from_millis(5));
     let (shared, _) = start(cfg);
     assert_eq!(shared.metrics.snapshot_loads.get(["too_old"]), 1);
-    assert_eq!(read(&shared.index).entries(), 0);
+    assert_eq!(lock(&shared.index).entries(), 0);
 }
 
 #[test]

@@ -1,12 +1,15 @@
 //! Shared state: the replica registry, the index and the side tables, with
 //! one owner each.
 //!
-//! - `index`: `RwLock` — subscribers write one batch at a time; Pick reads,
-//!   then briefly writes its speculative entries. Never held across `.await`.
-//!   Picks go first: one waiting for the lock is counted
-//!   (`requests_waiting`), and ingest yields before its next batch until no
-//!   Pick waits (at most 2 ms), since `std`'s lock would otherwise let the
-//!   next queued batch write ahead of a waiting reader.
+//! - `index`: `Mutex` — the writer's side: subscribers apply one batch at a
+//!   time and publish it; the snapshot writer, discovery and `/metrics` read
+//!   it. Never held across `.await`. Picks never take it.
+//! - `lookup`: what Picks read ([`Lookup`]): the key map as last published
+//!   (a per-thread `left-right` read handle: entering it never blocks; a
+//!   publish waits for the readers of the copy before), the partitions (an
+//!   `RwLock` written only for a new model name) and the speculative
+//!   credits (a short `Mutex`, Picks and purges; a purge takes it with
+//!   `index` held, a Pick never takes `index`).
 //! - `registry`: `RwLock` — read on every Pick (a clone of a few `Arc`s),
 //!   written only when discovery adds or removes endpoints.
 //! - per-replica load, freshness and health: atomics and small mutexes inside
@@ -33,7 +36,7 @@
 //!
 //! Subscriptions run on their own runtime (`ingest`, one thread less than
 //! the CPUs, at least one), so a flood of events cannot queue Picks behind
-//! it, and at most that many writers contend for `index` with Pick's readers.
+//! it, and at most that many writers contend for `index`.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -53,7 +56,7 @@ use crate::calibrate::{Calibration, PrefillCounters, PrefillSpeed};
 use crate::config::{Config, EndpointConfig, EndpointId};
 use crate::event::{EventBatch, KvEvent};
 use crate::ids::ReplicaSlot;
-use crate::index::{Applied, ApplyStats, Index};
+use crate::index::{Applied, ApplyStats, Index, Lookup};
 use crate::metrics::Metrics;
 use crate::ratelimit::TokenBucket;
 use crate::score::Load;
@@ -388,8 +391,10 @@ impl Registry {
 pub struct Shared {
     /// The configuration indexd started with.
     pub(crate) config: Config,
-    /// The block index.
-    pub(crate) index: RwLock<Index>,
+    /// The block index (the writer's side).
+    pub(crate) index: Mutex<Index>,
+    /// What Picks read (the index's published side).
+    pub(crate) lookup: Arc<Lookup>,
     /// The replica registry.
     pub(crate) registry: RwLock<Registry>,
     /// Response-id affinity.
@@ -418,29 +423,6 @@ pub struct Shared {
     pub(crate) token: Option<Token>,
     /// The Observe rate limit.
     pub(crate) observe_bucket: Mutex<TokenBucket>,
-    /// Picks waiting for the `index` lock: ingest defers its next write to
-    /// them (see [`Shared::index_for_ingest`]).
-    pub(crate) requests_waiting: AtomicU32,
-}
-
-/// How long ingest defers a batch to waiting Picks at most (so a stream of
-/// Picks cannot stall ingest).
-const INGEST_DEFERS_AT_MOST: Duration = Duration::from_millis(2);
-
-/// Counts a Pick as waiting for the index while it lives.
-struct Waiting<'a>(&'a AtomicU32);
-
-impl<'a> Waiting<'a> {
-    fn new(n: &'a AtomicU32) -> Self {
-        n.fetch_add(1, Ordering::AcqRel);
-        Self(n)
-    }
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
 }
 
 impl Shared {
@@ -450,11 +432,10 @@ impl Shared {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_os_rng(),
         };
+        let index = Index::new(config.max_index_entries, config.max_speculative_entries);
         Self {
-            index: RwLock::new(Index::new(
-                config.max_index_entries,
-                config.max_speculative_entries,
-            )),
+            lookup: index.lookup(),
+            index: Mutex::new(index),
             registry: RwLock::new(Registry::default()),
             affinity: Mutex::new(Affinity::new(config.affinity_capacity, config.affinity_ttl)),
             approximate: Mutex::new(Approximate::new(config.approximate_capacity)),
@@ -471,38 +452,8 @@ impl Shared {
                 config.access.observe_rate,
                 config.access.observe_burst,
             )),
-            requests_waiting: AtomicU32::new(0),
             config,
         }
-    }
-
-    /// The index for a Pick to read. `std`'s `RwLock` lets a waiting writer
-    /// hold back new readers, and ingest writes one batch after another:
-    /// the Pick says it is waiting, and ingest lets it go first.
-    pub(crate) fn index_for_request(&self) -> RwLockReadGuard<'_, Index> {
-        let _waiting = Waiting::new(&self.requests_waiting);
-        read(&self.index)
-    }
-
-    /// The index for a Pick to write (its speculative entries), as
-    /// [`Shared::index_for_request`].
-    pub(crate) fn index_for_request_mut(&self) -> RwLockWriteGuard<'_, Index> {
-        let _waiting = Waiting::new(&self.requests_waiting);
-        write(&self.index)
-    }
-
-    /// The index for ingest to write one batch: first yields the CPU while
-    /// a Pick waits for the index, for at most [`INGEST_DEFERS_AT_MOST`].
-    pub(crate) fn index_for_ingest(&self) -> RwLockWriteGuard<'_, Index> {
-        if self.requests_waiting.load(Ordering::Acquire) > 0 {
-            let since = Instant::now();
-            while self.requests_waiting.load(Ordering::Acquire) > 0
-                && since.elapsed() < INGEST_DEFERS_AT_MOST
-            {
-                std::thread::yield_now();
-            }
-        }
-        write(&self.index)
     }
 
     /// The same state requiring `token` on every call.
@@ -539,7 +490,7 @@ impl Shared {
             return false;
         };
         replica.cancel.cancel();
-        write(&self.index).remove_replica(replica.slot);
+        lock(&self.index).remove_replica(replica.slot);
         lock(&self.approximate).forget_replica(replica.slot);
         self.metrics.purges.inc(["removed"]);
         true
@@ -547,7 +498,7 @@ impl Shared {
 
     /// Forgets what `replica` holds.
     pub(crate) fn purge(&self, replica: &Replica, reason: &'static str) {
-        write(&self.index).purge(replica.slot);
+        lock(&self.index).purge(replica.slot);
         self.metrics.purges.inc([reason]);
         tracing::info!(endpoint = %replica.id(), reason, "purged replica from the index");
     }
@@ -592,13 +543,14 @@ impl Shared {
         }
         let mut stats = ApplyStats::default();
         {
-            let mut index = self.index_for_ingest();
+            let mut index = lock(&self.index);
             for ev in &batch.events {
-                index.apply(replica.slot, &replica.config.model, ev, &mut stats);
+                index.apply_unpublished(replica.slot, &replica.config.model, ev, &mut stats);
             }
             if let Some(applied) = applied {
                 index.set_applied(replica.slot, applied);
             }
+            index.publish();
         }
         if stats.cleared > 0 {
             m.purges.add(["cleared"], stats.cleared);

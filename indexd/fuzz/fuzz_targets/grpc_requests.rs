@@ -26,8 +26,9 @@ fn address(i: u16) -> SocketAddr {
 fn state() -> &'static Shared {
     static STATE: OnceLock<Shared> = OnceLock::new();
     STATE.get_or_init(|| {
-        let mut endpoints: Vec<EndpointConfig> =
-            (0..3).map(|i| EndpointConfig::new(address(i), "m")).collect();
+        let mut endpoints: Vec<EndpointConfig> = (0..3)
+            .map(|i| EndpointConfig::new(address(i), "m"))
+            .collect();
         endpoints[1].adapters = vec!["lora".into()];
         endpoints[2].model = "other".into();
         let mut config = Config::new(endpoints.clone());
@@ -63,7 +64,11 @@ fn state() -> &'static Shared {
                 },
             );
         }
-        for (id, i, model) in [("resp_a", 0, "m"), ("resp_b", 1, "lora"), ("resp_c", 2, "other")] {
+        for (id, i, model) in [
+            ("resp_a", 0, "m"),
+            ("resp_b", 1, "lora"),
+            ("resp_c", 2, "other"),
+        ] {
             let observed = ObserveRequest {
                 model: model.into(),
                 endpoint: address(i).to_string(),

@@ -3,10 +3,10 @@
 //! panic; the decoder's caps hold; the index never exceeds its bound.
 #![no_main]
 
+use indexd::ReplicaSlot;
 use indexd::event::KvEvent;
 use indexd::index::{ApplyStats, Index};
 use indexd::wire::{self, Limits};
-use indexd::ReplicaSlot;
 use libfuzzer_sys::fuzz_target;
 
 const LIMITS: Limits = Limits {

@@ -3,6 +3,7 @@
 
 use kvroute_proto::keys::{BlockSize, Chain, KeyChain};
 
+use super::keymap::KeyOp;
 use super::{Index, tier_bit};
 use crate::event::{BlockRemoved, BlockStored, EngineHash, ExtraKeys, KvEvent};
 use crate::ids::{PartitionId, ReplicaSlot};
@@ -58,8 +59,22 @@ impl Skip {
 }
 
 impl Index {
-    /// Applies one event from `slot`, whose configured model is `model`.
+    /// Applies one event from `slot`, whose configured model is `model`,
+    /// and publishes it.
     pub fn apply(
+        &mut self,
+        slot: ReplicaSlot,
+        model: &str,
+        event: &KvEvent,
+        stats: &mut ApplyStats,
+    ) {
+        self.apply_unpublished(slot, model, event, stats);
+        self.publish();
+    }
+
+    /// Applies one event without publishing it: readers see it at the next
+    /// [`Index::publish`] (ingest publishes once per batch).
+    pub fn apply_unpublished(
         &mut self,
         slot: ReplicaSlot,
         model: &str,
@@ -70,7 +85,7 @@ impl Index {
             KvEvent::BlockStored(stored) => self.store(slot, model, stored, stats),
             KvEvent::BlockRemoved(removed) => self.remove(slot, removed, stats),
             KvEvent::AllBlocksCleared => {
-                self.purge(slot);
+                self.purge_unpublished(slot);
                 stats.cleared += 1;
             }
             KvEvent::Unknown => stats.unknown_events += 1,
@@ -200,9 +215,7 @@ impl Index {
         let entry = self.block_mut(slot, hash)?;
         entry.tiers |= tier;
         let (key, tiers, chain) = ((entry.partition, entry.key), entry.tiers, entry.chain);
-        if let Some(h) = self.holder_mut(key, slot) {
-            h.tiers |= tiers;
-        }
+        self.keys.append(KeyOp::AddTiers { key, slot, tiers });
         Some((chain, key.0))
     }
 
@@ -214,9 +227,7 @@ impl Index {
             };
             entry.tiers |= tier_bit(ev.tier);
             let (key, tiers) = ((entry.partition, entry.key), entry.tiers);
-            if let Some(h) = self.holder_mut(key, slot) {
-                h.tiers |= tiers;
-            }
+            self.keys.append(KeyOp::AddTiers { key, slot, tiers });
             stats.tier_moves += 1;
         }
     }
@@ -234,10 +245,9 @@ impl Index {
             if tiers == 0 {
                 self.drop_entry(slot, *hash);
                 self.order_upkeep();
-            } else if let Some(h) = self.holder_mut(key, slot)
-                && h.refs == 1
-            {
-                h.tiers = tiers;
+            } else {
+                self.keys
+                    .append(KeyOp::SetTiersIfSingle { key, slot, tiers });
             }
             stats.removed += 1;
         }

@@ -48,11 +48,8 @@ impl Index {
     }
 
     /// The name of a partition.
-    pub(crate) fn partition_name(&self, id: PartitionId) -> Option<&str> {
-        self.partitions
-            .iter()
-            .find(|(_, p)| **p == id)
-            .map(|(name, _)| name.as_str())
+    pub(crate) fn partition_name(&self, id: PartitionId) -> Option<String> {
+        self.lookup.partition_name(id)
     }
 
     /// Every block `slot` holds, in no particular order.
@@ -95,6 +92,7 @@ impl Index {
             restored += 1;
         }
         self.set_applied(slot, applied);
+        self.publish();
         restored
     }
 }

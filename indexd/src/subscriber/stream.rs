@@ -153,7 +153,7 @@ impl<'a, R: Replay> Stream<'a, R> {
         } else if purge_counted {
             self.shared.purge(self.replica, "resync");
         } else {
-            crate::state::write(&self.shared.index).purge(self.replica.slot);
+            crate::state::lock(&self.shared.index).purge(self.replica.slot);
         }
         self.tracker = Tracker::default();
         let result = self.replay(0, None, "start").await;
@@ -279,7 +279,7 @@ impl<'a, R: Replay> Stream<'a, R> {
                 }
                 // Its removals are lost: what we hold may be wrong.
                 self.shared.purge(self.replica, "decode_error");
-                crate::state::write(&self.shared.index).set_applied(self.replica.slot, applied);
+                crate::state::lock(&self.shared.index).set_applied(self.replica.slot, applied);
             }
         }
     }
