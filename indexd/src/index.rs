@@ -359,18 +359,6 @@ impl Index {
     ) -> Vec<PrefixMatch> {
         self.lookup.match_prefix(partition, keys, candidates, now)
     }
-
-    /// [`Lookup::speculate`].
-    pub fn speculate(
-        &self,
-        partition: PartitionId,
-        keys: &[BlockKey],
-        slot: ReplicaSlot,
-        now: Instant,
-        expires: Instant,
-    ) {
-        self.lookup.speculate(partition, keys, slot, now, expires);
-    }
 }
 
 mod apply;

@@ -260,14 +260,16 @@ fn speculative_entries_expire_and_are_bounded() {
     let now = Instant::now();
     let p = ix.partition_or_insert("m").unwrap();
     let keys: Vec<BlockKey> = (1..=4).map(BlockKey::from_u64).collect();
-    ix.speculate(p, &keys[..2], R1, now, now + Duration::from_secs(5));
+    ix.lookup()
+        .speculate(p, &keys[..2], R1, now, now + Duration::from_secs(5));
     let m = ix.match_prefix(Some(p), &keys, &[R0, R1], now);
     assert_eq!((m[0].blocks, m[1].blocks), (0, 2));
     assert_eq!(
         ix.match_prefix(Some(p), &keys, &[R1], now + Duration::from_secs(6))[0].blocks,
         0
     );
-    ix.speculate(p, &keys, R0, now, now + Duration::from_secs(5));
+    ix.lookup()
+        .speculate(p, &keys, R0, now, now + Duration::from_secs(5));
     assert!(ix.speculative_entries() <= 3);
     ix.purge(R0);
     assert_eq!(ix.match_prefix(Some(p), &keys, &[R0], now)[0].blocks, 0);
@@ -281,7 +283,8 @@ fn speculation_resumes_where_partly_arrived_events_stop() {
     let tokens = toks(16, 11);
     let keys = block_keys(&tokens, bs(4), None);
     let p = ix.partition_or_insert("m").unwrap();
-    ix.speculate(p, &keys, R0, now, now + Duration::from_secs(5));
+    ix.lookup()
+        .speculate(p, &keys, R0, now, now + Duration::from_secs(5));
     // The first two blocks' events arrive; the walk goes on over the credit.
     ix.apply(
         R0,

@@ -20,7 +20,9 @@ use clap::ValueEnum;
 
 use crate::fleet::FleetOptions;
 use crate::rng::Rng;
-use crate::workload::{Api, Conversation, GatewayChoice, Scale, Step, Workload, w1_pair};
+use crate::workload::{
+    Api, Conversation, GatewayChoice, Scale, Step, Workload, tool_step, w1_pair,
+};
 
 /// A real-vLLM workload family on the command line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -208,16 +210,7 @@ fn w2(name: &str, scale: Scale, seed: u64, salted: bool) -> Workload {
                         let words = rng.range(shape.user_words.0, shape.user_words.1);
                         Step::User(rng.words(words))
                     } else {
-                        let name = tool_names
-                            .get(rng.range(0, tool_names.len() - 1))
-                            .copied()
-                            .unwrap_or("search");
-                        let words = rng.range(shape.result_words.0, shape.result_words.1);
-                        Step::Tool {
-                            name: name.to_owned(),
-                            arguments: serde_json::json!({"arg": rng.words(3)}).to_string(),
-                            result: rng.words(words),
-                        }
+                        tool_step(&mut rng, &tool_names, shape.result_words)
                     }
                 })
                 .collect();

@@ -300,6 +300,21 @@ fn w3(scale: Scale, seed: u64) -> Workload {
     w
 }
 
+/// A tool call of one of `tool_names` and its result of `result_words`
+/// (low, high) words.
+pub(crate) fn tool_step(rng: &mut Rng, tool_names: &[&str], result_words: (usize, usize)) -> Step {
+    let name = tool_names
+        .get(rng.range(0, tool_names.len().saturating_sub(1)))
+        .copied()
+        .unwrap_or("search");
+    let words = rng.range(result_words.0, result_words.1);
+    Step::Tool {
+        name: name.to_owned(),
+        arguments: json!({"arg": rng.words(3)}).to_string(),
+        result: rng.words(words),
+    }
+}
+
 /// Words of W1's document: with markers and the follow-up, the continuation
 /// prompt is ≈ 6,650 tokens, as in the published figure (6,653).
 const W1_DOCUMENT_WORDS: usize = 6_560;
@@ -438,16 +453,7 @@ fn w2(scale: Scale, seed: u64) -> Workload {
                     let words = rng.range(30, 150);
                     Step::User(rng.words(words))
                 } else {
-                    let name = tool_names
-                        .get(rng.range(0, tool_names.len() - 1))
-                        .copied()
-                        .unwrap_or("search");
-                    let words = rng.range(shape.result_words.0, shape.result_words.1);
-                    Step::Tool {
-                        name: name.to_owned(),
-                        arguments: json!({"arg": rng.words(3)}).to_string(),
-                        result: rng.words(words),
-                    }
+                    tool_step(&mut rng, &tool_names, shape.result_words)
                 };
                 let added = match &step {
                     Step::Tool { result, .. } => result.split(' ').count() + reply_tokens + 20,
