@@ -56,10 +56,13 @@ struct RenderServer {
 
 impl Drop for RenderServer {
     fn drop(&mut self) {
-        // SIGKILL to the group: the server's workers die with it.
+        // SIGKILL to the group: the server's workers die with it. The `--`
+        // matters: procps-ng 4.0's kill reads `-9 -PID` as `-9 -N`, N the
+        // PID's first digit, and a PID starting with 1 becomes kill(-1),
+        // every process on the machine.
         let pid = self.child.id();
         let _ = Command::new("kill")
-            .args(["-9", &format!("-{pid}")])
+            .args(["-s", "KILL", "--", &format!("-{pid}")])
             .status();
         let _ = self.child.kill();
         let _ = self.child.wait();
