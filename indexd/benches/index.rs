@@ -50,8 +50,19 @@ fn stored(hashes: std::ops::Range<u64>, parent: Option<u64>, tokens: Vec<u32>) -
 /// 8 replicas; replica i holds the first 128·(i+1) blocks of one 1,024-block
 /// prompt (so the walk goes the whole way for the last one).
 fn pick_setup(speculative: bool) -> (Shared, PickRequest) {
-    let endpoints: Vec<EndpointConfig> = (0..8u16)
-        .map(|i| EndpointConfig::new(SocketAddr::from(([10, 0, 0, 1], 8000 + i)), "m"))
+    pick_setup_with(8, speculative)
+}
+
+/// `replicas` replicas; replica i holds the first 1,024·(i+1)/`replicas`
+/// blocks of one 1,024-block prompt.
+fn pick_setup_with(replicas: u16, speculative: bool) -> (Shared, PickRequest) {
+    let endpoints: Vec<EndpointConfig> = (0..replicas)
+        .map(|i| {
+            EndpointConfig::new(
+                SocketAddr::from(([10, 0, (i / 250) as u8, 1 + (i % 250) as u8], 8000)),
+                "m",
+            )
+        })
         .collect();
     let mut config = Config::new(endpoints.clone());
     config.seed = Some(1);
@@ -62,7 +73,7 @@ fn pick_setup(speculative: bool) -> (Shared, PickRequest) {
     let prompt = tokens(1024 * BS as usize, 1);
     for (i, ep) in endpoints.into_iter().enumerate() {
         let replica = shared.add_replica(ep).unwrap();
-        let blocks = 128 * (i + 1);
+        let blocks = 1024 * (i + 1) / usize::from(replicas);
         let batch = EventBatch {
             ts: 0.0,
             events: vec![stored(
@@ -84,6 +95,33 @@ fn pick_setup(speculative: bool) -> (Shared, PickRequest) {
         ..PickRequest::default()
     };
     (shared, req)
+}
+
+/// Per-call Pick latency (p50, p99) at 1,024 blocks over 8, 64 and 256
+/// replicas: 2,000 unmeasured calls, then 20,000 timed one by one.
+fn pick_latency_report() {
+    for replicas in [8u16, 64, 256] {
+        let (shared, req) = pick_setup_with(replicas, false);
+        let r = pick::pick(&shared, &req, Instant::now()).unwrap();
+        assert_eq!(r.candidates[0].matched_blocks, 1024);
+        for _ in 0..2_000 {
+            black_box(pick::pick(&shared, black_box(&req), Instant::now()).unwrap());
+        }
+        let mut ns: Vec<u64> = (0..20_000)
+            .map(|_| {
+                let t = Instant::now();
+                black_box(pick::pick(&shared, black_box(&req), Instant::now()).unwrap());
+                t.elapsed().as_nanos() as u64
+            })
+            .collect();
+        ns.sort_unstable();
+        let at = |q: f64| ns[((ns.len() - 1) as f64 * q) as usize] as f64 / 1000.0;
+        println!(
+            "pick latency, 1024 blocks over {replicas} replicas: p50 {:.1} µs, p99 {:.1} µs",
+            at(0.5),
+            at(0.99)
+        );
+    }
 }
 
 fn bench_pick(c: &mut Criterion) {
@@ -226,6 +264,7 @@ criterion_group!(benches, bench_pick, bench_ingest);
 
 fn main() {
     memory_report();
+    pick_latency_report();
     benches();
     criterion::Criterion::default()
         .configure_from_args()

@@ -12,13 +12,14 @@
 //! key. Bounded by the total of credited keys (oldest records out first) and
 //! by records per `(first key, replica)`.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::time::Instant;
 
 use kvroute_proto::keys::BlockKey;
 use smallvec::SmallVec;
 
 use crate::ids::{PartitionId, ReplicaSlot};
+use crate::index::FastMap;
 
 /// Records filed under one first key (oldest dropped beyond this).
 const MAX_PER_START: usize = 64;
@@ -36,8 +37,8 @@ struct Record {
 /// The credit store. See the module docs.
 #[derive(Debug)]
 pub struct Credits {
-    records: HashMap<u64, Record>,
-    by_start: HashMap<Start, SmallVec<[u64; 2]>>,
+    records: FastMap<u64, Record>,
+    by_start: FastMap<Start, SmallVec<[u64; 2]>>,
     order: VecDeque<u64>,
     next_id: u64,
     keys: usize,
@@ -48,8 +49,8 @@ impl Credits {
     /// An empty store crediting at most `max_keys` keys in total.
     pub fn new(max_keys: usize) -> Self {
         Self {
-            records: HashMap::new(),
-            by_start: HashMap::new(),
+            records: FastMap::default(),
+            by_start: FastMap::default(),
             order: VecDeque::new(),
             next_id: 0,
             keys: 0,

@@ -54,12 +54,19 @@ use crate::ids::{PartitionId, ReplicaSlot};
 /// O(1). Not sooner: a churning map that doubles to clear its tombstones
 /// lands just above a quarter full, and shrinking it back would only
 /// rehash it twice as often.
-fn shrink_if_sparse<K: std::hash::Hash + Eq, V>(map: &mut HashMap<K, V>) {
+fn shrink_if_sparse<K: std::hash::Hash + Eq, V, S: std::hash::BuildHasher>(
+    map: &mut HashMap<K, V, S>,
+) {
     let (len, cap) = (map.len(), map.capacity());
     if cap > 1024 && len.saturating_mul(5) < cap {
         map.shrink_to(len.saturating_mul(2));
     }
 }
+
+/// The index's hash maps: keys are SHA-256 prefixes and engine hashes, so a
+/// fast hasher (foldhash, seeded per process) does; SipHash cost a third of
+/// a Pick's walk.
+pub(crate) type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 /// A tier's bit in a tier mask.
 const fn tier_bit(tier: Tier) -> u8 {
@@ -105,16 +112,22 @@ impl PrefixMatch {
 
 #[derive(Clone, Copy, Debug)]
 struct BlockEntry {
+    /// Its chain value; its key is the chain's first 8 bytes.
     chain: Chain,
-    key: BlockKey,
     partition: PartitionId,
     tiers: u8,
     seq: u64,
 }
 
+impl BlockEntry {
+    fn key(&self) -> (PartitionId, BlockKey) {
+        (self.partition, self.chain.key())
+    }
+}
+
 #[derive(Debug, Default)]
 struct ReplicaBlocks {
-    blocks: HashMap<EngineHash, BlockEntry>,
+    blocks: FastMap<EngineHash, BlockEntry>,
     /// The last batch whose events `blocks` reflects (None after a purge,
     /// until the next batch).
     applied: Option<Applied>,
@@ -226,7 +239,7 @@ impl Index {
         let key = chain.key();
         let replica = self.replicas.entry(slot).or_default();
         if let Some(existing) = replica.blocks.get_mut(&hash) {
-            if existing.key == key && existing.partition == partition {
+            if existing.key() == (partition, key) {
                 existing.tiers |= tier_bit;
                 let tiers = existing.tiers;
                 self.keys.append(KeyOp::AddTiers {
@@ -242,7 +255,6 @@ impl Index {
         self.next_seq += 1;
         let entry = BlockEntry {
             chain,
-            key,
             partition,
             tiers: tier_bit,
             seq,
@@ -314,7 +326,7 @@ impl Index {
         };
         shrink_if_sparse(&mut replica.blocks);
         self.entries = self.entries.saturating_sub(1);
-        self.release_holder((entry.partition, entry.key), slot);
+        self.release_holder(entry.key(), slot);
     }
 
     fn release_holder(&mut self, key: (PartitionId, BlockKey), slot: ReplicaSlot) {
@@ -337,7 +349,7 @@ impl Index {
         let blocks = std::mem::take(&mut replica.blocks);
         for entry in blocks.values() {
             self.entries = self.entries.saturating_sub(1);
-            self.release_holder((entry.partition, entry.key), slot);
+            self.release_holder(entry.key(), slot);
         }
         let replicas = &self.replicas;
         self.order.compact(|item| Self::is_live(replicas, item));

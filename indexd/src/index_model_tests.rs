@@ -423,7 +423,7 @@ proptest! {
                 for (h, e) in &rb.blocks {
                     let partition = ix.partition_name(e.partition);
                     prop_assert_eq!(
-                        (partition, e.key),
+                        (partition, e.chain.key()),
                         truth.get(&h.0).map(|(m, k)| (Some(m.clone()), *k)).unwrap(),
                         "replica {:?} block {:?}", slot, h
                     );

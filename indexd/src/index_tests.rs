@@ -300,3 +300,30 @@ fn speculation_resumes_where_partly_arrived_events_stop() {
     let m = ix.match_prefix(Some(p), &block_keys(&other, bs(4), None), &[R0], now);
     assert_eq!(m[0].blocks, 3);
 }
+
+#[test]
+fn many_candidates_in_any_order_and_a_slot_listed_twice() {
+    // 130 replicas (three words of candidates); replica r holds the first
+    // r % 7 blocks of one prompt.
+    let mut ix = Index::new(1 << 16, 0);
+    let mut st = ApplyStats::default();
+    let tokens = toks(6 * 4, 3);
+    for r in 0..130u32 {
+        let n = (r % 7) as usize;
+        if n == 0 {
+            continue;
+        }
+        let hashes: Vec<u64> = (0..n as u64).map(|i| u64::from(r) << 32 | i).collect();
+        let ev = store(&hashes, None, tokens[..n * 4].to_vec(), 4, None);
+        ix.apply(ReplicaSlot(r), "m", &ev, &mut st);
+    }
+    let keys = block_keys(&tokens, bs(4), None);
+    let mut slots: Vec<ReplicaSlot> = (0..130u32).rev().map(ReplicaSlot).collect();
+    slots.push(ReplicaSlot(13));
+    slots.push(ReplicaSlot(500));
+    let want: Vec<u32> = slots
+        .iter()
+        .map(|s| if s.0 < 130 { (s.0 % 7).min(6) } else { 0 })
+        .collect();
+    assert_eq!(matched(&ix, "m", &keys, &slots), want);
+}

@@ -214,7 +214,7 @@ impl Index {
     ) -> Option<(Chain, PartitionId)> {
         let entry = self.block_mut(slot, hash)?;
         entry.tiers |= tier;
-        let (key, tiers, chain) = ((entry.partition, entry.key), entry.tiers, entry.chain);
+        let (key, tiers, chain) = (entry.key(), entry.tiers, entry.chain);
         self.keys.append(KeyOp::AddTiers { key, slot, tiers });
         Some((chain, key.0))
     }
@@ -226,7 +226,7 @@ impl Index {
                 continue;
             };
             entry.tiers |= tier_bit(ev.tier);
-            let (key, tiers) = ((entry.partition, entry.key), entry.tiers);
+            let (key, tiers) = (entry.key(), entry.tiers);
             self.keys.append(KeyOp::AddTiers { key, slot, tiers });
             stats.tier_moves += 1;
         }
@@ -241,7 +241,7 @@ impl Index {
                 continue;
             };
             entry.tiers &= !tier_bit(ev.tier);
-            let (key, tiers) = ((entry.partition, entry.key), entry.tiers);
+            let (key, tiers) = (entry.key(), entry.tiers);
             if tiers == 0 {
                 self.drop_entry(slot, *hash);
                 self.order_upkeep();

@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use kvroute_proto::keys::BlockKey;
 use smallvec::SmallVec;
 
-use super::shrink_if_sparse;
+use super::{FastMap, shrink_if_sparse};
 use crate::ids::{PartitionId, ReplicaSlot};
 
 pub(crate) type Key = (PartitionId, BlockKey);
@@ -66,7 +66,7 @@ pub(crate) enum KeyOp {
 /// milliseconds; a shard takes a 64th of that.
 #[derive(Clone, Debug)]
 pub(crate) struct KeyMap {
-    shards: Vec<HashMap<Key, Holders>>,
+    shards: Vec<FastMap<Key, Holders>>,
 }
 
 const KEY_SHARDS: usize = 64;
@@ -74,7 +74,7 @@ const KEY_SHARDS: usize = 64;
 impl Default for KeyMap {
     fn default() -> Self {
         Self {
-            shards: (0..KEY_SHARDS).map(|_| HashMap::new()).collect(),
+            shards: (0..KEY_SHARDS).map(|_| FastMap::default()).collect(),
         }
     }
 }

@@ -124,6 +124,11 @@ impl Lookup {
     /// Walks `keys` in order and returns, per candidate, the leading blocks
     /// it holds (indexed or speculative, unexpired at `now`). Stops at the
     /// first block no candidate still matching holds.
+    ///
+    /// One key-map lookup per block, then one pass over that key's holders:
+    /// the candidates still matching are a bitset, and a slot finds its
+    /// candidate through a table indexed by slot (slots are small dense
+    /// ids), so a block costs the same at 8 candidates or 256.
     pub fn match_prefix(
         &self,
         partition: Option<PartitionId>,
@@ -135,44 +140,126 @@ impl Lookup {
         let Some(partition) = partition else {
             return out;
         };
+        // Candidate by slot; a slot listed twice is walked once and copied.
+        let table_len = candidates
+            .iter()
+            .map(|s| s.0 as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let mut candidate_of = vec![NONE; table_len];
+        let mut alive = Bits::new(candidates.len());
+        for (i, slot) in candidates.iter().enumerate() {
+            if let Some(c) = candidate_of.get_mut(slot.0 as usize)
+                && *c == NONE
+            {
+                *c = i as u32;
+                alive.set(i);
+            }
+        }
+        let mut held = Bits::new(candidates.len());
+        // Per candidate: held speculatively up to (excluding) this position.
+        let mut credited_until: SmallVec<[usize; 16]> = SmallVec::from_elem(0, candidates.len());
         let credits = lock(&self.credits);
         self.with_keys(|map| {
-            let mut alive: SmallVec<[usize; 16]> = (0..candidates.len()).collect();
-            // Per candidate: held speculatively up to (excluding) this position.
-            let mut credited_until: SmallVec<[usize; 16]> =
-                SmallVec::from_elem(0, candidates.len());
             for (pos, key) in keys.iter().enumerate() {
-                let holders = map.and_then(|m| m.get(&(partition, *key)));
-                alive.retain(|i| {
-                    let (Some(slot), Some(until)) =
-                        (candidates.get(*i), credited_until.get_mut(*i))
-                    else {
-                        return false;
-                    };
-                    let indexed = holders
-                        .and_then(|hs| hs.iter().find(|h| h.slot == *slot))
-                        .and_then(|h| best_tier(h.tiers));
-                    let tier = indexed.or_else(|| {
-                        if pos < *until {
-                            return Some(Tier::Gpu);
+                held.clear();
+                if let Some(holders) = map.and_then(|m| m.get(&(partition, *key))) {
+                    for h in holders {
+                        let Some(&i) = candidate_of.get(h.slot.0 as usize) else {
+                            continue;
+                        };
+                        let i = i as usize;
+                        if i == NONE as usize || !alive.get(i) {
+                            continue;
                         }
-                        let n = credits.extend(partition, *slot, keys, pos, now);
-                        *until = pos + n;
-                        (n > 0).then_some(Tier::Gpu)
-                    });
-                    match (tier, out.get_mut(*i)) {
-                        (Some(tier), Some(m)) => {
+                        if let (Some(tier), Some(m)) = (best_tier(h.tiers), out.get_mut(i)) {
                             m.push(tier);
-                            true
+                            held.set(i);
                         }
-                        _ => false,
                     }
-                });
+                }
+                // The rest may hold it speculatively.
+                for i in alive.and_not(&held) {
+                    let (Some(slot), Some(until), Some(m)) =
+                        (candidates.get(i), credited_until.get_mut(i), out.get_mut(i))
+                    else {
+                        alive.unset(i);
+                        continue;
+                    };
+                    if pos >= *until {
+                        *until = pos + credits.extend(partition, *slot, keys, pos, now);
+                    }
+                    if pos < *until {
+                        m.push(Tier::Gpu);
+                    } else {
+                        alive.unset(i);
+                    }
+                }
                 if alive.is_empty() {
                     break;
                 }
             }
         });
+        drop(credits);
+        for (i, slot) in candidates.iter().enumerate() {
+            let first = candidate_of.get(slot.0 as usize).map_or(NONE, |c| *c) as usize;
+            if first != i
+                && let Some(m) = out.get(first).copied()
+                && let Some(dst) = out.get_mut(i)
+            {
+                *dst = m;
+            }
+        }
         out
+    }
+}
+
+/// No candidate for this slot.
+const NONE: u32 = u32::MAX;
+
+/// A set of candidate indices.
+struct Bits(SmallVec<[u64; 4]>);
+
+impl Bits {
+    fn new(n: usize) -> Self {
+        Self(SmallVec::from_elem(0, n.div_ceil(64)))
+    }
+
+    fn set(&mut self, i: usize) {
+        if let Some(w) = self.0.get_mut(i / 64) {
+            *w |= 1 << (i % 64);
+        }
+    }
+
+    fn unset(&mut self, i: usize) {
+        if let Some(w) = self.0.get_mut(i / 64) {
+            *w &= !(1 << (i % 64));
+        }
+    }
+
+    fn get(&self, i: usize) -> bool {
+        self.0.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
+    }
+
+    fn clear(&mut self) {
+        self.0.iter_mut().for_each(|w| *w = 0);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.iter().all(|w| *w == 0)
+    }
+
+    /// The members of `self` not in `other`, as a list (the caller changes
+    /// `self` while going through it).
+    fn and_not(&self, other: &Self) -> SmallVec<[usize; 16]> {
+        let mut list = SmallVec::new();
+        for (at, (a, b)) in self.0.iter().zip(&other.0).enumerate() {
+            let mut w = a & !b;
+            while w != 0 {
+                list.push(at * 64 + w.trailing_zeros() as usize);
+                w &= w - 1;
+            }
+        }
+        list
     }
 }
