@@ -62,6 +62,17 @@ struct Args {
     /// Simulated replicas (one ZMTP publisher each).
     #[arg(long, default_value_t = 64)]
     replicas: usize,
+    /// Each replica also offloads every other prompt to the CPU tier (and
+    /// evicts it from there).
+    #[arg(long)]
+    tier_moves: bool,
+    /// Each replica restarts (AllBlocksCleared) after this many prompts (0:
+    /// never).
+    #[arg(long, default_value_t = 0)]
+    restart_every: u64,
+    /// Prompts per second per replica (0: as fast as indexd reads).
+    #[arg(long, default_value_t = 0.0)]
+    prompts_per_second: f64,
     /// Picks per second.
     #[arg(long, default_value_t = 200)]
     pick_rate: u32,
@@ -359,6 +370,11 @@ async fn run(args: Args) -> Result<bool, String> {
             Arc::clone(&stop),
             Arc::clone(&counters),
             Arc::clone(&progress[r]),
+            flood::Mix {
+                tier_moves: args.tier_moves,
+                restart_every: args.restart_every,
+                prompts_per_second: args.prompts_per_second,
+            },
         )));
     }
     // Every replica subscribed and fresh (bounded wait).
@@ -460,19 +476,26 @@ async fn run(args: Args) -> Result<bool, String> {
     let budget = args
         .rss_budget_mib
         .unwrap_or(BASE_MIB + args.max_index_entries as f64 * BYTES_PER_ENTRY / (1 << 20) as f64);
+    let offered =
+        args.replicas as u64 * (flood::KEPT * (flood::PROMPT - flood::SYSTEM) + flood::SYSTEM);
     let note = format!(
         "- RSS: {budget:.0} MiB = {BASE_MIB:.0} MiB (the process without its index: runtime, {} \
          connections' read buffers, metrics, allocator slack) + `max_index_entries` {} × {BYTES_PER_ENTRY:.0} B \
          (217 B per entry without churn, BENCHMARKS.md; at the bound, entries evicted and added all \
          the time, the hash maps settle at up to four buckets per entry: ≈ 360 B, plus the FIFO, plus \
          up to 164 B for the key map's second copy, the one Picks read). The flood offers about {} entries (64 blocks per prompt, \
-         {} prompts kept per replica), past the bound: indexd evicts.\n\
+         {} prompts kept per replica){}.\n\
          - Pick p99: {:.0} µs per window, measured at the client (a gRPC round trip on loopback, on \
          cores the flood keeps busy).",
         args.replicas,
         args.max_index_entries,
-        args.replicas as u64 * (flood::KEPT * (flood::PROMPT - flood::SYSTEM) + flood::SYSTEM),
+        offered,
         flood::KEPT,
+        if offered as usize > args.max_index_entries {
+            ", past the bound: indexd evicts"
+        } else {
+            ", within the bound"
+        },
         args.p99_budget_us
     );
     let setup = Setup {
@@ -486,6 +509,31 @@ async fn run(args: Args) -> Result<bool, String> {
         indexd: binary.display().to_string(),
         flood_nice: args.flood_nice,
         ingest_nice: args.ingest_nice,
+        mix: format!(
+            "64-block prompts (two BlockStored batches), the prompt {} earlier evicted{}{}; {}.",
+            flood::KEPT,
+            if args.tier_moves {
+                format!(
+                    ", every other prompt offloaded to the CPU tier {} prompts after it was stored (and evicted from there too)",
+                    flood::KEPT / 2
+                )
+            } else {
+                String::new()
+            },
+            if args.restart_every > 0 {
+                format!(
+                    ", a restart (AllBlocksCleared) every {} prompts",
+                    args.restart_every
+                )
+            } else {
+                String::new()
+            },
+            if args.prompts_per_second > 0.0 {
+                format!("{} prompts/s", args.prompts_per_second)
+            } else {
+                "as fast as indexd reads".to_owned()
+            }
+        ),
         transport: match args.transport {
             Transport::Unix => "a Unix socket",
             Transport::Tcp => "loopback TCP",

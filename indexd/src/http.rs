@@ -57,11 +57,22 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     (status, body)
 }
 
+/// Rendered on the blocking pool: the page reads the index under its lock,
+/// which ingest may hold for a whole batch (a purge of a large replica), and
+/// a request thread parked on it would stall the Picks queued behind it.
 async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
-    (
-        [("content-type", "text/plain; version=0.0.4")],
-        render(&shared),
-    )
+    match tokio::task::spawn_blocking(move || render(&shared)).await {
+        Ok(page) => (
+            StatusCode::OK,
+            [("content-type", "text/plain; version=0.0.4")],
+            page,
+        ),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            [("content-type", "text/plain; charset=utf-8")],
+            format!("metrics: {e}\n"),
+        ),
+    }
 }
 
 /// The full metrics page.

@@ -255,6 +255,58 @@ fn the_memory_bound_evicts_oldest_first() {
 }
 
 #[test]
+fn after_a_purge_the_bound_still_evicts_the_oldest_live_entries() {
+    // The purged replica's places in the insertion order stay behind as
+    // stale items (swept later, not at the purge): eviction skips them.
+    let mut ix = Index::new(10, 100);
+    let mut st = ApplyStats::default();
+    let a = toks(6 * 4, 5);
+    let b = toks(10 * 4, 6);
+    ix.apply(
+        R0,
+        "m",
+        &store(&[1, 2, 3, 4, 5, 6], None, a.clone(), 4, None),
+        &mut st,
+    );
+    ix.apply(
+        R1,
+        "m",
+        &store(&[11, 12, 13, 14], None, b[..16].to_vec(), 4, None),
+        &mut st,
+    );
+    ix.purge(R0);
+    assert_eq!(ix.entries(), 4);
+    ix.apply(
+        R1,
+        "m",
+        &store(
+            &[15, 16, 17, 18, 19, 20],
+            Some(14),
+            b[16..].to_vec(),
+            4,
+            None,
+        ),
+        &mut st,
+    );
+    assert_eq!((ix.entries(), st.evicted), (10, 0));
+    // Re-storing R0's prompt evicts R1's oldest blocks, not the new ones.
+    ix.apply(
+        R0,
+        "m",
+        &store(&[1, 2], None, a[..8].to_vec(), 4, None),
+        &mut st,
+    );
+    assert_eq!((ix.entries(), st.evicted), (10, 2));
+    let kb = block_keys(&b, bs(4), None);
+    assert_eq!(matched(&ix, "m", &kb, &[R1]), vec![0]);
+    assert_eq!(matched(&ix, "m", &kb[2..], &[R1]), vec![8]);
+    assert_eq!(
+        matched(&ix, "m", &block_keys(&a, bs(4), None), &[R0]),
+        vec![2]
+    );
+}
+
+#[test]
 fn speculative_entries_expire_and_are_bounded() {
     let mut ix = Index::new(100, 3);
     let now = Instant::now();

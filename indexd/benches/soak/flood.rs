@@ -8,6 +8,15 @@
 //! then one `BlockRemoved` for the prompt served 512 prompts earlier (the
 //! engine's own evictions). So each replica keeps about 28,700 blocks and 64
 //! replicas about 1.8 M: past a 1 M `max_index_entries`, indexd evicts too.
+//!
+//! The fleet mix ([`Mix`]) adds what a fleet with offloading does besides:
+//! every other prompt, the prompt served `KEPT / 2` earlier moves to the CPU
+//! tier (a `BlockStored` with `medium: CPU` and no tokens, as vLLM's offloading
+//! connector sends it) and leaves it again when evicted; every
+//! `restart_every` prompts the replica restarts (`AllBlocksCleared`, then its
+//! prompts start over; the first restart comes at a random point, so the
+//! replicas do not restart together). And it can pace each replica (prompts per second)
+//! instead of flooding.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -27,6 +36,17 @@ pub const PROMPT: u64 = 64;
 pub const FIRST: u64 = 32;
 /// Prompts a replica keeps before evicting the oldest.
 pub const KEPT: u64 = 512;
+
+/// What each replica publishes besides stores and evictions, and how fast.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Mix {
+    /// Offload every other prompt to the CPU tier half-way to its eviction.
+    pub tier_moves: bool,
+    /// Restart after this many prompts (0: never).
+    pub restart_every: u64,
+    /// Prompts per second per replica (0: as fast as indexd reads).
+    pub prompts_per_second: f64,
+}
 
 /// What the flood has sent, for rates.
 #[derive(Debug, Default)]
@@ -117,8 +137,52 @@ fn stored(r: u64, p: u64, range: std::ops::Range<u64>, ts: f64) -> Vec<u8> {
     out
 }
 
-/// A `BlockRemoved` batch evicting prompt `p`'s own blocks.
+/// A `BlockStored` batch moving prompt `p`'s own blocks to the CPU tier
+/// (no tokens: the engine hashes say which blocks).
+fn offloaded(r: u64, p: u64, ts: f64) -> Vec<u8> {
+    let n = (PROMPT - SYSTEM) as u32;
+    let mut out = Vec::with_capacity(96 + n as usize * 9);
+    rmp::encode::write_array_len(&mut out, 2).unwrap();
+    rmp::encode::write_f64(&mut out, ts).unwrap();
+    rmp::encode::write_array_len(&mut out, 1).unwrap();
+    rmp::encode::write_map_len(&mut out, 6).unwrap();
+    put_str(&mut out, "type");
+    put_str(&mut out, "BlockStored");
+    put_str(&mut out, "block_hashes");
+    rmp::encode::write_array_len(&mut out, n).unwrap();
+    for b in SYSTEM..PROMPT {
+        rmp::encode::write_uint(&mut out, hash(r, p, b)).unwrap();
+    }
+    put_str(&mut out, "parent_block_hash");
+    rmp::encode::write_uint(&mut out, hash(r, p, SYSTEM - 1)).unwrap();
+    put_str(&mut out, "token_ids");
+    rmp::encode::write_array_len(&mut out, 0).unwrap();
+    put_str(&mut out, "block_size");
+    rmp::encode::write_uint(&mut out, u64::from(BLOCK)).unwrap();
+    put_str(&mut out, "medium");
+    put_str(&mut out, "CPU");
+    out
+}
+
+/// An `AllBlocksCleared` batch.
+fn cleared(ts: f64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(32);
+    rmp::encode::write_array_len(&mut out, 2).unwrap();
+    rmp::encode::write_f64(&mut out, ts).unwrap();
+    rmp::encode::write_array_len(&mut out, 1).unwrap();
+    rmp::encode::write_map_len(&mut out, 1).unwrap();
+    put_str(&mut out, "type");
+    put_str(&mut out, "AllBlocksCleared");
+    out
+}
+
+/// A `BlockRemoved` batch evicting prompt `p`'s own blocks from the GPU.
 fn removed(r: u64, p: u64, ts: f64) -> Vec<u8> {
+    removed_from(r, p, ts, "GPU")
+}
+
+/// A `BlockRemoved` batch evicting prompt `p`'s own blocks from `medium`.
+fn removed_from(r: u64, p: u64, ts: f64, medium: &str) -> Vec<u8> {
     let mut out = Vec::with_capacity(64 + PROMPT as usize * 9);
     rmp::encode::write_array_len(&mut out, 2).unwrap();
     rmp::encode::write_f64(&mut out, ts).unwrap();
@@ -132,7 +196,7 @@ fn removed(r: u64, p: u64, ts: f64) -> Vec<u8> {
         rmp::encode::write_uint(&mut out, hash(r, p, b)).unwrap();
     }
     put_str(&mut out, "medium");
-    put_str(&mut out, "GPU");
+    put_str(&mut out, medium);
     out
 }
 
@@ -144,6 +208,7 @@ pub async fn publish(
     stop: Arc<AtomicBool>,
     counters: Arc<Counters>,
     progress: Arc<Progress>,
+    mix: Mix,
 ) -> std::io::Result<()> {
     let (socket, _) = listener.accept().await?;
     socket.set_nodelay(true)?;
@@ -164,12 +229,42 @@ pub async fn publish(
     let topic = Bytes::from(format!("kv@soak-{r}@m"));
     let mut seq = 0u64;
     let mut p = 0u64;
+    // Prompts since the last restart (what the window of kept prompts counts).
+    let mut since = 0u64;
+    // Replicas restart at staggered times: the first after half to one and a
+    // half periods, then every period.
+    let mut restart_at = mix.restart_every / 2 + splitmix(r) % mix.restart_every.max(1);
+    let mut pace = (mix.prompts_per_second > 0.0).then(|| {
+        let mut t = tokio::time::interval(std::time::Duration::from_secs_f64(
+            1.0 / mix.prompts_per_second,
+        ));
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        t
+    });
     while !stop.load(Ordering::Relaxed) {
-        let ts = p as f64;
-        let mut batches = vec![stored(r, p, 0..FIRST, ts), stored(r, p, FIRST..PROMPT, ts)];
-        if p >= KEPT {
-            batches.push(removed(r, p - KEPT, ts));
+        if let Some(t) = pace.as_mut() {
+            t.tick().await;
         }
+        let ts = p as f64;
+        let mut batches = Vec::with_capacity(6);
+        if mix.restart_every > 0 && since == restart_at {
+            batches.push(cleared(ts));
+            since = 0;
+            restart_at = mix.restart_every;
+        }
+        batches.push(stored(r, p, 0..FIRST, ts));
+        batches.push(stored(r, p, FIRST..PROMPT, ts));
+        let offloads = |q: u64| mix.tier_moves && q.is_multiple_of(2);
+        if mix.tier_moves && since >= KEPT / 2 && offloads(p - KEPT / 2) {
+            batches.push(offloaded(r, p - KEPT / 2, ts));
+        }
+        if since >= KEPT {
+            batches.push(removed(r, p - KEPT, ts));
+            if offloads(p - KEPT) {
+                batches.push(removed_from(r, p - KEPT, ts, "CPU"));
+            }
+        }
+        since += 1;
         let mut out = BytesMut::new();
         for payload in &batches {
             let frames = [

@@ -78,6 +78,8 @@ pub struct Setup {
     pub indexd: String,
     pub flood_nice: i32,
     pub ingest_nice: u8,
+    /// What each replica publishes and how fast, in words.
+    pub mix: String,
     /// How Picks reach indexd ("a Unix socket", "loopback TCP").
     pub transport: &'static str,
 }
@@ -130,7 +132,7 @@ pub fn write(
         md,
         "`make soak-indexd` (`cargo bench -p indexd --bench soak --profile perf -- --soak`): \
          the real `indexd` binary ({}) as a child process with `max_index_entries: {}`, {} \
-         simulated replicas flooding KV events over ZMTP as fast as indexd reads them, and {} \
+         simulated replicas publishing KV events over ZMTP (what and how fast: below), and {} \
          Picks/s over gRPC on {}, for {:.0} s in {:.0} s windows. Machine: {} CPUs, shared. \
          indexd's ingest threads run at `ingest_nice: {}`; the flood's thread (the \
          replicas, which are other machines in a fleet) at nice +{}.\n",
@@ -145,6 +147,7 @@ pub fn write(
         setup.ingest_nice,
         setup.flood_nice
     );
+    let _ = writeln!(md, "Each replica: {}\n", setup.mix);
     let _ = writeln!(md, "## Budgets\n\n{budget_note}\n");
     let _ = writeln!(
         md,

@@ -87,18 +87,6 @@ impl Fifo {
             self.sweeping = std::mem::take(&mut self.tail);
         }
     }
-
-    /// Drops every stale item now (a purge, already O(entries)).
-    pub fn compact(&mut self, live: impl Fn(&Item) -> bool) {
-        let mut all = std::mem::take(&mut self.done);
-        all.append(&mut self.sweeping);
-        all.append(&mut self.tail);
-        all.retain(|i| live(i));
-        if all.capacity() > 4 * all.len() + 1024 {
-            all.shrink_to(2 * all.len() + 1024);
-        }
-        self.done = all;
-    }
 }
 
 #[cfg(test)]
