@@ -378,4 +378,10 @@ fn many_candidates_in_any_order_and_a_slot_listed_twice() {
         .map(|s| if s.0 < 130 { (s.0 % 7).min(6) } else { 0 })
         .collect();
     assert_eq!(matched(&ix, "m", &keys, &slots), want);
+    // Slots far apart (replicas come and go, slots are never reused): the
+    // same answers through the sparse slot index.
+    slots.push(ReplicaSlot(4_000_000));
+    let mut want = want;
+    want.push(0);
+    assert_eq!(matched(&ix, "m", &keys, &slots), want);
 }

@@ -19,7 +19,7 @@ use smallvec::SmallVec;
 use thread_local::ThreadLocal;
 
 use super::keymap::KeyMap;
-use super::{PrefixMatch, best_tier};
+use super::{FastMap, PrefixMatch, best_tier};
 use crate::credits::Credits;
 use crate::event::Tier;
 use crate::ids::{PartitionId, ReplicaSlot};
@@ -141,18 +141,10 @@ impl Lookup {
             return out;
         };
         // Candidate by slot; a slot listed twice is walked once and copied.
-        let table_len = candidates
-            .iter()
-            .map(|s| s.0 as usize + 1)
-            .max()
-            .unwrap_or(0);
-        let mut candidate_of = vec![NONE; table_len];
+        let candidate_of = SlotIndex::new(candidates);
         let mut alive = Bits::new(candidates.len());
         for (i, slot) in candidates.iter().enumerate() {
-            if let Some(c) = candidate_of.get_mut(slot.0 as usize)
-                && *c == NONE
-            {
-                *c = i as u32;
+            if candidate_of.get(*slot) == Some(i) {
                 alive.set(i);
             }
         }
@@ -165,11 +157,10 @@ impl Lookup {
                 held.clear();
                 if let Some(holders) = map.and_then(|m| m.get(&(partition, *key))) {
                     for h in holders {
-                        let Some(&i) = candidate_of.get(h.slot.0 as usize) else {
+                        let Some(i) = candidate_of.get(h.slot) else {
                             continue;
                         };
-                        let i = i as usize;
-                        if i == NONE as usize || !alive.get(i) {
+                        if !alive.get(i) {
                             continue;
                         }
                         if let (Some(tier), Some(m)) = (best_tier(h.tiers), out.get_mut(i)) {
@@ -202,7 +193,9 @@ impl Lookup {
         });
         drop(credits);
         for (i, slot) in candidates.iter().enumerate() {
-            let first = candidate_of.get(slot.0 as usize).map_or(NONE, |c| *c) as usize;
+            let Some(first) = candidate_of.get(*slot) else {
+                continue;
+            };
             if first != i
                 && let Some(m) = out.get(first).copied()
                 && let Some(dst) = out.get_mut(i)
@@ -216,6 +209,48 @@ impl Lookup {
 
 /// No candidate for this slot.
 const NONE: u32 = u32::MAX;
+
+/// A slot's candidate (the first listing it). Slots are handed out in
+/// order and never reused, so the live ones are usually a dense range: a
+/// table over that range. A fleet whose pods come and go leaves gaps (an old
+/// replica's slot far below the new ones'): a hash map then.
+enum SlotIndex {
+    Dense { first: u32, table: Vec<u32> },
+    Sparse(FastMap<u32, u32>),
+}
+
+impl SlotIndex {
+    fn new(candidates: &[ReplicaSlot]) -> Self {
+        let lo = candidates.iter().map(|s| s.0).min().unwrap_or(0);
+        let hi = candidates.iter().map(|s| s.0).max().unwrap_or(0);
+        let span = (hi - lo) as usize + 1;
+        if span <= 4 * candidates.len() + 256 {
+            let mut table = vec![NONE; span];
+            for (i, slot) in candidates.iter().enumerate() {
+                if let Some(c) = table.get_mut((slot.0 - lo) as usize)
+                    && *c == NONE
+                {
+                    *c = i as u32;
+                }
+            }
+            Self::Dense { first: lo, table }
+        } else {
+            let mut map = FastMap::default();
+            for (i, slot) in candidates.iter().enumerate() {
+                map.entry(slot.0).or_insert(i as u32);
+            }
+            Self::Sparse(map)
+        }
+    }
+
+    fn get(&self, slot: ReplicaSlot) -> Option<usize> {
+        let i = match self {
+            Self::Dense { first, table } => *table.get(slot.0.checked_sub(*first)? as usize)?,
+            Self::Sparse(map) => *map.get(&slot.0)?,
+        };
+        (i != NONE).then_some(i as usize)
+    }
+}
 
 /// A set of candidate indices.
 struct Bits(SmallVec<[u64; 4]>);
