@@ -32,7 +32,6 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
 
 use kvroute_proto::keys::{BlockKey, Chain};
 use left_right::WriteHandle;
@@ -366,13 +365,15 @@ impl Index {
         self.replicas.remove(&slot);
     }
 
-    /// [`Lookup::match_prefix`] on what this index last published.
-    pub fn match_prefix(
+    /// [`Lookup::match_prefix`] on what this index last published (tests;
+    /// Picks go through the shared [`Lookup`]).
+    #[cfg(test)]
+    pub(crate) fn match_prefix(
         &self,
         partition: Option<PartitionId>,
         keys: &[BlockKey],
         candidates: &[ReplicaSlot],
-        now: Instant,
+        now: std::time::Instant,
     ) -> Vec<PrefixMatch> {
         self.lookup.match_prefix(partition, keys, candidates, now)
     }

@@ -94,16 +94,37 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
     rmp::encode::write_str(out, s).unwrap();
 }
 
-/// A `BlockStored` batch of blocks `range` of prompt `p`.
-fn stored(r: u64, p: u64, range: std::ops::Range<u64>, ts: f64) -> Vec<u8> {
-    let n = (range.end - range.start) as u32;
-    let mut out = Vec::with_capacity(64 + n as usize * (10 + 3 * BLOCK as usize));
+/// A batch `[ts, [event]]` of one event: a map of `fields` entries, the
+/// first of them `type: kind`, whose other `fields - 1` the caller writes.
+fn batch(ts: f64, fields: u32, kind: &str, capacity: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(capacity);
     rmp::encode::write_array_len(&mut out, 2).unwrap();
     rmp::encode::write_f64(&mut out, ts).unwrap();
     rmp::encode::write_array_len(&mut out, 1).unwrap();
-    rmp::encode::write_map_len(&mut out, 8).unwrap();
+    rmp::encode::write_map_len(&mut out, fields).unwrap();
     put_str(&mut out, "type");
-    put_str(&mut out, "BlockStored");
+    put_str(&mut out, kind);
+    out
+}
+
+/// `block_hashes` of prompt `p`'s own blocks (after the system prefix).
+fn put_own_hashes(out: &mut Vec<u8>, r: u64, p: u64) {
+    put_str(out, "block_hashes");
+    rmp::encode::write_array_len(out, (PROMPT - SYSTEM) as u32).unwrap();
+    for b in SYSTEM..PROMPT {
+        rmp::encode::write_uint(out, hash(r, p, b)).unwrap();
+    }
+}
+
+/// A `BlockStored` batch of blocks `range` of prompt `p`.
+fn stored(r: u64, p: u64, range: std::ops::Range<u64>, ts: f64) -> Vec<u8> {
+    let n = (range.end - range.start) as u32;
+    let mut out = batch(
+        ts,
+        8,
+        "BlockStored",
+        64 + n as usize * (10 + 3 * BLOCK as usize),
+    );
     put_str(&mut out, "block_hashes");
     rmp::encode::write_array_len(&mut out, n).unwrap();
     for b in range.clone() {
@@ -140,19 +161,8 @@ fn stored(r: u64, p: u64, range: std::ops::Range<u64>, ts: f64) -> Vec<u8> {
 /// A `BlockStored` batch moving prompt `p`'s own blocks to the CPU tier
 /// (no tokens: the engine hashes say which blocks).
 fn offloaded(r: u64, p: u64, ts: f64) -> Vec<u8> {
-    let n = (PROMPT - SYSTEM) as u32;
-    let mut out = Vec::with_capacity(96 + n as usize * 9);
-    rmp::encode::write_array_len(&mut out, 2).unwrap();
-    rmp::encode::write_f64(&mut out, ts).unwrap();
-    rmp::encode::write_array_len(&mut out, 1).unwrap();
-    rmp::encode::write_map_len(&mut out, 6).unwrap();
-    put_str(&mut out, "type");
-    put_str(&mut out, "BlockStored");
-    put_str(&mut out, "block_hashes");
-    rmp::encode::write_array_len(&mut out, n).unwrap();
-    for b in SYSTEM..PROMPT {
-        rmp::encode::write_uint(&mut out, hash(r, p, b)).unwrap();
-    }
+    let mut out = batch(ts, 6, "BlockStored", 96 + PROMPT as usize * 9);
+    put_own_hashes(&mut out, r, p);
     put_str(&mut out, "parent_block_hash");
     rmp::encode::write_uint(&mut out, hash(r, p, SYSTEM - 1)).unwrap();
     put_str(&mut out, "token_ids");
@@ -166,35 +176,13 @@ fn offloaded(r: u64, p: u64, ts: f64) -> Vec<u8> {
 
 /// An `AllBlocksCleared` batch.
 fn cleared(ts: f64) -> Vec<u8> {
-    let mut out = Vec::with_capacity(32);
-    rmp::encode::write_array_len(&mut out, 2).unwrap();
-    rmp::encode::write_f64(&mut out, ts).unwrap();
-    rmp::encode::write_array_len(&mut out, 1).unwrap();
-    rmp::encode::write_map_len(&mut out, 1).unwrap();
-    put_str(&mut out, "type");
-    put_str(&mut out, "AllBlocksCleared");
-    out
-}
-
-/// A `BlockRemoved` batch evicting prompt `p`'s own blocks from the GPU.
-fn removed(r: u64, p: u64, ts: f64) -> Vec<u8> {
-    removed_from(r, p, ts, "GPU")
+    batch(ts, 1, "AllBlocksCleared", 32)
 }
 
 /// A `BlockRemoved` batch evicting prompt `p`'s own blocks from `medium`.
-fn removed_from(r: u64, p: u64, ts: f64, medium: &str) -> Vec<u8> {
-    let mut out = Vec::with_capacity(64 + PROMPT as usize * 9);
-    rmp::encode::write_array_len(&mut out, 2).unwrap();
-    rmp::encode::write_f64(&mut out, ts).unwrap();
-    rmp::encode::write_array_len(&mut out, 1).unwrap();
-    rmp::encode::write_map_len(&mut out, 3).unwrap();
-    put_str(&mut out, "type");
-    put_str(&mut out, "BlockRemoved");
-    put_str(&mut out, "block_hashes");
-    rmp::encode::write_array_len(&mut out, (PROMPT - SYSTEM) as u32).unwrap();
-    for b in SYSTEM..PROMPT {
-        rmp::encode::write_uint(&mut out, hash(r, p, b)).unwrap();
-    }
+fn removed(r: u64, p: u64, ts: f64, medium: &str) -> Vec<u8> {
+    let mut out = batch(ts, 3, "BlockRemoved", 64 + PROMPT as usize * 9);
+    put_own_hashes(&mut out, r, p);
     put_str(&mut out, "medium");
     put_str(&mut out, medium);
     out
@@ -259,9 +247,9 @@ pub async fn publish(
             batches.push(offloaded(r, p - KEPT / 2, ts));
         }
         if since >= KEPT {
-            batches.push(removed(r, p - KEPT, ts));
+            batches.push(removed(r, p - KEPT, ts, "GPU"));
             if offloads(p - KEPT) {
-                batches.push(removed_from(r, p - KEPT, ts, "CPU"));
+                batches.push(removed(r, p - KEPT, ts, "CPU"));
             }
         }
         since += 1;

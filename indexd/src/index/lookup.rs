@@ -126,9 +126,9 @@ impl Lookup {
     /// first block no candidate still matching holds.
     ///
     /// One key-map lookup per block, then one pass over that key's holders:
-    /// the candidates still matching are a bitset, and a slot finds its
-    /// candidate through a table indexed by slot (slots are small dense
-    /// ids), so a block costs the same at 8 candidates or 256.
+    /// the candidates still matching are a bitset, and a holder finds its
+    /// candidate through a [`SlotIndex`], so a block costs one pass over its
+    /// holders whether 8 candidates are still matching or 256.
     pub fn match_prefix(
         &self,
         partition: Option<PartitionId>,
