@@ -21,7 +21,17 @@
 //! two cannot be told apart, and the plain ratio `Σt / Σs` stands (an
 //! underestimate of the marginal rate, so moves look dearer: the safe side).
 //!
+//! vLLM times each request's prefill from its scheduling, so requests
+//! prefilled in the same steps each count the whole batch's time: summed,
+//! their seconds exceed the time the replica spent. A sample's seconds are
+//! therefore capped at the wall time between its two scrapes (a replica
+//! cannot prefill for longer than that), which turns the per-request speed
+//! under concurrency into the replica's throughput, the figure a queue of
+//! work drains at.
+//!
 //! A counter that went backwards (the replica restarted) starts over.
+
+use std::time::Instant;
 
 /// How much an older sample weighs relative to the next one.
 const DECAY: f64 = 0.9;
@@ -58,6 +68,8 @@ pub struct PrefillSpeed {
 #[derive(Clone, Debug, Default)]
 pub(crate) struct Calibration {
     last: Option<PrefillCounters>,
+    /// When `last` was scraped (None: unknown).
+    last_at: Option<Instant>,
     /// Decayed sums: c², c·t, t², c·s, t·s, t, s.
     cc: f64,
     ct: f64,
@@ -70,21 +82,30 @@ pub(crate) struct Calibration {
 }
 
 impl Calibration {
-    /// Takes one scrape's counters; returns true when a sample was added.
-    pub(crate) fn observe(&mut self, now: PrefillCounters) -> bool {
+    /// Takes one scrape's counters, scraped at `at` (None: unknown); returns
+    /// true when a sample was added.
+    pub(crate) fn observe(&mut self, now: PrefillCounters, at: Option<Instant>) -> bool {
+        let last_at = std::mem::replace(&mut self.last_at, at);
         let Some(last) = self.last.replace(now) else {
             return false;
         };
-        let (c, t, s) = (
+        let (c, t, mut s) = (
             now.requests - last.requests,
             now.tokens - last.tokens,
             now.seconds - last.seconds,
         );
+        if let (Some(then), Some(at)) = (last_at, at) {
+            let wall = at.saturating_duration_since(then).as_secs_f64();
+            if wall > 0.0 && s > wall {
+                s = wall;
+            }
+        }
         if c < 0.0 || t < 0.0 || s < 0.0 {
             // A restart: the counters began again. Its speed may have changed
             // too (another model, other hardware): forget the fit.
             *self = Self {
                 last: Some(now),
+                last_at: at,
                 ..Self::default()
             };
             return false;
@@ -154,12 +175,12 @@ mod tests {
     /// `s = overhead × c + t / rate`.
     fn feed(cal: &mut Calibration, overhead: f64, rate: f64, samples: &[(f64, f64)]) {
         let mut at = PrefillCounters::default();
-        cal.observe(at);
+        cal.observe(at, None);
         for &(c, t) in samples {
             at.requests += c;
             at.tokens += t;
             at.seconds += overhead * c + t / rate;
-            cal.observe(at);
+            cal.observe(at, None);
         }
     }
 
@@ -189,12 +210,12 @@ mod tests {
         at.requests += 1.0;
         at.tokens += 100.0;
         at.seconds += 0.05;
-        assert!(cal.observe(at));
+        assert!(cal.observe(at, None));
         assert_eq!(cal.speed(8_000.0), None, "three samples, 1,100 tokens");
         at.requests += 1.0;
         at.tokens += 2_000.0;
         at.seconds += 1.0;
-        assert!(cal.observe(at));
+        assert!(cal.observe(at, None));
         assert!(cal.speed(8_000.0).is_some());
     }
 
@@ -217,9 +238,15 @@ mod tests {
         feed(&mut cal, 0.0, 500.0, &[(1.0, 1_000.0); 4]);
         assert!(cal.speed(8_000.0).is_some());
         let idle = cal.clone();
-        assert!(!cal.observe(cal.last.unwrap_or_default()), "no new request");
+        assert!(
+            !cal.observe(cal.last.unwrap_or_default(), None),
+            "no new request"
+        );
         assert_eq!(cal.samples, idle.samples);
-        assert!(!cal.observe(PrefillCounters::default()), "counters reset");
+        assert!(
+            !cal.observe(PrefillCounters::default(), None),
+            "counters reset"
+        );
         assert_eq!(cal.speed(8_000.0), None);
     }
 
@@ -232,11 +259,33 @@ mod tests {
             at.requests += 1.0;
             at.tokens += 4_000.0;
             at.seconds += 4_000.0 / 2_000.0;
-            cal.observe(at);
+            cal.observe(at, None);
         }
         let speed = cal.speed(8_000.0).expect("evidence");
         assert!(
             (speed.tokens_per_second - 2_000.0).abs() < 50.0,
+            "{speed:?}"
+        );
+    }
+
+    #[test]
+    fn seconds_beyond_the_wall_time_are_batched_prefills() {
+        // Four requests of 1,000 tokens prefilled together in 0.5 s of a 1 s
+        // interval: vLLM reports 0.5 s each (2 s), the replica spent 1 s at
+        // most. Each sample is capped at the interval: 4,000 tokens/s.
+        let mut cal = Calibration::default();
+        let t0 = Instant::now();
+        let mut at = PrefillCounters::default();
+        cal.observe(at, Some(t0));
+        for i in 1..=5 {
+            at.requests += 4.0;
+            at.tokens += 4_000.0;
+            at.seconds += 2.0;
+            cal.observe(at, Some(t0 + std::time::Duration::from_secs(i)));
+        }
+        let speed = cal.speed(8_000.0).expect("evidence");
+        assert!(
+            (speed.tokens_per_second - 4_000.0).abs() < 1e-6,
             "{speed:?}"
         );
     }

@@ -88,6 +88,9 @@ pub struct PrefixMatch {
     pub blocks: u32,
     /// Of those, blocks whose best tier is GPU, CPU, storage.
     pub per_tier: [u32; 3],
+    /// Of those, blocks credited speculatively (a pick sent them there; the
+    /// replica's events do not show them yet).
+    pub speculative: u32,
 }
 
 impl PrefixMatch {

@@ -316,6 +316,7 @@ fn speculative_entries_expire_and_are_bounded() {
         .speculate(p, &keys[..2], R1, now, now + Duration::from_secs(5));
     let m = ix.match_prefix(Some(p), &keys, &[R0, R1], now);
     assert_eq!((m[0].blocks, m[1].blocks), (0, 2));
+    assert_eq!(m[1].speculative, 2, "credited, not seen in events");
     assert_eq!(
         ix.match_prefix(Some(p), &keys, &[R1], now + Duration::from_secs(6))[0].blocks,
         0

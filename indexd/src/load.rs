@@ -60,7 +60,8 @@ pub(crate) async fn scrape_once(shared: &Shared, replica: &Replica, client: &req
                 let load = parse_vllm_metrics(&text, replica.id().rank);
                 replica.scrape_ok(load.running, load.waiting, load.kv_usage, started);
                 if let Some(counters) = load.prefill {
-                    replica.calibrate(counters, shared.config.weights.prefill_tokens_per_second);
+                    let prior = shared.config.weights.prefill_tokens_per_second;
+                    replica.calibrate(counters, started, prior);
                 }
                 shared.metrics.scrapes.inc(["ok"]);
             }

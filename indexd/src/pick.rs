@@ -100,12 +100,12 @@ fn bounded(field: &'static str, id: &str, max: usize) -> Result<(), RequestError
 /// Forgets the pending pick of `request_id` on whichever replica noted it:
 /// the replica answered, so its prefill no longer stands for queued work
 /// (Envoy may have served it elsewhere after a retry).
-fn complete_pick(shared: &Shared, request_id: &str) {
+fn complete_pick(shared: &Shared, request_id: &str, now: Instant) {
     if request_id.is_empty() {
         return;
     }
     for r in read(&shared.registry).all() {
-        if r.complete_pick(request_id) {
+        if r.complete_pick(now, request_id) {
             break;
         }
     }
@@ -180,7 +180,12 @@ fn affinity_shortcut(shared: &Shared, req: &PickRequest, now: Instant) -> Option
     match affinity_target(shared, req, now) {
         Ok(r) => {
             shared.metrics.affinity_lookups.inc(["hit"]);
-            r.note_pick(now, &req.request_id, f64::from(req.prompt_tokens));
+            // Its prefill: at most the whole prompt (the replica usually holds
+            // most of it; the estimate errs on the busy side).
+            let load = r.load(now, shared.config.pending_pick_ttl);
+            let weights = &shared.config.weights;
+            let prefill = score::prefill_time(&load, f64::from(req.prompt_tokens), weights);
+            r.note_pick(now, &req.request_id, prefill);
             tracing::debug!(
                 request_id = %req.request_id,
                 endpoint = %r.id(),
@@ -307,7 +312,7 @@ fn explain(req: &PickRequest, snap: &Snapshot, ranking: &Ranking) {
             of_blocks = snap.keys.len(),
             running = input.load.running,
             waiting = input.load.waiting,
-            pending_tokens = input.load.pending_tokens,
+            queued_seconds = input.load.queued_seconds,
             prefill_tokens_per_second = input.load.prefill_tokens_per_second,
             prefill_overhead_seconds = input.load.prefill_overhead_seconds,
             cost_seconds = r.cost,
@@ -332,13 +337,20 @@ fn credit(shared: &Shared, req: &PickRequest, snap: &Snapshot, ranking: &Ranking
         .matches
         .get(first.input)
         .map_or(0, |m| m.blocks as usize);
-    // The pick's queued prefill work, in the full blocks it will add. A
-    // continuation credited with these blocks (speculatively) then costs on
-    // this replica exactly what a cold replica costs: the overlap is not
-    // counted twice, and the tie goes to the replica holding more.
+    // The pick's queued prefill work: the full blocks it will add at the
+    // chosen replica's speed, and its fixed time. A continuation credited
+    // with these blocks (speculatively) then costs on this replica what a
+    // cold replica costs: the overlap is not counted twice, and the tie goes
+    // to the replica holding more.
     #[allow(clippy::cast_precision_loss)]
     let queued = (snap.keys.len().saturating_sub(held) as f64) * f64::from(req.block_size);
-    chosen.note_pick(now, &req.request_id, queued);
+    let load = snap
+        .inputs
+        .get(first.input)
+        .map(|i| i.load)
+        .unwrap_or_default();
+    let prefill = score::prefill_time(&load, queued, &cfg.weights);
+    chosen.note_pick(now, &req.request_id, prefill);
     if snap.mismatch || held >= snap.keys.len() {
         return;
     }
@@ -403,7 +415,7 @@ pub fn pick(
 ) -> Result<PickResponse, RequestError> {
     validate(shared, req)?;
     for id in &req.completed_request_ids {
-        complete_pick(shared, id);
+        complete_pick(shared, id, now);
     }
     if let Some(resp) = affinity_shortcut(shared, req, now) {
         return Ok(resp);
@@ -477,7 +489,7 @@ pub fn observe(shared: &Shared, req: &ObserveRequest, now: Instant) -> Result<()
         });
     }
     // The request was answered: its pick no longer stands for queued work.
-    complete_pick(shared, &req.request_id);
+    complete_pick(shared, &req.request_id, now);
     if req.response_id.is_empty() {
         metrics.observes.inc(["no_response_id"]);
         return Ok(());

@@ -6,9 +6,9 @@
 //! ```text
 //! credited_r = block_size × Σ_tier matched_blocks_r[tier] × credit[tier]
 //! uncached_r = max(prompt_tokens − credited_r, 0)
-//! queued_r   = queued_tokens_per_waiting × waiting_r + pending_tokens_r
-//! cost_r     = (uncached_r + queued_r) / rate_r
-//!            + overhead_r × (waiting_r + pending_picks_r)
+//! scraped_r  = waiting_r × (queued_tokens_per_waiting / rate_r + overhead_r)
+//! queue_r    = max(queued_seconds_r, scraped_r)
+//! cost_r     = uncached_r / rate_r + queue_r
 //!            + running_penalty_seconds   × running_r
 //!            + kv_usage_penalty_seconds  × kv_usage_r
 //!            + occupancy_penalty_seconds × occupancy_r        (capacity signal)
@@ -16,9 +16,17 @@
 //!
 //! `rate_r` and `overhead_r` are the replica's prefill speed and fixed time
 //! per request, fitted from its own metrics ([`crate::calibrate`]):
-//! `prefill_tokens_per_second` and 0 until there is enough evidence. Each
-//! request queued ahead pays the overhead too (the request's own overhead is
-//! the same everywhere and left out). `credit` is 1.0 for GPU, less for CPU and storage; with a capacity signal
+//! `prefill_tokens_per_second` and 0 until there is enough evidence (the
+//! request's own overhead is the same everywhere and left out).
+//! `queued_seconds_r` is the prefill this indexd's own picks queued there and
+//! that is not done yet by their estimates: each pick's uncached tokens at
+//! `rate_r` plus `overhead_r`, placed after the picks before it, draining as
+//! time passes and shortened when the filter reports an answer. `scraped_r`
+//! is what the replica's metrics say is waiting, which also counts other
+//! gateways' requests; the larger of the two stands (the scrape shows this
+//! indexd's picks too, so they are not added).
+//!
+//! `credit` is 1.0 for GPU, less for CPU and storage; with a capacity signal
 //! saying `cache_available: false`, lower tiers earn nothing. Candidates are
 //! ordered by cost (rounded to microseconds), then more matched blocks, then
 //! fewer requests in flight (`running + waiting + pending`), then a random
@@ -31,15 +39,21 @@
 //! does not show. Load figures are also partly stale (a scrape interval, and
 //! other gateways' picks are not seen at all). So the warm replica stays
 //! first unless the move saves more than `move_margin` times its re-prefill
-//! time at the target's rate.
+//! time, both sides priced at the slower of the two replicas' speeds and the
+//! re-prefill no faster than the prior `prefill_tokens_per_second`.
 //!
-//! `pending_tokens_r` is the prefill work of picks the replica's metrics do
-//! not show yet: each pick adds the prompt tokens that replica had not cached,
-//! until a later scrape sees it or the filter's Observe reports it answered.
+//! Only blocks the replica's events show are defended this way. Blocks held
+//! speculatively (a pick just sent them there: the shared prompt of
+//! conversations starting together) count as cached in the cost but earn no
+//! hold: otherwise every new conversation would follow the first one to its
+//! replica, and, conversations staying where they start, that pile-up would
+//! last as long as they do.
 //!
 //! A shared prefix cached everywhere credits every replica alike, so load
 //! decides; a conversation's own history cached on one replica is a strong
 //! reason to go there, weighed against its queue.
+
+use std::time::Duration;
 
 use rand::Rng;
 use serde::Deserialize;
@@ -156,9 +170,9 @@ pub struct Load {
     pub kv_usage: f64,
     /// Picks not yet visible in the metrics (nor answered).
     pub pending_picks: f64,
-    /// Their estimated prefill work in tokens (uncached prompt tokens at pick
-    /// time).
-    pub pending_tokens: f64,
+    /// Seconds of prefill this indexd's picks queued there that are not done
+    /// by their estimates (module docs).
+    pub queued_seconds: f64,
     /// Capacity signal occupancy (0..1), if any.
     pub occupancy: Option<f64>,
     /// Capacity signal `cache_available` (true without a signal).
@@ -218,27 +232,58 @@ fn credited(input: &Input, block_size: u32, w: &Weights) -> f64 {
         .sum()
 }
 
+/// Of [`credited`], what its events show (speculative blocks count as GPU).
+fn confirmed(input: &Input, block_size: u32, w: &Weights) -> f64 {
+    let speculative = f64::from(input.matched.speculative.min(input.matched.per_tier[0]))
+        * f64::from(block_size)
+        * w.credit(Tier::Gpu, input.load.cache_available);
+    (credited(input, block_size, w) - speculative).max(0.0)
+}
+
 /// Its prefill speed: fitted, else the prior.
-fn rate(input: &Input, w: &Weights) -> f64 {
-    input
-        .load
-        .prefill_tokens_per_second
+fn rate(load: &Load, w: &Weights) -> f64 {
+    load.prefill_tokens_per_second
         .filter(|r| r.is_finite() && *r > 0.0)
         .unwrap_or(w.prefill_tokens_per_second)
 }
 
+/// Its fitted fixed time per request (0 unfitted or nonsensical).
+fn overhead(load: &Load) -> f64 {
+    let o = load.prefill_overhead_seconds;
+    if o.is_finite() && o > 0.0 { o } else { 0.0 }
+}
+
+/// The estimated time a replica with `load` takes to prefill `tokens` of a
+/// request: at its fitted speed (else the prior), plus its fixed time per
+/// request.
+pub fn prefill_seconds(load: &Load, tokens: f64, w: &Weights) -> f64 {
+    let s = tokens.max(0.0) / rate(load, w) + overhead(load);
+    if s.is_finite() { s } else { 0.0 }
+}
+
+/// [`prefill_seconds`] as a duration, at most an hour.
+pub fn prefill_time(load: &Load, tokens: f64, w: &Weights) -> Duration {
+    Duration::try_from_secs_f64(prefill_seconds(load, tokens, w).min(3_600.0)).unwrap_or_default()
+}
+
 /// The cost of one candidate (see the module docs).
 pub fn cost(input: &Input, prompt_tokens: u32, block_size: u32, w: &Weights) -> f64 {
+    cost_at(input, prompt_tokens, block_size, w, rate(&input.load, w))
+}
+
+/// [`cost`] with the prompt's uncached tokens prefilled at `rate` (the queue
+/// stays as the replica's own speed estimated it).
+fn cost_at(input: &Input, prompt_tokens: u32, block_size: u32, w: &Weights, rate: f64) -> f64 {
+    let load = &input.load;
     let credited = credited(input, block_size, w);
     let uncached = (f64::from(prompt_tokens) - credited).max(0.0);
-    let queued = w.queued_tokens_per_waiting * input.load.waiting + input.load.pending_tokens;
-    let overhead = input.load.prefill_overhead_seconds.max(0.0)
-        * (input.load.waiting + input.load.pending_picks);
-    let mut c = (uncached + queued) / rate(input, w)
-        + if overhead.is_finite() { overhead } else { 0.0 }
-        + w.running_penalty_seconds * input.load.running
-        + w.kv_usage_penalty_seconds * input.load.kv_usage.clamp(0.0, 1.0);
-    if let Some(occ) = input.load.occupancy {
+    let scraped = load.waiting.max(0.0) * prefill_seconds(load, w.queued_tokens_per_waiting, w);
+    let queue = load.queued_seconds.max(0.0).max(scraped);
+    let mut c = uncached / rate
+        + queue
+        + w.running_penalty_seconds * load.running
+        + w.kv_usage_penalty_seconds * load.kv_usage.clamp(0.0, 1.0);
+    if let Some(occ) = load.occupancy {
         c += w.occupancy_penalty_seconds * occ.clamp(0.0, 1.0);
     }
     if c.is_finite() { c } else { f64::MAX }
@@ -254,12 +299,25 @@ pub fn rank<R: Rng>(
     rng: &mut R,
 ) -> Ranking {
     let mut ranked = by_cost(inputs, prompt_tokens, block_size, w, rng);
-    let moved = apply_move_rule(inputs, &mut ranked, block_size, w);
+    let moved = apply_move_rule(inputs, &mut ranked, prompt_tokens, block_size, w);
     Ranking { ranked, moved }
 }
 
 /// Keeps the warm replica first unless leaving it pays (module docs).
-fn apply_move_rule(inputs: &[Input], ranked: &mut [Ranked], block_size: u32, w: &Weights) -> Move {
+///
+/// The two sides are compared at one prefill speed, the slower of the two
+/// replicas' estimates (the re-prefill also no faster than the prior): speeds are fitted from each replica's own traffic,
+/// and a warm replica that serves mostly cached continuations (few computed
+/// tokens, each waiting on its batch) can look several times slower than an
+/// identical one serving cold prompts. Priced at their own speeds, that
+/// error alone would move conversations off the replica holding them.
+fn apply_move_rule(
+    inputs: &[Input],
+    ranked: &mut [Ranked],
+    prompt_tokens: u32,
+    block_size: u32,
+    w: &Weights,
+) -> Move {
     let Some(first) = ranked.first().copied() else {
         return Move::None;
     };
@@ -267,26 +325,29 @@ fn apply_move_rule(inputs: &[Input], ranked: &mut [Ranked], block_size: u32, w: 
         return Move::None;
     };
     let held_by_cheapest = credited(cheapest, block_size, w);
-    // The warm replica: the one holding the most (the first in cost order
-    // among equals).
-    let mut warm: Option<(usize, f64)> = None;
+    // The warm replica: the one whose events show the most (the first in
+    // cost order among equals), if more than the cheapest holds.
+    let mut warm: Option<(usize, f64, &Input)> = None;
     for (at, r) in ranked.iter().enumerate() {
         let Some(input) = inputs.get(r.input) else {
             continue;
         };
-        let held = credited(input, block_size, w);
-        if held > warm.map_or(held_by_cheapest, |(_, h)| h) {
-            warm = Some((at, held));
+        let held = confirmed(input, block_size, w);
+        if held > warm.map_or(held_by_cheapest, |(_, h, _)| h) {
+            warm = Some((at, held, input));
         }
     }
-    let Some((at, held)) = warm else {
+    let Some((at, held, warm_input)) = warm else {
         return Move::None;
     };
-    let Some(warm_cost) = ranked.get(at).map(|r| r.cost) else {
-        return Move::None;
-    };
-    let reprefill_seconds = (held - held_by_cheapest) / rate(cheapest, w);
-    if warm_cost - first.cost > w.move_margin * reprefill_seconds {
+    let common = rate(&cheapest.load, w).min(rate(&warm_input.load, w));
+    let saving = cost_at(warm_input, prompt_tokens, block_size, w, common)
+        - cost_at(cheapest, prompt_tokens, block_size, w, common);
+    // The re-prefill is priced no cheaper than the prior says: a fit over
+    // the fleet's own (short, batched) prefills can find a marginal speed far
+    // above what a move's thousands of tokens take.
+    let reprefill_seconds = (held - held_by_cheapest) / common.min(w.prefill_tokens_per_second);
+    if saving > w.move_margin * reprefill_seconds {
         return Move::Moved;
     }
     if let Some(head) = ranked.get_mut(..=at) {
@@ -344,6 +405,7 @@ mod tests {
             matched: PrefixMatch {
                 blocks: gpu + cpu,
                 per_tier: [gpu, cpu, 0],
+                speculative: 0,
             },
             load: Load {
                 running,
@@ -518,6 +580,83 @@ mod tests {
     }
 
     #[test]
+    fn a_warm_replica_that_only_looks_slower_is_not_left() {
+        let w = Weights::default();
+        // Two identical replicas; the warm one's fit says 1,000 tokens/s, the
+        // cold one's 20,000. The warm one lacks 448 of 3,328 tokens, the cold
+        // one 2,560 of them (shared prefix): at their own speeds the cold one
+        // is cheaper by 0.32 s while its re-prefill (2,112 tokens) looks like
+        // 0.11 s. At one speed the move saves nothing.
+        let mut warm = input(45, 0, 0.0, 0.0);
+        warm.load.prefill_tokens_per_second = Some(1_000.0);
+        let mut cold = input(12, 0, 0.0, 0.0);
+        cold.load.prefill_tokens_per_second = Some(20_000.0);
+        let inputs = [warm, cold];
+        let by_cost_alone = by_cost(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        assert_eq!(by_cost_alone[0].input, 1);
+        let ranking = rank(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        assert_eq!(ranking.moved, Move::Held);
+        assert_eq!(ranking.ranked[0].input, 0);
+    }
+
+    #[test]
+    fn speculative_blocks_count_as_cached_but_earn_no_hold() {
+        let w = Weights::default();
+        // The shared prompt (12 blocks) was just sent to replica 0 with a
+        // first conversation, whose prefill is queued there; a second
+        // conversation lacks 3 blocks there, 15 on the idle replica.
+        let mut first = input(12, 0, 0.0, 0.0);
+        first.load.queued_seconds = 0.15;
+        let idle = input(0, 0, 0.0, 0.0);
+        let held = rank(
+            &[first, idle],
+            64 * 15,
+            64,
+            &w,
+            &mut StdRng::seed_from_u64(1),
+        );
+        assert_eq!(
+            (held.moved, held.ranked[0].input),
+            (Move::Held, 0),
+            "in its events: defended"
+        );
+        first.matched.speculative = 12;
+        let spread = rank(
+            &[first, idle],
+            64 * 15,
+            64,
+            &w,
+            &mut StdRng::seed_from_u64(1),
+        );
+        assert_eq!(
+            (spread.moved, spread.ranked[0].input),
+            (Move::None, 1),
+            "only credited: the cheaper replica"
+        );
+    }
+
+    #[test]
+    fn a_reprefill_costs_no_less_than_the_prior_says() {
+        let w = Weights::default();
+        // Both fitted at 100,000 tokens/s (short batched prefills); the warm
+        // one has 50 ms queued. Re-prefilling 2,048 tokens "takes" 20 ms at
+        // the fit, 256 ms at the prior: held.
+        let mut warm = input(44, 0, 0.0, 0.0);
+        warm.load.prefill_tokens_per_second = Some(100_000.0);
+        warm.load.queued_seconds = 0.05;
+        let mut cold = input(12, 0, 0.0, 0.0);
+        cold.load.prefill_tokens_per_second = Some(100_000.0);
+        let ranking = rank(
+            &[warm, cold],
+            64 * 52,
+            64,
+            &w,
+            &mut StdRng::seed_from_u64(1),
+        );
+        assert_eq!((ranking.moved, ranking.ranked[0].input), (Move::Held, 0));
+    }
+
+    #[test]
     fn a_zero_margin_leaves_the_cheapest_first() {
         let w = Weights {
             move_margin: 0.0,
@@ -541,17 +680,29 @@ mod tests {
     }
 
     #[test]
-    fn each_queued_request_pays_the_fitted_overhead() {
+    fn each_waiting_request_pays_the_fitted_overhead() {
         let w = Weights::default();
         let mut i = input(0, 0, 0.0, 3.0);
-        i.load.pending_picks = 1.0;
         let unfitted = cost(&i, 640, 64, &w);
         i.load.prefill_tokens_per_second = Some(8_000.0);
         i.load.prefill_overhead_seconds = 0.1;
         let fitted = cost(&i, 640, 64, &w);
         assert!(
-            (fitted - unfitted - 0.4).abs() < 1e-9,
+            (fitted - unfitted - 0.3).abs() < 1e-9,
             "{fitted} vs {unfitted}"
         );
+    }
+
+    #[test]
+    fn the_larger_of_the_own_queue_and_the_scraped_one_stands() {
+        let w = Weights::default();
+        let idle = cost(&input(0, 0, 0.0, 0.0), 640, 64, &w);
+        // Two waiting at the prior: 2 × 1,024 tokens at 8,000 tokens/s.
+        let mut i = input(0, 0, 0.0, 2.0);
+        let scraped = 2.0 * 1_024.0 / 8_000.0;
+        i.load.queued_seconds = 0.1;
+        assert!((cost(&i, 640, 64, &w) - idle - scraped).abs() < 1e-9);
+        i.load.queued_seconds = 0.5;
+        assert!((cost(&i, 640, 64, &w) - idle - 0.5).abs() < 1e-9);
     }
 }

@@ -102,7 +102,7 @@ pub struct Replica {
     fresh: AtomicBool,
     healthy: AtomicBool,
     scraped: Mutex<Scraped>,
-    pending: Mutex<VecDeque<PendingPick>>,
+    pending: Mutex<PickQueue>,
     block_size_seen: AtomicU32,
     block_size_warned: AtomicBool,
     loras: Mutex<BTreeSet<String>>,
@@ -123,16 +123,76 @@ struct Fitted {
 }
 
 const MAX_PENDING: usize = 4096;
+/// The longest prefill one pick may stand for (a bound on bad estimates).
+const MAX_PICK_PREFILL: Duration = Duration::from_secs(60);
 
-/// A pick the replica's metrics do not show yet.
+/// The picks sent to a replica, and the prefill queue they make there.
+///
+/// Each pick's prefill is placed after those before it (one replica's
+/// prefill is compute-bound: work queued ahead delays it by its own length)
+/// and lasts its estimated time, so the queue drains as the replica works
+/// instead of standing until a scrape or an answer: a request that is
+/// decoding has left the prefill queue. An answer that comes sooner than
+/// estimated shortens the queue by what its pick had left.
+#[derive(Debug, Default)]
+struct PickQueue {
+    /// Picks its metrics may not show yet, oldest first (a scrape that began
+    /// after a pick drops it from here, not from the queue).
+    picks: VecDeque<PendingPick>,
+    /// When the prefill of every pick noted so far is estimated to be done.
+    busy_until: Option<Instant>,
+}
+
+/// One pick sent to the replica.
 #[derive(Clone, Debug)]
 struct PendingPick {
     at: Instant,
     /// The request's `x-request-id` (empty if none).
     request_id: String,
-    /// Its estimated prefill work: the prompt tokens this replica had not
-    /// cached at pick time.
-    tokens: f64,
+    /// Its prefill's estimated start and end.
+    start: Instant,
+    end: Instant,
+}
+
+impl PickQueue {
+    fn note(&mut self, now: Instant, request_id: &str, prefill: Duration) {
+        if self.picks.len() >= MAX_PENDING {
+            self.picks.pop_front();
+        }
+        let start = self.busy_until.filter(|b| *b > now).unwrap_or(now);
+        let end = start + prefill.min(MAX_PICK_PREFILL);
+        self.busy_until = Some(end);
+        self.picks.push_back(PendingPick {
+            at: now,
+            request_id: request_id.to_owned(),
+            start,
+            end,
+        });
+    }
+
+    /// Forgets `request_id`'s pick; the queue loses what its prefill had
+    /// left. Returns whether one was found.
+    fn complete(&mut self, now: Instant, request_id: &str) -> bool {
+        let Some(i) = self.picks.iter().position(|p| p.request_id == request_id) else {
+            return false;
+        };
+        let Some(p) = self.picks.remove(i) else {
+            return false;
+        };
+        let left = p.end.saturating_duration_since(p.start.max(now));
+        if let Some(b) = self.busy_until
+            && b > now
+        {
+            self.busy_until = Some(b.checked_sub(left).map_or(now, |e| e.max(now)));
+        }
+        true
+    }
+
+    /// Seconds of prefill queued at `now`.
+    fn queued_seconds(&self, now: Instant) -> f64 {
+        self.busy_until
+            .map_or(0.0, |b| b.saturating_duration_since(now).as_secs_f64())
+    }
 }
 const MAX_LORAS: usize = 256;
 
@@ -147,7 +207,7 @@ impl Replica {
             slot,
             cancel,
             scraped: Mutex::new(Scraped::default()),
-            pending: Mutex::new(VecDeque::new()),
+            pending: Mutex::new(PickQueue::default()),
             block_size_seen: AtomicU32::new(0),
             block_size_warned: AtomicBool::new(false),
             loras: Mutex::new(BTreeSet::new()),
@@ -157,12 +217,12 @@ impl Replica {
         }
     }
 
-    /// Takes one scrape's prefill counters into the fit of its speed
-    /// (`prior`: the configured tokens per second).
-    pub(crate) fn calibrate(&self, counters: PrefillCounters, prior: f64) {
+    /// Takes one scrape's prefill counters, scraped at `at`, into the fit of
+    /// its speed (`prior`: the configured tokens per second).
+    pub(crate) fn calibrate(&self, counters: PrefillCounters, at: Instant, prior: f64) {
         let mut f = lock(&self.calibration);
         // An idle interval adds nothing; a restart resets the fit.
-        f.fit.observe(counters);
+        f.fit.observe(counters, Some(at));
         f.speed = f.fit.speed(prior);
         let Some(speed) = f.speed else {
             return;
@@ -256,10 +316,11 @@ impl Replica {
             s.kv_usage = kv_usage;
             s.consecutive_failures = 0;
         }
-        // Picks made before the scrape started are visible in it now.
+        // Picks made before the scrape started are visible in it now (their
+        // prefill stays in the queue: a scrape does not say it is done).
         let mut pending = lock(&self.pending);
-        while pending.front().is_some_and(|p| p.at < started) {
-            pending.pop_front();
+        while pending.picks.front().is_some_and(|p| p.at < started) {
+            pending.picks.pop_front();
         }
         drop(pending);
         self.healthy.store(true, Ordering::Release);
@@ -283,45 +344,35 @@ impl Replica {
         s.cache_available = cache_available;
     }
 
-    /// Counts a pick, with its estimated prefill `tokens`, until a scrape
-    /// shows it or the filter reports it answered ([`Self::complete_pick`]).
-    pub(crate) fn note_pick(&self, now: Instant, request_id: &str, tokens: f64) {
-        let mut pending = lock(&self.pending);
-        if pending.len() >= MAX_PENDING {
-            pending.pop_front();
-        }
-        pending.push_back(PendingPick {
-            at: now,
-            request_id: request_id.to_owned(),
-            tokens,
-        });
+    /// Queues a pick's estimated `prefill` time behind the prefill already
+    /// queued ([`PickQueue`]), and counts the pick until a scrape shows it or
+    /// the filter reports it answered ([`Self::complete_pick`]).
+    pub(crate) fn note_pick(&self, now: Instant, request_id: &str, prefill: Duration) {
+        lock(&self.pending).note(now, request_id, prefill);
     }
 
     /// Forgets the pending pick of `request_id`: the replica has answered
-    /// (its prefill is done), so it no longer stands for queued work. Returns
-    /// whether one was found.
-    pub(crate) fn complete_pick(&self, request_id: &str) -> bool {
+    /// (its prefill is done), so what its prefill had left leaves the queue.
+    /// Returns whether one was found.
+    pub(crate) fn complete_pick(&self, now: Instant, request_id: &str) -> bool {
         if request_id.is_empty() {
             return false;
         }
-        let mut pending = lock(&self.pending);
-        match pending.iter().position(|p| p.request_id == request_id) {
-            Some(i) => pending.remove(i).is_some(),
-            None => false,
-        }
+        lock(&self.pending).complete(now, request_id)
     }
 
     /// The load snapshot the scorer uses.
     pub(crate) fn load(&self, now: Instant, pending_ttl: Duration) -> Load {
-        let (pending, pending_tokens) = {
+        let (pending, queued_seconds) = {
             let mut p = lock(&self.pending);
             while p
+                .picks
                 .front()
                 .is_some_and(|p| now.saturating_duration_since(p.at) > pending_ttl)
             {
-                p.pop_front();
+                p.picks.pop_front();
             }
-            (p.len(), p.iter().map(|p| p.tokens).sum::<f64>())
+            (p.picks.len(), p.queued_seconds(now))
         };
         let prefill = self.prefill_speed();
         let s = lock(&self.scraped);
@@ -333,7 +384,7 @@ impl Replica {
             waiting: s.waiting,
             kv_usage: s.kv_usage,
             pending_picks: pending as f64,
-            pending_tokens,
+            queued_seconds,
             occupancy: s.occupancy,
             cache_available: s.cache_available.unwrap_or(true),
         }
@@ -596,5 +647,59 @@ impl Shared {
             .replicas
             .values()
             .any(|r| r.is_eligible())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn picks_queue_behind_each_other_and_drain_with_time() {
+        let t0 = Instant::now();
+        let mut q = PickQueue::default();
+        q.note(t0, "a", 300 * MS);
+        q.note(t0, "b", 200 * MS);
+        assert!((q.queued_seconds(t0) - 0.5).abs() < 1e-9);
+        assert!((q.queued_seconds(t0 + 400 * MS) - 0.1).abs() < 1e-9);
+        assert_eq!(q.queued_seconds(t0 + 600 * MS), 0.0);
+        // A pick after the queue ran dry starts at once.
+        q.note(t0 + 600 * MS, "c", 100 * MS);
+        assert!((q.queued_seconds(t0 + 600 * MS) - 0.1).abs() < 1e-9);
+    }
+
+    #[test]
+    fn an_answer_takes_what_its_pick_had_left_out_of_the_queue() {
+        let t0 = Instant::now();
+        let mut q = PickQueue::default();
+        q.note(t0, "a", 300 * MS);
+        q.note(t0, "b", 200 * MS);
+        // `b` answered 100 ms in, before its estimated start: all of its
+        // 200 ms leave; `a` still has 200 ms.
+        assert!(q.complete(t0 + 100 * MS, "b"));
+        assert!((q.queued_seconds(t0 + 100 * MS) - 0.2).abs() < 1e-9);
+        assert!(!q.complete(t0 + 100 * MS, "b"), "once");
+        // `a` answered early: the queue is empty, never negative.
+        assert!(q.complete(t0 + 150 * MS, "a"));
+        assert_eq!(q.queued_seconds(t0 + 150 * MS), 0.0);
+    }
+
+    #[test]
+    fn a_scrape_stops_counting_picks_but_leaves_their_prefill_queued() {
+        let r = Replica::new(
+            EndpointConfig::new("10.0.0.1:8000".parse().expect("address"), "m"),
+            ReplicaSlot(0),
+            CancellationToken::new(),
+        );
+        let t0 = Instant::now();
+        r.note_pick(t0, "a", 500 * MS);
+        let ttl = Duration::from_secs(5);
+        assert_eq!(r.load(t0, ttl).pending_picks, 1.0);
+        r.scrape_ok(1.0, 0.0, 0.1, t0 + MS);
+        let load = r.load(t0 + 100 * MS, ttl);
+        assert_eq!(load.pending_picks, 0.0);
+        assert!((load.queued_seconds - 0.4).abs() < 1e-9);
     }
 }

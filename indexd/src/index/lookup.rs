@@ -182,6 +182,7 @@ impl Lookup {
                     }
                     if pos < *until {
                         m.push(Tier::Gpu);
+                        m.speculative += 1;
                     } else {
                         alive.unset(i);
                     }
