@@ -42,6 +42,13 @@
 //! time, both sides priced at the slower of the two replicas' speeds and the
 //! re-prefill no faster than the prior `prefill_tokens_per_second`.
 //!
+//! A passing queue does not move a conversation either: unless vLLM reports
+//! requests waiting on the warm replica, the move also needs it to have had
+//! more than `1 + move_imbalance` times the target's picks lately, and at
+//! least two more. Moved
+//! conversations take their later turns along, so between replicas with as
+//! many conversations each, moves would only trade them back and forth.
+//!
 //! Only blocks the replica's events show are defended this way. Blocks held
 //! speculatively (a pick just sent them there: the shared prompt of
 //! conversations starting together) count as cached in the cost but earn no
@@ -61,6 +68,11 @@ use serde::Deserialize;
 use crate::error::ConfigError;
 use crate::event::Tier;
 use crate::index::PrefixMatch;
+use crate::state::RECENT_PICKS_WINDOW;
+
+/// A lasting imbalance is also at least this many more picks over the
+/// window (at start, one pick is 25% of four).
+const MIN_IMBALANCE_PICKS: f64 = 2.0;
 
 /// The cost model's weights (config `weights:`).
 #[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
@@ -85,6 +97,10 @@ pub struct Weights {
     /// A move away from the replica holding the most of the prompt must save
     /// more than this many times its re-prefill time (0: cheapest wins).
     pub move_margin: f64,
+    /// Unless vLLM reports requests waiting there, a move also needs the
+    /// warm replica to have had more than `1 + move_imbalance` times the
+    /// target's picks lately (a lasting imbalance, not a passing queue).
+    pub move_imbalance: f64,
 }
 
 impl Default for Weights {
@@ -99,6 +115,7 @@ impl Default for Weights {
             credit_cpu: 0.8,
             credit_storage: 0.5,
             move_margin: 1.0,
+            move_imbalance: 0.25,
         }
     }
 }
@@ -131,6 +148,7 @@ impl Weights {
             ("weights.credit_cpu", self.credit_cpu),
             ("weights.credit_storage", self.credit_storage),
             ("weights.move_margin", self.move_margin),
+            ("weights.move_imbalance", self.move_imbalance),
         ];
         for (field, v) in fields {
             if !v.is_finite() || v < 0.0 {
@@ -181,6 +199,9 @@ pub struct Load {
     pub prefill_tokens_per_second: Option<f64>,
     /// Its fitted fixed prefill time per request, in seconds (0 unfitted).
     pub prefill_overhead_seconds: f64,
+    /// This indexd's picks of it lately, per second (decayed over
+    /// [`crate::state::RECENT_PICKS_WINDOW`]).
+    pub recent_picks_per_second: f64,
 }
 
 /// One candidate as the scorer sees it.
@@ -347,7 +368,19 @@ fn apply_move_rule(
     // the fleet's own (short, batched) prefills can find a marginal speed far
     // above what a move's thousands of tokens take.
     let reprefill_seconds = (held - held_by_cheapest) / common.min(w.prefill_tokens_per_second);
-    if saving > w.move_margin * reprefill_seconds {
+    // A queue that comes and goes is no reason to move a conversation:
+    // conversations stay where they go, so a move shifts all of its later
+    // turns too, and two replicas with as many conversations each would only
+    // trade them back and forth. vLLM's own waiting requests are (every
+    // gateway's load); else this indexd's recent picks must be uneven.
+    let (warm_rate, target_rate) = (
+        warm_input.load.recent_picks_per_second,
+        cheapest.load.recent_picks_per_second,
+    );
+    let lasting = warm_input.load.waiting > 0.0
+        || (warm_rate > target_rate * (1.0 + w.move_imbalance)
+            && warm_rate - target_rate >= MIN_IMBALANCE_PICKS / RECENT_PICKS_WINDOW.as_secs_f64());
+    if saving > w.move_margin * reprefill_seconds && lasting {
         return Move::Moved;
     }
     if let Some(head) = ranked.get_mut(..=at) {
@@ -654,6 +687,48 @@ mod tests {
             &mut StdRng::seed_from_u64(1),
         );
         assert_eq!((ranking.moved, ranking.ranked[0].input), (Move::Held, 0));
+    }
+
+    #[test]
+    fn a_passing_queue_moves_nothing_a_lasting_imbalance_does() {
+        let w = Weights::default();
+        // 1 s of this indexd's prefill queued on the warm replica, nothing
+        // waiting in vLLM's metrics: the move would save 1 s for 0.4 s of
+        // re-prefill, but both replicas had as many picks lately.
+        let mut warm = input(50, 0, 0.0, 0.0);
+        warm.load.queued_seconds = 1.0;
+        warm.load.recent_picks_per_second = 1.0;
+        let mut cold = input(0, 0, 0.0, 0.0);
+        cold.load.recent_picks_per_second = 1.0;
+        let ranking = rank(
+            &[warm, cold],
+            64 * 52,
+            64,
+            &w,
+            &mut StdRng::seed_from_u64(1),
+        );
+        assert_eq!((ranking.moved, ranking.ranked[0].input), (Move::Held, 0));
+        // The warm one had half as many again: a lasting imbalance.
+        warm.load.recent_picks_per_second = 1.5;
+        let order = |warm: Input, cold: Input| {
+            let r = rank(
+                &[warm, cold],
+                64 * 52,
+                64,
+                &w,
+                &mut StdRng::seed_from_u64(1),
+            );
+            (r.moved, r.ranked[0].input)
+        };
+        assert_eq!(order(warm, cold), (Move::Moved, 1));
+        // At start, 4 picks against 2.5 over the 10 s window: 60% more, but
+        // fewer than two picks more.
+        warm.load.recent_picks_per_second = 0.4;
+        cold.load.recent_picks_per_second = 0.25;
+        assert_eq!(order(warm, cold), (Move::Held, 0));
+        // vLLM reports requests waiting there: that is every gateway's load.
+        warm.load.waiting = 1.0;
+        assert_eq!(order(warm, cold).0, Move::Moved);
     }
 
     #[test]

@@ -29,6 +29,7 @@
 //! - [`peers`]: vllm-router and sglang-router from PyPI as extra profiles.
 //! - [`rng`]: the seeded generator behind every workload.
 
+pub mod added;
 pub mod bodies;
 pub mod charts;
 pub mod client;

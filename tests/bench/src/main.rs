@@ -141,6 +141,7 @@ fn main() -> ExitCode {
                 time_scale,
                 budget: Duration::from_secs(budget_secs),
                 seed,
+                scrape_interval: None,
             },
             &out,
         ),
@@ -205,7 +206,7 @@ fn run(
     let mut failure = None;
     'all: for w in &workloads {
         for p in profiles {
-            match runner::run(w, *p, runner::Target::Mock, options, &progress) {
+            match runner::run(w, *p, runner::Target::Mock, options, &progress).map(|o| o.samples) {
                 Ok(mut s) => samples.append(&mut s),
                 Err(e) => {
                     failure = Some(e);

@@ -323,7 +323,15 @@ pub(crate) fn envoy_snapshot(
     stack: &Stack,
     decided: u64,
 ) -> Result<std::collections::BTreeMap<String, Hist>, BenchError> {
-    let url = format!("{}{}", stack.envoy().admin_url(), histogram::ENVOY_QUERY);
+    envoy_histograms(stack.envoy(), decided)
+}
+
+/// [`envoy_snapshot`] of one Envoy.
+pub(crate) fn envoy_histograms(
+    envoy: &kvroute_e2e::Envoy,
+    decided: u64,
+) -> Result<std::collections::BTreeMap<String, Hist>, BenchError> {
+    let url = format!("{}{}", envoy.admin_url(), histogram::ENVOY_QUERY);
     let started = Instant::now();
     loop {
         let response = http::get(&url, &[], ADMIN_TIMEOUT)?;

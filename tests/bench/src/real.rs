@@ -65,6 +65,10 @@ pub struct Args {
     /// No new request starts after this many seconds within one workload × profile.
     #[arg(long, default_value_t = 150)]
     pub budget_secs: u64,
+    /// Each gateway's indexd scrapes every replica's /metrics this often (indexd's default:
+    /// vLLM renders the page in its API server, beside the requests it serves).
+    #[arg(long, default_value_t = 1_000)]
+    pub scrape_interval_ms: u64,
     /// Output directory.
     #[arg(long, default_value = "tests/bench/results-vllm")]
     pub out: PathBuf,
@@ -92,8 +96,10 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
         time_scale: None,
         budget: Duration::from_secs(args.budget_secs),
         seed: args.seed,
+        scrape_interval: Some(Duration::from_millis(args.scrape_interval_ms)),
     };
     let mut samples = Vec::new();
+    let mut added = Vec::new();
     let mut failure = None;
     let mut nonce = 0u32;
     // Runs on the same fleet options share a fleet, in order of first use.
@@ -155,7 +161,10 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
                     ),
                 );
                 match result {
-                    Ok(mut s) => samples.append(&mut s),
+                    Ok(mut o) => {
+                        samples.append(&mut o.samples);
+                        added.append(&mut o.added);
+                    }
                     Err(e) => {
                         failure = Some(e);
                         break 'all;
@@ -170,7 +179,11 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
     }
     progress.finish_and_clear();
     let summary = output::write_run(&args.out, &mut samples)?;
+    crate::added::write(&args.out, &added)?;
     print!("{}", summary.to_markdown());
+    if !added.is_empty() {
+        print!("\n{}", crate::added::markdown(&added));
+    }
     println!(
         "\n{} requests in {:.0} s; results in {}",
         samples.len(),

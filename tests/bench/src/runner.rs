@@ -19,13 +19,14 @@ use kvroute_e2e::stack::OVERRIDE_HEADER;
 use kvroute_e2e::{Routing, Stack, StackOptions};
 use serde_json::{Value, json};
 
-use crate::BenchError;
+use crate::added::{self, AddedRow};
 use crate::client::{self, Reply};
 use crate::fleet::{self, Fleet};
 use crate::history::{Msg, apply, request_body};
 use crate::peers::{self, Peer, Worker};
 use crate::sample::{Sample, millis};
 use crate::workload::{Api, Conversation, Fault, FaultKind, Step, Workload};
+use crate::{BenchError, overhead};
 
 /// A routing profile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -95,6 +96,8 @@ pub struct RunOptions {
     pub budget: Duration,
     /// indexd's tie-breaking seed.
     pub seed: u64,
+    /// indexd's `scrape_interval` on real replicas (None: the test stack's).
+    pub scrape_interval: Option<Duration>,
 }
 
 /// What the profiles run against.
@@ -207,6 +210,7 @@ fn fleet_stack(
     options: RunOptions,
 ) -> Result<(Stack, Vec<ReplicaRef>, Vec<Worker>), BenchError> {
     let routing = profile.routing();
+    let defaults = StackOptions::default();
     let stack = Stack::start_external(
         StackOptions {
             replicas: fleet.replicas().len(),
@@ -216,7 +220,8 @@ fn fleet_stack(
             seed: options.seed,
             gateways: workload.gateways.max(1),
             tokenizers: fleet::tokenizers(),
-            ..StackOptions::default()
+            scrape_interval: options.scrape_interval.unwrap_or(defaults.scrape_interval),
+            ..defaults
         },
         fleet.external(),
     )?;
@@ -252,7 +257,7 @@ pub fn run(
     target: Target<'_>,
     options: RunOptions,
     progress: &ProgressBar,
-) -> Result<Vec<Sample>, BenchError> {
+) -> Result<Outcome, BenchError> {
     let (stack, replicas, workers) = match target {
         Target::Mock => mock_stack(workload, profile, options)?,
         Target::Vllm { fleet, .. } => fleet_stack(fleet, workload, profile, options)?,
@@ -322,9 +327,18 @@ pub fn run(
         }
     });
     let fault_errors = ctx.fault_errors.into_inner().unwrap_or_default();
+    let samples = samples.into_inner().unwrap_or_default();
+    let added = match (target, profile) {
+        (Target::Vllm { .. }, Profile::Precise | Profile::Approximate) => {
+            let stack = stack
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            filter_histograms(&stack, workload, profile, &samples, progress)
+        }
+        _ => Vec::new(),
+    };
     drop(routers);
     drop(stack);
-    let samples = samples.into_inner().unwrap_or_default();
     if !fault_errors.is_empty() {
         return Err(BenchError::Fault(format!(
             "{} / {}: {}",
@@ -343,7 +357,40 @@ pub fn run(
             options.budget
         ));
     }
-    Ok(samples)
+    Ok(Outcome { samples, added })
+}
+
+/// What one workload × profile produced.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    /// One per request.
+    pub samples: Vec<Sample>,
+    /// kvroute on real replicas: each gateway's filter histograms.
+    pub added: Vec<AddedRow>,
+}
+
+/// Each gateway's filter histograms once its Envoy has merged the requests
+/// sent through it (a failure is reported and leaves them out).
+fn filter_histograms(
+    stack: &Stack,
+    workload: &Workload,
+    profile: Profile,
+    samples: &[Sample],
+    progress: &ProgressBar,
+) -> Vec<AddedRow> {
+    let mut out = Vec::new();
+    for (gateway, envoy) in (0u32..).zip(stack.gateway_envoys()) {
+        let sent = samples.iter().filter(|s| s.gateway == gateway).count() as u64;
+        match overhead::envoy_histograms(envoy, sent) {
+            Ok(hists) => out.extend(added::rows(&workload.name, profile.name(), gateway, &hists)),
+            Err(e) => progress.println(format!(
+                "{} / {}: gateway {gateway}'s filter histograms not read: {e}",
+                workload.name,
+                profile.name()
+            )),
+        }
+    }
+    out
 }
 
 fn run_conversation(ctx: &Ctx<'_>, conversation: &Conversation) -> Vec<Sample> {

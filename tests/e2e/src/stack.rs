@@ -106,6 +106,9 @@ pub struct StackOptions {
     pub indexd_token: Option<String>,
     /// indexd's `observe_rate` and `observe_burst` (None: its defaults).
     pub observe_limit: Option<(u32, u32)>,
+    /// indexd's `scrape_interval` (200 ms: tests see load sooner than with
+    /// indexd's 1 s default).
+    pub scrape_interval: Duration,
 }
 
 impl Default for StackOptions {
@@ -135,6 +138,7 @@ impl Default for StackOptions {
             indexd_unix_socket: false,
             indexd_token: None,
             observe_limit: None,
+            scrape_interval: Duration::from_millis(200),
         }
     }
 }
@@ -430,6 +434,13 @@ impl Stack {
     /// The Envoy in front.
     pub fn envoy(&self) -> &Envoy {
         &self.envoy
+    }
+
+    /// Every gateway's Envoy, the first gateway's first.
+    pub fn gateway_envoys(&self) -> Vec<&Envoy> {
+        std::iter::once(&self.envoy)
+            .chain(self.extra_gateways.iter().map(|g| &g.envoy))
+            .collect()
     }
 
     /// The replicas, in cluster order.

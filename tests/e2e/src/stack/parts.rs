@@ -106,7 +106,7 @@ pub(super) fn indexd_config(
         config.access.observe_burst = burst;
     }
     config.http_listen = SocketAddr::from(([127, 0, 0, 1], 0));
-    config.scrape_interval = Duration::from_millis(200);
+    config.scrape_interval = options.scrape_interval;
     config.seed = Some(options.seed);
     if let Some(bs) = kvroute_proto::BlockSize::new(options.block_size) {
         config.block_size = bs;

@@ -1,0 +1,166 @@
+//! Where kvroute's own time goes on real replicas: after each kvroute run the
+//! bench reads every gateway's filter histograms from its Envoy admin (the
+//! whole hold of a request, the tokenizer callout, the Pick callout; µs) and
+//! writes them, per workload × profile × gateway, to `added.csv` and
+//! `added.md` beside the samples. With the one-call path (indexd tokenizes
+//! the body the Pick carries) the tokenizer callout does not happen and the
+//! Pick callout includes indexd's tokenization.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::overhead::histogram::{FILTER_DURATION, Hist, INDEX_DURATION, TOKENIZER_DURATION};
+use crate::{BenchError, sample};
+
+/// The CSV of [`AddedRow`]s.
+pub const ADDED_CSV: &str = "added.csv";
+/// Its table.
+pub const ADDED_MD: &str = "added.md";
+
+/// The histograms read, and their names in the files.
+const METRICS: [(&str, &str); 3] = [
+    (FILTER_DURATION, "hold"),
+    (TOKENIZER_DURATION, "tokenizer_call"),
+    (INDEX_DURATION, "pick_call"),
+];
+
+/// One filter histogram of one gateway after one run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AddedRow {
+    /// Workload name.
+    pub workload: String,
+    /// Profile name.
+    pub profile: String,
+    /// Gateway index.
+    pub gateway: u32,
+    /// `hold`, `tokenizer_call` or `pick_call`.
+    pub metric: String,
+    /// Observations.
+    pub count: u64,
+    /// Mean, µs.
+    pub mean_us: Option<f64>,
+    /// Median, µs.
+    pub p50_us: Option<f64>,
+    /// 99th percentile, µs.
+    pub p99_us: Option<f64>,
+}
+
+/// The rows of one gateway's histograms (`hists` as read from its Envoy).
+pub fn rows(
+    workload: &str,
+    profile: &str,
+    gateway: u32,
+    hists: &std::collections::BTreeMap<String, Hist>,
+) -> Vec<AddedRow> {
+    METRICS
+        .iter()
+        .map(|(name, metric)| {
+            let h = hists.get(*name).cloned().unwrap_or_default();
+            AddedRow {
+                workload: workload.to_owned(),
+                profile: profile.to_owned(),
+                gateway,
+                metric: (*metric).to_owned(),
+                count: h.count(),
+                mean_us: h.mean(),
+                p50_us: h.quantile(0.5),
+                p99_us: h.quantile(0.99),
+            }
+        })
+        .collect()
+}
+
+fn ms(v: Option<f64>) -> String {
+    v.map_or_else(|| "–".to_owned(), |us| format!("{:.1}", us / 1e3))
+}
+
+/// The table of `added.md`: one line per workload × profile × gateway.
+pub fn markdown(rows: &[AddedRow]) -> String {
+    let mut out = String::from(
+        "# What kvroute's filter added per request\n\n\
+         Per gateway, from its Envoy's filter histograms after the run (every request of the run, \
+         first turns included), in ms: mean / p50 / p99. Hold: from the request's headers until \
+         the filter lets it go on (the body buffered, tokens and the Pick). Pick call: the \
+         callout to indexd, which here also tokenizes the body (one-call path); tokenizer call: \
+         the replica's `/tokenize` when the filter calls it itself (`–`: not used).\n\n\
+         | workload | profile | gateway | requests | hold | pick call | tokenizer call |\n\
+         |---|---|---:|---:|---:|---:|---:|\n",
+    );
+    let mut keys: Vec<(&str, &str, u32)> = rows
+        .iter()
+        .map(|r| (r.workload.as_str(), r.profile.as_str(), r.gateway))
+        .collect();
+    keys.dedup();
+    for (workload, profile, gateway) in keys {
+        let of = |metric: &str| {
+            rows.iter().find(|r| {
+                r.workload == workload
+                    && r.profile == profile
+                    && r.gateway == gateway
+                    && r.metric == metric
+            })
+        };
+        let cell = |metric: &str| {
+            of(metric).filter(|r| r.count > 0).map_or_else(
+                || "–".to_owned(),
+                |r| format!("{} / {} / {}", ms(r.mean_us), ms(r.p50_us), ms(r.p99_us)),
+            )
+        };
+        let requests = of("hold").map_or(0, |r| r.count);
+        let _ = writeln!(
+            out,
+            "| {workload} | {profile} | {gateway} | {requests} | {} | {} | {} |",
+            cell("hold"),
+            cell("pick_call"),
+            cell("tokenizer_call")
+        );
+    }
+    out
+}
+
+/// Writes `added.csv` and `added.md` into `dir` (nothing when `rows` is empty).
+pub fn write(dir: &Path, rows: &[AddedRow]) -> Result<(), BenchError> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    sample::write_csv(&dir.join(ADDED_CSV), rows)?;
+    let path = dir.join(ADDED_MD);
+    std::fs::write(&path, markdown(rows)).map_err(|e| BenchError::io(&path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::overhead::histogram::Bin;
+
+    #[test]
+    fn a_table_line_per_gateway_with_each_metric_in_ms() {
+        let mut hists = std::collections::BTreeMap::new();
+        let bin = |lower: f64, count: u64| Bin {
+            lower,
+            width: 100.0,
+            count,
+        };
+        hists.insert(
+            FILTER_DURATION.to_owned(),
+            Hist::new(vec![bin(1_000.0, 3), bin(5_000.0, 1)], Some(8_000.0)),
+        );
+        hists.insert(
+            INDEX_DURATION.to_owned(),
+            Hist::new(vec![bin(900.0, 4)], Some(3_800.0)),
+        );
+        let mut all = rows("w2-lite", "kvroute-precise", 0, &hists);
+        all.extend(rows("w2-lite", "kvroute-precise", 1, &hists));
+        assert_eq!(all.len(), 6);
+        let md = markdown(&all);
+        assert!(
+            md.contains(
+                "| w2-lite | kvroute-precise | 0 | 4 | 2.0 / 1.1 / 5.1 | 0.9 / 0.9 / 1.0 | – |"
+            ),
+            "{md}"
+        );
+        assert!(md.contains("| w2-lite | kvroute-precise | 1 | 4 |"), "{md}");
+    }
+}
