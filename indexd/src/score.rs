@@ -277,7 +277,7 @@ fn overhead(load: &Load) -> f64 {
 /// The estimated time a replica with `load` takes to prefill `tokens` of a
 /// request: at its fitted speed (else the prior), plus its fixed time per
 /// request.
-pub fn prefill_seconds(load: &Load, tokens: f64, w: &Weights) -> f64 {
+fn prefill_seconds(load: &Load, tokens: f64, w: &Weights) -> f64 {
     let s = tokens.max(0.0) / rate(load, w) + overhead(load);
     if s.is_finite() { s } else { 0.0 }
 }
@@ -561,6 +561,18 @@ mod tests {
     /// A conversation of `held` blocks on replica 0, waiting `queue` requests
     /// there; replica 1 holds nothing and is idle. Replica 1's fitted speed is
     /// `cold_rate` (None: the prior).
+    /// The move rule's verdict and the first candidate, default weights.
+    fn verdict(inputs: &[Input], prompt_tokens: u32) -> (Move, usize) {
+        let r = rank(
+            inputs,
+            prompt_tokens,
+            64,
+            &Weights::default(),
+            &mut StdRng::seed_from_u64(1),
+        );
+        (r.moved, r.ranked[0].input)
+    }
+
     fn warm_and_cold(held: u32, queue: f64, cold_rate: Option<f64>) -> [Input; 2] {
         let mut cold = input(0, 0, 0.0, 0.0);
         cold.load.prefill_tokens_per_second = cold_rate;
@@ -627,42 +639,25 @@ mod tests {
         let inputs = [warm, cold];
         let by_cost_alone = by_cost(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
         assert_eq!(by_cost_alone[0].input, 1);
-        let ranking = rank(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
-        assert_eq!(ranking.moved, Move::Held);
-        assert_eq!(ranking.ranked[0].input, 0);
+        assert_eq!(verdict(&inputs, 64 * 52), (Move::Held, 0));
     }
 
     #[test]
     fn speculative_blocks_count_as_cached_but_earn_no_hold() {
-        let w = Weights::default();
         // The shared prompt (12 blocks) was just sent to replica 0 with a
         // first conversation, whose prefill is queued there; a second
         // conversation lacks 3 blocks there, 15 on the idle replica.
         let mut first = input(12, 0, 0.0, 0.0);
         first.load.queued_seconds = 0.15;
         let idle = input(0, 0, 0.0, 0.0);
-        let held = rank(
-            &[first, idle],
-            64 * 15,
-            64,
-            &w,
-            &mut StdRng::seed_from_u64(1),
-        );
         assert_eq!(
-            (held.moved, held.ranked[0].input),
+            verdict(&[first, idle], 64 * 15),
             (Move::Held, 0),
             "in its events: defended"
         );
         first.matched.speculative = 12;
-        let spread = rank(
-            &[first, idle],
-            64 * 15,
-            64,
-            &w,
-            &mut StdRng::seed_from_u64(1),
-        );
         assert_eq!(
-            (spread.moved, spread.ranked[0].input),
+            verdict(&[first, idle], 64 * 15),
             (Move::None, 1),
             "only credited: the cheaper replica"
         );
@@ -670,7 +665,6 @@ mod tests {
 
     #[test]
     fn a_reprefill_costs_no_less_than_the_prior_says() {
-        let w = Weights::default();
         // Both fitted at 100,000 tokens/s (short batched prefills); the warm
         // one has 50 ms queued. Re-prefilling 2,048 tokens "takes" 20 ms at
         // the fit, 256 ms at the prior: held.
@@ -679,19 +673,11 @@ mod tests {
         warm.load.queued_seconds = 0.05;
         let mut cold = input(12, 0, 0.0, 0.0);
         cold.load.prefill_tokens_per_second = Some(100_000.0);
-        let ranking = rank(
-            &[warm, cold],
-            64 * 52,
-            64,
-            &w,
-            &mut StdRng::seed_from_u64(1),
-        );
-        assert_eq!((ranking.moved, ranking.ranked[0].input), (Move::Held, 0));
+        assert_eq!(verdict(&[warm, cold], 64 * 52), (Move::Held, 0));
     }
 
     #[test]
     fn a_passing_queue_moves_nothing_a_lasting_imbalance_does() {
-        let w = Weights::default();
         // 1 s of this indexd's prefill queued on the warm replica, nothing
         // waiting in vLLM's metrics: the move would save 1 s for 0.4 s of
         // re-prefill, but both replicas had as many picks lately.
@@ -700,35 +686,18 @@ mod tests {
         warm.load.recent_picks_per_second = 1.0;
         let mut cold = input(0, 0, 0.0, 0.0);
         cold.load.recent_picks_per_second = 1.0;
-        let ranking = rank(
-            &[warm, cold],
-            64 * 52,
-            64,
-            &w,
-            &mut StdRng::seed_from_u64(1),
-        );
-        assert_eq!((ranking.moved, ranking.ranked[0].input), (Move::Held, 0));
+        assert_eq!(verdict(&[warm, cold], 64 * 52), (Move::Held, 0));
         // The warm one had half as many again: a lasting imbalance.
         warm.load.recent_picks_per_second = 1.5;
-        let order = |warm: Input, cold: Input| {
-            let r = rank(
-                &[warm, cold],
-                64 * 52,
-                64,
-                &w,
-                &mut StdRng::seed_from_u64(1),
-            );
-            (r.moved, r.ranked[0].input)
-        };
-        assert_eq!(order(warm, cold), (Move::Moved, 1));
+        assert_eq!(verdict(&[warm, cold], 64 * 52), (Move::Moved, 1));
         // At start, 4 picks against 2.5 over the 10 s window: 60% more, but
         // fewer than two picks more.
         warm.load.recent_picks_per_second = 0.4;
         cold.load.recent_picks_per_second = 0.25;
-        assert_eq!(order(warm, cold), (Move::Held, 0));
+        assert_eq!(verdict(&[warm, cold], 64 * 52), (Move::Held, 0));
         // vLLM reports requests waiting there: that is every gateway's load.
         warm.load.waiting = 1.0;
-        assert_eq!(order(warm, cold).0, Move::Moved);
+        assert_eq!(verdict(&[warm, cold], 64 * 52).0, Move::Moved);
     }
 
     #[test]
