@@ -404,7 +404,10 @@ async fn run(args: Args) -> Result<bool, String> {
             progress.clone(),
         );
         let (rate, replicas) = (args.pick_rate, args.replicas);
-        std::thread::spawn(move || picker(grpc, rate, replicas, progress, sink, stop))
+        std::thread::Builder::new()
+            .name("soak-picker".into())
+            .spawn(move || picker(grpc, rate, replicas, progress, sink, stop))
+            .map_err(|e| format!("the picker's thread: {e}"))?
     };
 
     let started = Instant::now();

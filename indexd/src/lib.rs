@@ -14,7 +14,8 @@
 //!   replays over DEALER, purges.
 //! - [`index`]: the block index (partitions, tiers); `credits`: speculative
 //!   entries and approximate-mode keys (runs credited for a while).
-//! - `score`: the cost model, a pure function over a snapshot.
+//! - `score`: the cost model, a pure function over a snapshot;
+//!   `conversations`: where this indexd's conversations are (its move rule).
 //! - [`load`]: background scrape of each replica's /metrics;
 //!   [`calibrate`]: each replica's prefill speed fitted from them.
 //! - `affinity`: response-id affinity and approximate-mode keys.
@@ -42,6 +43,7 @@ mod affinity;
 pub mod auth;
 pub mod calibrate;
 pub mod config;
+mod conversations;
 mod credits;
 mod daemon;
 mod discovery;

@@ -259,14 +259,20 @@ fn snapshot(
         let lookup = &shared.lookup;
         lookup.match_prefix(lookup.partition(&req.model), &keys, &slots, now)
     };
-    let inputs = eligible
-        .iter()
-        .zip(&matches)
-        .map(|(r, m)| Input {
-            matched: *m,
-            load: r.load(now, cfg.pending_pick_ttl),
-        })
-        .collect();
+    let inputs = {
+        let mut conversations = lock(&shared.conversations);
+        eligible
+            .iter()
+            .zip(&matches)
+            .map(|(r, m)| {
+                let mut load = r.load(now, cfg.pending_pick_ttl);
+                #[allow(clippy::cast_precision_loss)]
+                let on = conversations.on(r.slot, now) as f64;
+                load.conversations = on;
+                Input { matched: *m, load }
+            })
+            .collect()
+    };
     Snapshot {
         eligible,
         keys,
@@ -313,6 +319,7 @@ fn explain(req: &PickRequest, snap: &Snapshot, ranking: &Ranking) {
             running = input.load.running,
             waiting = input.load.waiting,
             queued_seconds = input.load.queued_seconds,
+            conversations = input.load.conversations,
             prefill_tokens_per_second = input.load.prefill_tokens_per_second,
             prefill_overhead_seconds = input.load.prefill_overhead_seconds,
             cost_seconds = r.cost,
@@ -351,6 +358,10 @@ fn credit(shared: &Shared, req: &PickRequest, snap: &Snapshot, ranking: &Ranking
         .unwrap_or_default();
     let prefill = score::prefill_time(&load, queued, &cfg.weights);
     chosen.note_pick(now, &req.request_id, prefill);
+    // Where conversations are: the move rule's lasting imbalance.
+    if !snap.keys.is_empty() {
+        lock(&shared.conversations).place(&snap.keys, chosen.slot, now);
+    }
     if snap.mismatch || held >= snap.keys.len() {
         return;
     }

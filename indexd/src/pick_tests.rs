@@ -525,3 +525,40 @@ fn observe_is_rate_limited_before_anything_else() {
     observe(&s, &o("d"), now + Duration::from_millis(100)).unwrap();
     assert!(observe(&s, &o("e"), now + Duration::from_millis(100)).is_err());
 }
+
+#[test]
+fn picks_count_each_conversation_where_its_latest_turn_went() {
+    let (s, replicas) = shared(2, |c| c.speculative_ttl = Duration::ZERO);
+    let now = Instant::now();
+    let to = |tokens: &[u32]| {
+        let address = pick(&s, &req(&keys(tokens)), now).unwrap().candidates[0]
+            .address
+            .clone();
+        replicas
+            .iter()
+            .position(|r| r.id().to_string() == address)
+            .unwrap()
+    };
+    let counts = || {
+        let mut c = lock(&s.conversations);
+        [c.on(replicas[0].slot, now), c.on(replicas[1].slot, now)]
+    };
+    // Two conversations sharing their first 8 tokens (2 blocks).
+    let x: Vec<u32> = (0..8).chain(100..124).collect();
+    let y: Vec<u32> = (0..8).chain(200..216).collect();
+    let (x_at, y_at) = (to(&x), to(&y));
+    let mut expected = [0, 0];
+    expected[x_at] += 1;
+    expected[y_at] += 1;
+    assert_eq!(counts(), expected);
+    // x's next turns continue it, wherever they go: still two conversations.
+    let mut turn = x;
+    for next in 1..4u32 {
+        turn.extend(1_000 * next..1_000 * next + 40);
+        let at = to(&turn);
+        let mut expected = [0, 0];
+        expected[at] += 1;
+        expected[y_at] += 1;
+        assert_eq!(counts(), expected, "turn {next}");
+    }
+}

@@ -43,11 +43,14 @@
 //! re-prefill no faster than the prior `prefill_tokens_per_second`.
 //!
 //! A passing queue does not move a conversation either: unless vLLM reports
-//! requests waiting on the warm replica, the move also needs it to have had
-//! more than `1 + move_imbalance` times the target's picks lately, and at
-//! least two more. Moved
-//! conversations take their later turns along, so between replicas with as
-//! many conversations each, moves would only trade them back and forth.
+//! requests waiting on the warm replica, the move also needs this indexd to
+//! have more conversations there than on the target: more than
+//! `1 + move_imbalance` times as many, and two more
+//! ([`crate::conversations`]: each conversation counts where its latest
+//! turn went). Moved conversations take their later turns along, so between
+//! replicas with as many conversations each, moves would only trade them
+//! back and forth; and the pace of picks is no measure, since conversations
+//! on a faster replica take their turns faster.
 //!
 //! Only blocks the replica's events show are defended this way. Blocks held
 //! speculatively (a pick just sent them there: the shared prompt of
@@ -68,11 +71,10 @@ use serde::Deserialize;
 use crate::error::ConfigError;
 use crate::event::Tier;
 use crate::index::PrefixMatch;
-use crate::state::RECENT_PICKS_WINDOW;
 
-/// A lasting imbalance is also at least this many more picks over the
-/// window (at start, one pick is 25% of four).
-const MIN_IMBALANCE_PICKS: f64 = 2.0;
+/// A lasting imbalance is also this many more conversations on the warm
+/// replica than on the target (one more is none: a move would invert it).
+const MIN_CONVERSATION_GAP: f64 = 2.0;
 
 /// The cost model's weights (config `weights:`).
 #[derive(Clone, Copy, Debug, PartialEq, Deserialize)]
@@ -98,8 +100,8 @@ pub struct Weights {
     /// more than this many times its re-prefill time (0: cheapest wins).
     pub move_margin: f64,
     /// Unless vLLM reports requests waiting there, a move also needs the
-    /// warm replica to have had more than `1 + move_imbalance` times the
-    /// target's picks lately (a lasting imbalance, not a passing queue).
+    /// warm replica to hold more than `1 + move_imbalance` times the
+    /// target's conversations (a lasting imbalance, not a passing queue).
     pub move_imbalance: f64,
 }
 
@@ -199,9 +201,9 @@ pub struct Load {
     pub prefill_tokens_per_second: Option<f64>,
     /// Its fitted fixed prefill time per request, in seconds (0 unfitted).
     pub prefill_overhead_seconds: f64,
-    /// This indexd's picks of it lately, per second (decayed over
-    /// [`crate::state::RECENT_PICKS_WINDOW`]).
-    pub recent_picks_per_second: f64,
+    /// Conversations whose latest turn this indexd sent there
+    /// ([`crate::conversations`]).
+    pub conversations: f64,
 }
 
 /// One candidate as the scorer sees it.
@@ -372,14 +374,11 @@ fn apply_move_rule(
     // conversations stay where they go, so a move shifts all of its later
     // turns too, and two replicas with as many conversations each would only
     // trade them back and forth. vLLM's own waiting requests are (every
-    // gateway's load); else this indexd's recent picks must be uneven.
-    let (warm_rate, target_rate) = (
-        warm_input.load.recent_picks_per_second,
-        cheapest.load.recent_picks_per_second,
-    );
+    // gateway's load); else this indexd's conversations must be uneven.
+    let (warm_held, target_held) = (warm_input.load.conversations, cheapest.load.conversations);
     let lasting = warm_input.load.waiting > 0.0
-        || (warm_rate > target_rate * (1.0 + w.move_imbalance)
-            && warm_rate - target_rate >= MIN_IMBALANCE_PICKS / RECENT_PICKS_WINDOW.as_secs_f64());
+        || (warm_held > target_held * (1.0 + w.move_imbalance)
+            && warm_held - target_held >= MIN_CONVERSATION_GAP);
     if saving > w.move_margin * reprefill_seconds && lasting {
         return Move::Moved;
     }
@@ -680,20 +679,23 @@ mod tests {
     fn a_passing_queue_moves_nothing_a_lasting_imbalance_does() {
         // 1 s of this indexd's prefill queued on the warm replica, nothing
         // waiting in vLLM's metrics: the move would save 1 s for 0.4 s of
-        // re-prefill, but both replicas had as many picks lately.
+        // re-prefill, but both replicas hold as many conversations.
         let mut warm = input(50, 0, 0.0, 0.0);
         warm.load.queued_seconds = 1.0;
-        warm.load.recent_picks_per_second = 1.0;
+        warm.load.conversations = 4.0;
         let mut cold = input(0, 0, 0.0, 0.0);
-        cold.load.recent_picks_per_second = 1.0;
+        cold.load.conversations = 4.0;
         assert_eq!(verdict(&[warm, cold], 64 * 52), (Move::Held, 0));
-        // The warm one had half as many again: a lasting imbalance.
-        warm.load.recent_picks_per_second = 1.5;
+        // One more there: a move would only invert the gap.
+        warm.load.conversations = 5.0;
+        cold.load.conversations = 4.0;
+        assert_eq!(verdict(&[warm, cold], 64 * 52), (Move::Held, 0));
+        // Five against three: the move evens them.
+        cold.load.conversations = 3.0;
         assert_eq!(verdict(&[warm, cold], 64 * 52), (Move::Moved, 1));
-        // At start, 4 picks against 2.5 over the 10 s window: 60% more, but
-        // fewer than two picks more.
-        warm.load.recent_picks_per_second = 0.4;
-        cold.load.recent_picks_per_second = 0.25;
+        // Two more but not a quarter more (many conversations): held.
+        warm.load.conversations = 10.0;
+        cold.load.conversations = 8.0;
         assert_eq!(verdict(&[warm, cold], 64 * 52), (Move::Held, 0));
         // vLLM reports requests waiting there: that is every gateway's load.
         warm.load.waiting = 1.0;

@@ -54,6 +54,7 @@ use crate::affinity::{Affinity, Approximate};
 use crate::auth::Token;
 use crate::calibrate::{Calibration, PrefillCounters, PrefillSpeed};
 use crate::config::{Config, EndpointConfig, EndpointId};
+use crate::conversations::Conversations;
 use crate::event::{EventBatch, KvEvent};
 use crate::ids::ReplicaSlot;
 use crate::index::{Applied, ApplyStats, Index, Lookup};
@@ -123,9 +124,6 @@ struct Fitted {
 }
 
 const MAX_PENDING: usize = 4096;
-/// The time constant of a replica's recent pick rate (the move rule's
-/// lasting imbalance).
-pub(crate) const RECENT_PICKS_WINDOW: Duration = Duration::from_secs(10);
 /// The longest prefill one pick may stand for (a bound on bad estimates).
 const MAX_PICK_PREFILL: Duration = Duration::from_secs(60);
 
@@ -144,9 +142,6 @@ struct PickQueue {
     picks: VecDeque<PendingPick>,
     /// When the prefill of every pick noted so far is estimated to be done.
     busy_until: Option<Instant>,
-    /// Picks per second, decayed over [`RECENT_PICKS_WINDOW`], as of `rate_at`.
-    rate: f64,
-    rate_at: Option<Instant>,
 }
 
 /// One pick sent to the replica.
@@ -168,8 +163,6 @@ impl PickQueue {
         let start = self.busy_until.filter(|b| *b > now).unwrap_or(now);
         let end = start + prefill.min(MAX_PICK_PREFILL);
         self.busy_until = Some(end);
-        self.rate = self.rate_at(now) + 1.0 / RECENT_PICKS_WINDOW.as_secs_f64();
-        self.rate_at = Some(now);
         self.picks.push_back(PendingPick {
             at: now,
             request_id: request_id.to_owned(),
@@ -194,17 +187,6 @@ impl PickQueue {
             self.busy_until = Some(b.checked_sub(left).map_or(now, |e| e.max(now)));
         }
         true
-    }
-
-    /// Picks per second lately, as of `now`: each pick adds `1 / τ` and the
-    /// sum decays by `e^(−t/τ)` (τ = [`RECENT_PICKS_WINDOW`]), so a steady
-    /// rate reads as itself.
-    fn rate_at(&self, now: Instant) -> f64 {
-        let Some(at) = self.rate_at else {
-            return 0.0;
-        };
-        let t = now.saturating_duration_since(at).as_secs_f64();
-        self.rate * (-t / RECENT_PICKS_WINDOW.as_secs_f64()).exp()
     }
 
     /// Seconds of prefill queued at `now`.
@@ -382,7 +364,7 @@ impl Replica {
 
     /// The load snapshot the scorer uses.
     pub(crate) fn load(&self, now: Instant, pending_ttl: Duration) -> Load {
-        let (pending, queued_seconds, recent_picks_per_second) = {
+        let (pending, queued_seconds) = {
             let mut p = lock(&self.pending);
             while p
                 .picks
@@ -391,7 +373,7 @@ impl Replica {
             {
                 p.picks.pop_front();
             }
-            (p.picks.len(), p.queued_seconds(now), p.rate_at(now))
+            (p.picks.len(), p.queued_seconds(now))
         };
         let prefill = self.prefill_speed();
         let s = lock(&self.scraped);
@@ -404,7 +386,8 @@ impl Replica {
             kv_usage: s.kv_usage,
             pending_picks: pending as f64,
             queued_seconds,
-            recent_picks_per_second,
+            // The request path's count (crate::conversations).
+            conversations: 0.0,
             occupancy: s.occupancy,
             cache_available: s.cache_available.unwrap_or(true),
         }
@@ -472,6 +455,8 @@ pub struct Shared {
     pub(crate) affinity: Mutex<Affinity>,
     /// Approximate-mode keys.
     pub(crate) approximate: Mutex<Approximate>,
+    /// Where this indexd's conversations are (the move rule).
+    pub(crate) conversations: Mutex<Conversations>,
     /// Metrics.
     pub(crate) metrics: Metrics,
     /// Tie-breaking RNG.
@@ -510,6 +495,7 @@ impl Shared {
             registry: RwLock::new(Registry::default()),
             affinity: Mutex::new(Affinity::new(config.affinity_capacity, config.affinity_ttl)),
             approximate: Mutex::new(Approximate::new(config.approximate_capacity)),
+            conversations: Mutex::new(Conversations::default()),
             metrics: Metrics::new(),
             rng: Mutex::new(rng),
             shutdown,
@@ -688,21 +674,6 @@ mod tests {
         // A pick after the queue ran dry starts at once.
         q.note(t0 + 600 * MS, "c", 100 * MS);
         assert!((q.queued_seconds(t0 + 600 * MS) - 0.1).abs() < 1e-9);
-    }
-
-    #[test]
-    fn the_recent_pick_rate_reads_a_steady_rate_as_itself_and_decays() {
-        let t0 = Instant::now();
-        let mut q = PickQueue::default();
-        assert_eq!(q.rate_at(t0), 0.0);
-        // Two picks a second for a minute.
-        for i in 0..120u32 {
-            q.note(t0 + 500 * MS * i, "", Duration::ZERO);
-        }
-        let end = t0 + 500 * MS * 119;
-        assert!((q.rate_at(end) - 2.0).abs() < 0.1, "{}", q.rate_at(end));
-        let later = end + RECENT_PICKS_WINDOW;
-        assert!((q.rate_at(later) - q.rate_at(end) / std::f64::consts::E).abs() < 1e-9);
     }
 
     #[test]

@@ -1,0 +1,210 @@
+//! Where this indexd's conversations are: the move rule's measure of a
+//! lasting imbalance ([`crate::score`]).
+//!
+//! A conversation is known by its tip: the last full block key of the
+//! prompt its latest turn sent. The next turn's prompt continues the last
+//! one, so it holds that key among its own, usually near its end (the
+//! answer and the new message come after it): looking back from the end of
+//! a prompt for a known tip finds the conversation it continues, and where
+//! it was. A prompt that continues none starts a conversation. Each
+//! replica's count is the conversations whose latest turn went there;
+//! conversations idle for [`IDLE`] are forgotten (indexd sees no end).
+//!
+//! Counting tips is exact where counting picks is not: a replica whose
+//! conversations advance faster gets more picks for as many conversations,
+//! and a new conversation held on the replica holding only its shared
+//! system prompt is still a new conversation.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use kvroute_proto::keys::BlockKey;
+
+use crate::ids::ReplicaSlot;
+use crate::index::FastMap;
+
+/// A conversation without a turn for this long has ended, as far as the
+/// counts go.
+pub(crate) const IDLE: Duration = Duration::from_secs(300);
+/// At most this many conversations are tracked; the least recent go first.
+const MAX_CONVERSATIONS: usize = 65_536;
+/// How far back from a prompt's end its previous tip is looked for: a turn
+/// adding more blocks than this (a very long tool result) starts a new
+/// conversation in the counts, and the old one is forgotten when idle.
+const LOOKBACK: usize = 1_024;
+
+/// One conversation's latest turn.
+#[derive(Clone, Copy, Debug)]
+struct Tip {
+    slot: ReplicaSlot,
+    at: Instant,
+}
+
+/// What [`Conversations::place`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Placed {
+    /// The prompt continues no known conversation.
+    New,
+    /// It continues one whose latest turn went to this replica.
+    Continued(ReplicaSlot),
+}
+
+/// The tracked conversations (module docs).
+#[derive(Debug, Default)]
+pub(crate) struct Conversations {
+    tips: FastMap<BlockKey, Tip>,
+    /// Tips in the order they were set (some since replaced: an entry
+    /// counts only while the map holds the same time for its key).
+    order: VecDeque<(BlockKey, Instant)>,
+    per_slot: FastMap<ReplicaSlot, usize>,
+}
+
+impl Conversations {
+    /// Records that the prompt with block `keys` goes to `slot` at `now`.
+    pub(crate) fn place(&mut self, keys: &[BlockKey], slot: ReplicaSlot, now: Instant) -> Placed {
+        self.expire(now);
+        let Some(tip) = keys.last().copied() else {
+            return Placed::New;
+        };
+        let previous = keys
+            .iter()
+            .rev()
+            .take(LOOKBACK)
+            .find_map(|k| self.tips.get(k).map(|t| (*k, t.slot)));
+        let placed = match previous {
+            Some((key, from)) => {
+                self.forget(key);
+                Placed::Continued(from)
+            }
+            None => Placed::New,
+        };
+        // The same prompt again (a retry) continues itself.
+        self.forget(tip);
+        self.tips.insert(tip, Tip { slot, at: now });
+        self.order.push_back((tip, now));
+        *self.per_slot.entry(slot).or_default() += 1;
+        placed
+    }
+
+    /// The conversations whose latest turn went to `slot`, as of `now`.
+    pub(crate) fn on(&mut self, slot: ReplicaSlot, now: Instant) -> usize {
+        self.expire(now);
+        self.per_slot.get(&slot).copied().unwrap_or(0)
+    }
+
+    /// Conversations tracked.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.tips.len()
+    }
+
+    fn forget(&mut self, key: BlockKey) {
+        if let Some(t) = self.tips.remove(&key) {
+            self.uncount(t.slot);
+        }
+    }
+
+    fn uncount(&mut self, slot: ReplicaSlot) {
+        if let Some(n) = self.per_slot.get_mut(&slot) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_slot.remove(&slot);
+            }
+        }
+    }
+
+    /// Drops conversations idle for [`IDLE`], and the least recent beyond
+    /// [`MAX_CONVERSATIONS`]; the order's stale entries go on the way.
+    fn expire(&mut self, now: Instant) {
+        while let Some(&(key, at)) = self.order.front() {
+            let current = self.tips.get(&key).is_some_and(|t| t.at == at);
+            let over =
+                self.tips.len() > MAX_CONVERSATIONS || self.order.len() > 2 * MAX_CONVERSATIONS;
+            if current && !over && now.saturating_duration_since(at) < IDLE {
+                break;
+            }
+            self.order.pop_front();
+            if current {
+                self.forget(key);
+            }
+        }
+        if self.tips.is_empty() {
+            self.order.clear();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys(range: std::ops::Range<u64>) -> Vec<BlockKey> {
+        range.map(BlockKey::from_u64).collect()
+    }
+
+    const A: ReplicaSlot = ReplicaSlot(0);
+    const B: ReplicaSlot = ReplicaSlot(1);
+
+    #[test]
+    fn a_turn_continues_the_conversation_whose_tip_it_holds() {
+        let t0 = Instant::now();
+        let mut c = Conversations::default();
+        // Two conversations sharing a 12-block system prompt.
+        let x: Vec<_> = keys(0..12).into_iter().chain(keys(100..104)).collect();
+        let y: Vec<_> = keys(0..12).into_iter().chain(keys(200..203)).collect();
+        assert_eq!(c.place(&x, A, t0), Placed::New);
+        assert_eq!(
+            c.place(&y, A, t0),
+            Placed::New,
+            "the shared prompt is no tip"
+        );
+        assert_eq!(c.on(A, t0), 2);
+        // x's next turn: its prompt, the answer and a tool result.
+        let x2: Vec<_> = x.iter().copied().chain(keys(105..130)).collect();
+        assert_eq!(c.place(&x2, A, t0), Placed::Continued(A));
+        assert_eq!((c.on(A, t0), c.on(B, t0)), (2, 0));
+        // y moves to B.
+        let y2: Vec<_> = y.iter().copied().chain(keys(205..210)).collect();
+        assert_eq!(c.place(&y2, B, t0), Placed::Continued(A));
+        assert_eq!((c.on(A, t0), c.on(B, t0)), (1, 1));
+        assert_eq!(c.len(), 2);
+        // A retry of the same prompt continues itself.
+        assert_eq!(c.place(&y2, B, t0), Placed::Continued(B));
+        assert_eq!((c.on(A, t0), c.on(B, t0)), (1, 1));
+    }
+
+    #[test]
+    fn idle_conversations_are_forgotten() {
+        let t0 = Instant::now();
+        let mut c = Conversations::default();
+        c.place(&keys(0..4), A, t0);
+        c.place(&keys(10..14), B, t0 + IDLE / 2);
+        assert_eq!(c.on(A, t0 + IDLE), 0);
+        assert_eq!(c.on(B, t0 + IDLE), 1);
+        // A turn after its conversation was forgotten starts a new one.
+        let later: Vec<_> = keys(0..8);
+        assert_eq!(c.place(&later, A, t0 + IDLE), Placed::New);
+        assert_eq!(c.on(A, t0 + IDLE), 1);
+    }
+
+    #[test]
+    fn the_count_is_bounded_and_stays_consistent() {
+        let t0 = Instant::now();
+        let mut c = Conversations::default();
+        let n = u64::try_from(MAX_CONVERSATIONS).expect("fits") + 10;
+        for i in 0..n {
+            let slot = if i % 2 == 0 { A } else { B };
+            c.place(&[BlockKey::from_u64(i)], slot, t0);
+        }
+        assert!(c.len() <= MAX_CONVERSATIONS + 1, "{}", c.len());
+        assert_eq!(c.on(A, t0) + c.on(B, t0), c.len());
+        assert!(c.order.len() <= 2 * MAX_CONVERSATIONS + 1);
+    }
+
+    #[test]
+    fn an_empty_prompt_is_no_conversation() {
+        let mut c = Conversations::default();
+        assert_eq!(c.place(&[], A, Instant::now()), Placed::New);
+        assert_eq!(c.len(), 0);
+    }
+}
