@@ -32,6 +32,11 @@ const MAX_CONVERSATIONS: usize = 65_536;
 /// adding more blocks than this (a very long tool result) starts a new
 /// conversation in the counts, and the old one is forgotten when idle.
 const LOOKBACK: usize = 1_024;
+/// Bits of the filter in front of the tips (128 KiB): a new conversation's
+/// prompt looks up to [`LOOKBACK`] keys, nearly all of them no tip, and a
+/// bit test costs a fraction of a map lookup. Keys are SHA-256 prefixes
+/// (uniform), so their low bits index it.
+const FILTER_BITS: usize = 1 << 20;
 
 /// One conversation's latest turn.
 #[derive(Clone, Copy, Debug)]
@@ -50,13 +55,36 @@ pub(crate) enum Placed {
 }
 
 /// The tracked conversations (module docs).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Conversations {
     tips: FastMap<BlockKey, Tip>,
+    /// A bit per tip ever set since the last rebuild (no false negatives).
+    filter: Vec<u64>,
+    /// Tips forgotten since the filter was rebuilt (their bits linger).
+    stale_bits: usize,
     /// Tips in the order they were set (some since replaced: an entry
     /// counts only while the map holds the same time for its key).
     order: VecDeque<(BlockKey, Instant)>,
     per_slot: FastMap<ReplicaSlot, usize>,
+}
+
+impl Default for Conversations {
+    fn default() -> Self {
+        Self {
+            tips: FastMap::default(),
+            filter: vec![0; FILTER_BITS / 64],
+            stale_bits: 0,
+            order: VecDeque::new(),
+            per_slot: FastMap::default(),
+        }
+    }
+}
+
+/// A key's word and bit in the filter.
+fn bit(key: BlockKey) -> (usize, u64) {
+    #[allow(clippy::cast_possible_truncation)]
+    let at = (key.as_u64() as usize) & (FILTER_BITS - 1);
+    (at / 64, 1 << (at % 64))
 }
 
 impl Conversations {
@@ -70,6 +98,7 @@ impl Conversations {
             .iter()
             .rev()
             .take(LOOKBACK)
+            .filter(|k| self.maybe_tip(**k))
             .find_map(|k| self.tips.get(k).map(|t| (*k, t.slot)));
         let placed = match previous {
             Some((key, from)) => {
@@ -81,6 +110,10 @@ impl Conversations {
         // The same prompt again (a retry) continues itself.
         self.forget(tip);
         self.tips.insert(tip, Tip { slot, at: now });
+        let (word, mask) = bit(tip);
+        if let Some(w) = self.filter.get_mut(word) {
+            *w |= mask;
+        }
         self.order.push_back((tip, now));
         *self.per_slot.entry(slot).or_default() += 1;
         placed
@@ -98,10 +131,32 @@ impl Conversations {
         self.tips.len()
     }
 
+    fn maybe_tip(&self, key: BlockKey) -> bool {
+        let (word, mask) = bit(key);
+        self.filter.get(word).is_some_and(|w| w & mask != 0)
+    }
+
     fn forget(&mut self, key: BlockKey) {
         if let Some(t) = self.tips.remove(&key) {
             self.uncount(t.slot);
+            self.stale_bits += 1;
         }
+    }
+
+    /// Clears the bits of forgotten tips once there are more of them than
+    /// live ones (amortized O(1) per tip).
+    fn refilter(&mut self) {
+        if self.stale_bits <= self.tips.len().max(1_024) {
+            return;
+        }
+        self.filter.fill(0);
+        for key in self.tips.keys() {
+            let (word, mask) = bit(*key);
+            if let Some(w) = self.filter.get_mut(word) {
+                *w |= mask;
+            }
+        }
+        self.stale_bits = 0;
     }
 
     fn uncount(&mut self, slot: ReplicaSlot) {
@@ -131,6 +186,7 @@ impl Conversations {
         if self.tips.is_empty() {
             self.order.clear();
         }
+        self.refilter();
     }
 }
 
@@ -199,6 +255,25 @@ mod tests {
         assert!(c.len() <= MAX_CONVERSATIONS + 1, "{}", c.len());
         assert_eq!(c.on(A, t0) + c.on(B, t0), c.len());
         assert!(c.order.len() <= 2 * MAX_CONVERSATIONS + 1);
+    }
+
+    #[test]
+    fn the_filter_never_hides_a_tip_and_forgets_stale_bits() {
+        let t0 = Instant::now();
+        let mut c = Conversations::default();
+        // Many conversations, each continued once (its first tip forgotten).
+        for i in 0..5_000u64 {
+            let first = [BlockKey::from_u64(i * 1_000_003)];
+            c.place(&first, A, t0);
+            let next = [first[0], BlockKey::from_u64(i * 1_000_003 + 1)];
+            assert_eq!(c.place(&next, B, t0), Placed::Continued(A), "{i}");
+        }
+        assert_eq!(c.on(B, t0), 5_000);
+        // Stale bits were cleared along the way: at most as many as the
+        // live tips (or the floor) are left.
+        assert!(c.stale_bits <= 5_000, "{}", c.stale_bits);
+        let set: u32 = c.filter.iter().map(|w| w.count_ones()).sum();
+        assert!(set as usize <= 5_000 + c.stale_bits, "{set}");
     }
 
     #[test]
