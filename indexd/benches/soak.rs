@@ -1,9 +1,13 @@
 //! Load and soak (not CI): the real `indexd` binary as a child process, an
 //! event flood from many simulated replicas (real ZMTP over TCP, at the rate
 //! indexd decodes), and a steady stream of Picks; indexd's RSS (from
-//! `/proc/<pid>/status`) and Pick latency (p50/p99 per window) sampled
-//! throughout. Fails when the peak RSS passes its budget or a window's p99
-//! passes 1 ms. Report: `<out>/soak-indexd.{csv,md}`.
+//! `/proc/<pid>/status`) and Pick latency (p50/p99 per window, at the client
+//! and inside indexd) sampled throughout, then one window of Picks with the
+//! flood stopped (the round trip's floor). Fails when the peak RSS passes
+//! its budget or a window's p99 inside indexd passes 1 ms. With two or more
+//! CPUs, indexd's ingest runtime and the flood run on the last CPU and the
+//! request path and the Picks on the others (`--ingest-cpus`). Report:
+//! `<out>/soak-indexd.{csv,md}`.
 //!
 //! ```sh
 //! make soak-indexd                                   # 10 minutes
@@ -86,11 +90,18 @@ struct Args {
     /// indexd's `ingest_nice`.
     #[arg(long, default_value_t = 0)]
     ingest_nice: u8,
+    /// indexd's `ingest_cpus` (a cpuset list or `last[:N]`), where the flood
+    /// runs too (it stands for other machines; here it has to take some
+    /// CPU), the Picks' client on the other CPUs; `auto`: the last CPU when
+    /// there are two or more; `none`: no placement, the scheduler mixes
+    /// everything.
+    #[arg(long, default_value = "auto")]
+    ingest_cpus: String,
     /// The RSS budget in MiB (default: derived from `max_index_entries`, see
     /// the report).
     #[arg(long)]
     rss_budget_mib: Option<f64>,
-    /// The Pick p99 budget per window, in µs.
+    /// The Pick p99 budget per window inside indexd, in µs.
     #[arg(long, default_value_t = 1000.0)]
     p99_budget_us: f64,
     /// Where the report goes.
@@ -218,7 +229,11 @@ fn picker(
     progress: Vec<Arc<Progress>>,
     sink: Arc<Mutex<Vec<u32>>>,
     stop: Arc<AtomicBool>,
+    cpus: Option<indexd::cpus::CpuList>,
 ) {
+    if let Some(cpus) = &cpus {
+        indexd::cpus::pin_current_thread(cpus).unwrap();
+    }
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -271,14 +286,36 @@ fn main() -> ExitCode {
     // The flood stands for replicas on other machines: on a small machine
     // its thread runs nicer, so that it takes what the CPUs have left rather
     // than a share of the time indexd's request path needs.
+    let machine = match indexd::cpus::allowed() {
+        Ok(m) => m,
+        Err(e) => {
+            eprintln!("soak: this process's CPUs: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let placement = match placement(&args.ingest_cpus, &machine) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("soak: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // The flood's threads on the ingest side (the picker moves itself to
+    // the other; this thread, which starts indexd, stays where it is).
     let flood_nice = args.flood_nice;
+    let flood_cpus = placement.as_ref().map(|p| p.ingest.clone());
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
-        .on_thread_start(move || nicer(flood_nice))
+        .on_thread_start(move || {
+            if let Some(cpus) = &flood_cpus {
+                indexd::cpus::pin_current_thread(cpus).unwrap();
+            }
+            nicer(flood_nice);
+        })
         .enable_all()
         .build()
         .unwrap();
-    match rt.block_on(run(args)) {
+    match rt.block_on(run(args, placement, machine)) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {
@@ -288,13 +325,34 @@ fn main() -> ExitCode {
     }
 }
 
-async fn run(args: Args) -> Result<bool, String> {
+/// `--ingest-cpus` against this process's CPUs.
+fn placement(
+    text: &str,
+    allowed: &indexd::cpus::CpuList,
+) -> Result<Option<indexd::cpus::Placement>, String> {
+    let ingest: indexd::cpus::CpuSpec = match text {
+        "none" => return Ok(None),
+        "auto" if allowed.len() < 2 => return Ok(None),
+        "auto" => indexd::cpus::CpuSpec::Last(1),
+        spec => spec
+            .parse()
+            .map_err(|e| format!("--ingest-cpus {spec:?}: {e}"))?,
+    };
+    indexd::cpus::Placement::split(&ingest, allowed).map(Some)
+}
+
+async fn run(
+    args: Args,
+    placement: Option<indexd::cpus::Placement>,
+    machine: indexd::cpus::CpuList,
+) -> Result<bool, String> {
     std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
     let binary = args
         .indexd
         .clone()
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_indexd")));
     let stop = Arc::new(AtomicBool::new(false));
+    let flood_stop = Arc::new(AtomicBool::new(false));
     let counters = Arc::new(Counters::default());
     let mut listeners = Vec::new();
     let mut endpoints = String::new();
@@ -315,6 +373,10 @@ async fn run(args: Args) -> Result<bool, String> {
         Transport::Unix => format!("unix://{}", socket_dir.path().join("indexd.sock").display()),
         Transport::Tcp => "127.0.0.1:0".to_owned(),
     };
+    let cpus = placement
+        .as_ref()
+        .map(|p| format!("ingest_cpus: '{}'\n", p.ingest))
+        .unwrap_or_default();
     let snapshot = if args.snapshot {
         format!("snapshot_path: {}\n", args.out.join("index.snap").display())
     } else {
@@ -323,7 +385,7 @@ async fn run(args: Args) -> Result<bool, String> {
     std::fs::write(
         &config,
         format!(
-            "grpc_listen: '{grpc_listen}'\nhttp_listen: 127.0.0.1:0\nblock_size: {}\nmax_index_entries: {}\nspeculative_ttl: 5s\ningest_nice: {}\n{snapshot}endpoints:\n{endpoints}",
+            "grpc_listen: '{grpc_listen}'\nhttp_listen: 127.0.0.1:0\nblock_size: {}\nmax_index_entries: {}\nspeculative_ttl: 5s\ningest_nice: {}\n{cpus}{snapshot}endpoints:\n{endpoints}",
             flood::BLOCK,
             args.max_index_entries,
             args.ingest_nice
@@ -367,7 +429,7 @@ async fn run(args: Args) -> Result<bool, String> {
         floods.push(tokio::spawn(flood::publish(
             r as u64,
             l,
-            Arc::clone(&stop),
+            Arc::clone(&flood_stop),
             Arc::clone(&counters),
             Arc::clone(&progress[r]),
             flood::Mix {
@@ -404,9 +466,10 @@ async fn run(args: Args) -> Result<bool, String> {
             progress.clone(),
         );
         let (rate, replicas) = (args.pick_rate, args.replicas);
+        let cpus = placement.as_ref().map(|p| p.request.clone());
         std::thread::Builder::new()
             .name("soak-picker".into())
-            .spawn(move || picker(grpc, rate, replicas, progress, sink, stop))
+            .spawn(move || picker(grpc, rate, replicas, progress, sink, stop, cpus))
             .map_err(|e| format!("the picker's thread: {e}"))?
     };
 
@@ -419,25 +482,23 @@ async fn run(args: Args) -> Result<bool, String> {
         metric(&page, "indexd_blocks_total{outcome=\"stored\"}"),
     );
     let mut buckets = pick_buckets(&page);
-    while started.elapsed() < args.duration {
-        let next = (windows.len() as u32 + 1) * args.window;
-        tokio::time::sleep(next.saturating_sub(started.elapsed())).await;
-        page = scrape(&http).await;
+    // One window's figures from the page scraped at its end.
+    let mut measure = |page: &str| {
         let now = Instant::now();
         let secs = now.duration_since(last.0).as_secs_f64().max(1e-9);
         let (batches, blocks) = (
-            metric(&page, "indexd_batches_total"),
-            metric(&page, "indexd_blocks_total{outcome=\"stored\"}"),
+            metric(page, "indexd_batches_total"),
+            metric(page, "indexd_blocks_total{outcome=\"stored\"}"),
         );
         let mut lat = std::mem::take(&mut *latencies.lock().unwrap());
         lat.sort_unstable();
-        let after = pick_buckets(&page);
+        let after = pick_buckets(page);
         let w = Window {
             end_s: started.elapsed().as_secs_f64(),
             rss_mib: status_mib(pid, "VmRSS:"),
             hwm_mib: status_mib(pid, "VmHWM:"),
-            entries: metric(&page, "indexd_index_entries"),
-            index_mib: metric(&page, "indexd_index_bytes") / (1 << 20) as f64,
+            entries: metric(page, "indexd_index_entries"),
+            index_mib: metric(page, "indexd_index_bytes") / (1 << 20) as f64,
             batches_per_s: (batches - last.1) / secs,
             blocks_per_s: (blocks - last.2) / secs,
             picks: lat.len(),
@@ -445,14 +506,44 @@ async fn run(args: Args) -> Result<bool, String> {
             p99_us: report::quantile(&lat, 0.99),
             max_us: lat.last().map_or(0.0, |v| f64::from(*v)),
             server_p99_us: server_p99(&buckets, &after),
-            gaps: metric(&page, "indexd_seq_gaps_total"),
-            decode_errors: metric(&page, "indexd_decode_errors_total"),
+            gaps: metric(page, "indexd_seq_gaps_total"),
+            decode_errors: metric(page, "indexd_decode_errors_total"),
         };
         eprintln!("{}", w.csv());
-        windows.push(w);
         buckets = after;
         last = (now, batches, blocks);
+        w
+    };
+    while started.elapsed() < args.duration {
+        let next = (windows.len() as u32 + 1) * args.window;
+        tokio::time::sleep(next.saturating_sub(started.elapsed())).await;
+        page = scrape(&http).await;
+        windows.push(measure(&page));
     }
+    // The floor: the same Picks on the same index with the flood stopped.
+    flood_stop.store(true, Ordering::Relaxed);
+    for f in &floods {
+        f.abort();
+    }
+    // indexd drains what the sockets still buffer (seconds of the flood on
+    // loopback) before it is calm; those Picks count in no window.
+    let drained = Instant::now() + Duration::from_secs(120);
+    let mut applied = metric(&scrape(&http).await, "indexd_batches_total");
+    while Instant::now() < drained {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let now = metric(&scrape(&http).await, "indexd_batches_total");
+        if now == applied {
+            break;
+        }
+        applied = now;
+    }
+    let _ = measure(&scrape(&http).await);
+    let calm_from = started.elapsed();
+    tokio::time::sleep(args.window).await;
+    page = scrape(&http).await;
+    let mut calm = measure(&page);
+    calm.end_s = calm_from.as_secs_f64() + args.window.as_secs_f64();
+    eprintln!("soak: calm window (flood stopped): {}", calm.csv());
     let snapshots = format!(
         "snapshot writes {} (ok {}), last {:.1} MiB in {:.3} s",
         metric(&page, "indexd_snapshot_writes_total"),
@@ -462,9 +553,6 @@ async fn run(args: Args) -> Result<bool, String> {
     );
     stop.store(true, Ordering::Relaxed);
     let _ = pick_thread.join();
-    for f in floods {
-        f.abort();
-    }
     // A graceful stop, then a hard one.
     let _ = Command::new("kill")
         .args(["-TERM", &pid.to_string()])
@@ -488,8 +576,11 @@ async fn run(args: Args) -> Result<bool, String> {
          the time, the hash maps settle at up to four buckets per entry: ≈ 360 B, plus the FIFO, plus \
          up to 164 B for the key map's second copy, the one Picks read). The flood offers about {} entries (64 blocks per prompt, \
          {} prompts kept per replica){}.\n\
-         - Pick p99: {:.0} µs per window, measured at the client (a gRPC round trip on loopback, on \
-         cores the flood keeps busy).",
+         - Pick p99: {:.0} µs per window inside indexd (`indexd_pick_latency_seconds`, from the \
+         decoded request to the answer: the bucket bound holding 99% of the window's Picks). The \
+         client's figure adds the gRPC round trip (both processes' HTTP/2 stacks and wake-ups, on \
+         a VM whose idle CPUs halt): reported per window, next to its floor measured in the same \
+         run once the flood has stopped and indexd has drained its sockets.",
         args.replicas,
         args.max_index_entries,
         offered,
@@ -512,6 +603,16 @@ async fn run(args: Args) -> Result<bool, String> {
         indexd: binary.display().to_string(),
         flood_nice: args.flood_nice,
         ingest_nice: args.ingest_nice,
+        cpus: machine.len(),
+        placement: match &placement {
+            Some(p) => format!(
+                "indexd's ingest runtime (`ingest_cpus: '{}'`) and the flood on CPU {}, indexd's \
+                 request path and the Picks' client on CPU {}",
+                p.ingest, p.ingest, p.request
+            ),
+            None => "no CPU placement: the scheduler places every thread".to_owned(),
+        },
+        calm,
         mix: format!(
             "64-block prompts (two BlockStored batches), the prompt {} earlier evicted{}{}; {}.",
             flood::KEPT,

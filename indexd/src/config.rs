@@ -108,6 +108,12 @@ pub struct Config {
     /// of its work, and a nicer holder is preempted for longer while a Pick
     /// waits on it (measured: no gain in the soak on 2 CPUs).
     pub ingest_nice: u8,
+    /// The CPUs the ingest runtime runs on, one worker thread each (a
+    /// cpuset list, or `last` / `last:N` of the process's own CPUs); the
+    /// binary keeps every other thread (the request path) off them (Linux;
+    /// [`crate::cpus`]). None (the default): ingest gets one worker thread
+    /// less than the CPUs and the scheduler places everything.
+    pub ingest_cpus: Option<crate::cpus::CpuSpec>,
     /// Decoder caps.
     pub limits: Limits,
     /// Cost-model weights.
@@ -149,6 +155,7 @@ impl Config {
             max_pick_keys: 65_536,
             max_candidates: 0,
             ingest_nice: 0,
+            ingest_cpus: None,
             limits: Limits::default(),
             weights: Weights::default(),
             seed: None,
@@ -288,6 +295,14 @@ pub(crate) enum RawDuration {
     Text(String),
 }
 
+/// `ingest_cpus`: one CPU number, a cpuset list (`"2-3,6"`), `last[:N]`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub(crate) enum RawCpus {
+    One(u64),
+    List(String),
+}
+
 pub(crate) fn duration(
     field: &str,
     raw: Option<RawDuration>,
@@ -330,6 +345,7 @@ struct RawConfig {
     max_pick_keys: Option<usize>,
     max_candidates: Option<u32>,
     ingest_nice: Option<u8>,
+    ingest_cpus: Option<RawCpus>,
     max_frame_bytes: Option<usize>,
     max_events_per_batch: Option<usize>,
     max_blocks_per_event: Option<usize>,
@@ -413,6 +429,20 @@ impl RawConfig {
         c.max_pick_keys = self.max_pick_keys.unwrap_or(c.max_pick_keys);
         c.max_candidates = self.max_candidates.unwrap_or(c.max_candidates);
         c.ingest_nice = self.ingest_nice.unwrap_or(c.ingest_nice);
+        c.ingest_cpus = match self.ingest_cpus {
+            None => None,
+            Some(RawCpus::One(n)) => Some(n.to_string()),
+            Some(RawCpus::List(t)) => Some(t),
+        }
+        .map(|t| {
+            t.parse().map_err(|e| {
+                ConfigError::field(
+                    "ingest_cpus",
+                    format!("{t:?}: {e} (e.g. 1, '2-3', last, 'last:2')"),
+                )
+            })
+        })
+        .transpose()?;
         let l = &mut c.limits;
         l.max_frame_bytes = self.max_frame_bytes.unwrap_or(l.max_frame_bytes);
         l.max_events_per_batch = self.max_events_per_batch.unwrap_or(l.max_events_per_batch);

@@ -418,3 +418,25 @@ fn ranks_parse_as_lists_and_ranges() {
         assert!(parse_ranks(bad).is_err(), "{bad}");
     }
 }
+
+#[test]
+fn ingest_cpus_take_a_number_or_a_cpuset_list() {
+    use crate::cpus::{CpuList, CpuSpec};
+    assert_eq!(Config::new(Vec::new()).ingest_cpus, None);
+    let read = |yaml: &str| Config::from_yaml(yaml).unwrap().ingest_cpus.unwrap();
+    let list = |cpus: Vec<usize>| CpuSpec::List(CpuList::new(cpus).unwrap());
+    assert_eq!(read("ingest_cpus: 1\n"), list(vec![1]));
+    assert_eq!(read("ingest_cpus: '2-3,6'\n"), list(vec![2, 3, 6]));
+    assert_eq!(read("ingest_cpus: last\n"), CpuSpec::Last(1));
+    assert_eq!(read("ingest_cpus: 'last:2'\n"), CpuSpec::Last(2));
+    for bad in [
+        "ingest_cpus: '3-1'\n",
+        "ingest_cpus: x\n",
+        "ingest_cpus: ''\n",
+        "ingest_cpus: 5000\n",
+        "ingest_cpus: 'last:0'\n",
+    ] {
+        let err = Config::from_yaml(bad).unwrap_err().to_string();
+        assert!(err.contains("ingest_cpus"), "{bad}: {err}");
+    }
+}

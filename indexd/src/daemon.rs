@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::auth::Token;
 use crate::config::{Config, EndpointConfig, EndpointId};
+use crate::cpus::{CpuList, CpuSpec};
 use crate::error::StartError;
 use crate::listen::{self, GrpcListener, ListenAddr};
 use crate::server::IndexService;
@@ -59,8 +60,10 @@ impl Server {
                 .with_tokenizers(tokenizers)
                 .with_token(token),
         );
-        let ingest = IngestRuntime::start(shared.config.ingest_nice)
-            .map_err(|source| StartError::Runtime { source })?;
+        let ingest = IngestRuntime::start(
+            shared.config.ingest_nice,
+            shared.config.ingest_cpus.as_ref(),
+        )?;
         if let Some(rt) = &ingest.0 {
             let _ = shared.ingest.set(rt.handle().clone());
         }
@@ -88,23 +91,48 @@ impl Server {
     }
 }
 
-/// The subscriptions' own runtime: one worker thread less than the CPUs (at
-/// least one), so that decoding a flood of events leaves a CPU to the
-/// request path, and only that many writers take the index lock at once.
-/// Its threads run `nice` steps nicer than the process (Linux) when
-/// configured (`ingest_nice`). Shut down (without blocking) when dropped.
+/// The subscriptions' own runtime. Without `ingest_cpus`: one worker thread
+/// less than the CPUs (at least one), so that decoding a flood of events
+/// leaves a CPU to the request path, and only that many writers take the
+/// index lock at once. With it: one worker per CPU listed, each pinned to
+/// those CPUs as it starts (the binary keeps its other threads off them,
+/// [`crate::cpus`]). Its threads run `nice` steps nicer than the process
+/// (Linux) when configured (`ingest_nice`). Shut down (without blocking)
+/// when dropped.
 #[derive(Debug)]
 struct IngestRuntime(Option<tokio::runtime::Runtime>);
 
 impl IngestRuntime {
-    fn start(nice: u8) -> std::io::Result<Self> {
-        let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZero::get);
+    fn start(nice: u8, cpus: Option<&CpuSpec>) -> Result<Self, StartError> {
+        let cpus: Option<CpuList> = match cpus {
+            None => None,
+            Some(spec) => Some(
+                crate::cpus::allowed()
+                    .map_err(|e| e.to_string())
+                    .and_then(|allowed| spec.resolve(&allowed))
+                    .map_err(|reason| StartError::Placement { reason })?,
+            ),
+        };
+        let workers = match &cpus {
+            Some(list) => list.len(),
+            None => std::thread::available_parallelism()
+                .map_or(1, std::num::NonZero::get)
+                .saturating_sub(1),
+        };
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(cpus.saturating_sub(1).max(1))
+            .worker_threads(workers.max(1))
             .thread_name("indexd-ingest")
-            .on_thread_start(move || be_nicer(nice))
+            .on_thread_start(move || {
+                if let Some(list) = &cpus
+                    && let Err(e) = crate::cpus::pin_current_thread(list)
+                {
+                    tracing::warn!(error = %e, cpus = %list, "could not pin an ingest thread (ingest_cpus)");
+                }
+                be_nicer(nice);
+            })
             .enable_all()
-            .build()?;
+            .build()
+            .map_err(|source| StartError::Runtime { source })?;
         Ok(Self(Some(rt)))
     }
 }
@@ -320,7 +348,7 @@ impl Handle {
 #[cfg(test)]
 #[cfg(target_os = "linux")]
 mod tests {
-    use super::IngestRuntime;
+    use super::{CpuSpec, IngestRuntime};
     use rustix::process::getpriority_process;
 
     fn own_nice() -> i32 {
@@ -330,19 +358,39 @@ mod tests {
     #[test]
     fn ingest_threads_run_nicer_than_the_request_path() {
         let here = own_nice();
-        let rt = IngestRuntime::start(5).unwrap();
+        let rt = IngestRuntime::start(5, None).unwrap();
         let there =
             rt.0.as_ref()
                 .unwrap()
                 .block_on(async { tokio::spawn(async { own_nice() }).await.unwrap() });
         assert_eq!(there, (here + 5).min(19));
         assert_eq!(own_nice(), here, "the calling thread kept its priority");
-        let same = IngestRuntime::start(0).unwrap();
+        let same = IngestRuntime::start(0, None).unwrap();
         let there = same
             .0
             .as_ref()
             .unwrap()
             .block_on(async { tokio::spawn(async { own_nice() }).await.unwrap() });
         assert_eq!(there, here);
+    }
+
+    #[test]
+    fn ingest_threads_run_on_the_cpus_named_one_worker_each() {
+        let allowed = crate::cpus::allowed().unwrap();
+        let last = crate::cpus::CpuList::new(vec![*allowed.cpus().last().unwrap()]).unwrap();
+        let rt = IngestRuntime::start(0, Some(&CpuSpec::List(last.clone()))).unwrap();
+        let rt = rt.0.as_ref().unwrap();
+        assert_eq!(rt.metrics().num_workers(), 1);
+        let there = rt.block_on(async {
+            tokio::spawn(async { crate::cpus::allowed().unwrap() })
+                .await
+                .unwrap()
+        });
+        assert_eq!(there, last);
+        assert_eq!(
+            crate::cpus::allowed().unwrap(),
+            allowed,
+            "the caller is not moved"
+        );
     }
 }

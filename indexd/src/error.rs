@@ -56,6 +56,12 @@ pub enum StartError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// `ingest_cpus` names CPUs the process cannot place its ingest on.
+    #[error("{reason}")]
+    Placement {
+        /// What is wrong.
+        reason: String,
+    },
     /// A server stopped with an error.
     #[error("{what} server failed: {reason}")]
     Serve {

@@ -34,6 +34,8 @@
 //!   start and proven by each replica's replay ([`SnapshotConfig`]).
 //! - [`message`]: vLLM's live messages and replay answers, frame by frame.
 //! - [`state`], `metrics`, [`error`]: shared state, counters, errors.
+//! - [`cpus`]: CPU placement, the ingest runtime apart from the request
+//!   path (`ingest_cpus`).
 //! - `daemon`: [`Server`], [`Bound`] and [`Handle`], the daemon as a whole.
 //!
 //! Start in-process with [`Server::bind`] (port 0 works), read the bound
@@ -44,6 +46,7 @@ pub mod auth;
 pub mod calibrate;
 pub mod config;
 mod conversations;
+pub mod cpus;
 mod credits;
 mod daemon;
 mod discovery;

@@ -76,6 +76,12 @@ struct Args {
     /// template (added to the file's `tokenize.tokenizers`).
     #[arg(long = "tokenizer", value_name = "NAME=DIR")]
     tokenizers: Vec<String>,
+    /// Run the ingest runtime on these CPUs (a cpuset list such as 1 or 2-3,
+    /// or last / last:N of the process's own CPUs), one worker thread each,
+    /// and every other thread on the rest (Linux; overrides the file's
+    /// `ingest_cpus`).
+    #[arg(long, value_name = "LIST")]
+    ingest_cpus: Option<indexd::cpus::CpuSpec>,
     /// Once listening, print {"grpc":"ip:port","http":"ip:port"} on stdout
     /// (grpc is "unix:///path" on a socket).
     #[arg(long)]
@@ -105,6 +111,9 @@ fn config(args: &Args) -> anyhow::Result<indexd::Config> {
     }
     if let Some(p) = &args.discovery_file {
         c.discovery_file = Some(p.clone());
+    }
+    if let Some(cpus) = &args.ingest_cpus {
+        c.ingest_cpus = Some(cpus.clone());
     }
     kubernetes_flags(args, &mut c)?;
     for text in &args.endpoints {
@@ -170,10 +179,10 @@ fn kubernetes_flags(args: &Args, c: &mut indexd::Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn run(args: Args) -> anyhow::Result<()> {
-    let bound = indexd::Server::bind(config(&args)?).await?;
+async fn run(config: indexd::Config, print_addresses: bool) -> anyhow::Result<()> {
+    let bound = indexd::Server::bind(config).await?;
     tracing::info!(grpc = %bound.grpc_addr(), http = %bound.http_addr(), "indexd listening");
-    if args.print_addresses {
+    if print_addresses {
         println!(
             "{}",
             serde_json::json!({"grpc": bound.grpc_addr().to_string(), "http": bound.http_addr().to_string()})
@@ -188,6 +197,24 @@ async fn run(args: Args) -> anyhow::Result<()> {
     });
     bound.serve(shutdown).await?;
     Ok(())
+}
+
+/// The configuration, the request path placed (`ingest_cpus`: this thread,
+/// and so the runtime built next, on the other CPUs), the request runtime.
+fn start(args: &Args) -> anyhow::Result<(indexd::Config, tokio::runtime::Runtime)> {
+    let mut config = config(args)?;
+    if let Some(ingest) = &config.ingest_cpus {
+        let placement = indexd::cpus::pin_request_side(ingest).map_err(anyhow::Error::msg)?;
+        tracing::info!(ingest = %placement.ingest, request = %placement.request, "CPU placement");
+        // Resolved here, against the whole process's CPUs.
+        config.ingest_cpus = Some(indexd::cpus::CpuSpec::List(placement.ingest));
+    }
+    // Its worker count follows the CPUs this thread may use.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the request runtime")?;
+    Ok((config, rt))
 }
 
 async fn wait_for_signal() {
@@ -205,8 +232,7 @@ async fn wait_for_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -214,7 +240,10 @@ async fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
-    match run(Args::parse()).await {
+    let args = Args::parse();
+    let result =
+        start(&args).and_then(|(config, rt)| rt.block_on(run(config, args.print_addresses)));
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{e:#}");

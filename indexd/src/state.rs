@@ -35,8 +35,9 @@
 //!   by the replica's subscription.
 //!
 //! Subscriptions run on their own runtime (`ingest`, one thread less than
-//! the CPUs, at least one), so a flood of events cannot queue Picks behind
-//! it, and at most that many writers contend for `index`.
+//! the CPUs, at least one; or one per `ingest_cpus` CPU, pinned there, with
+//! the request path on the other CPUs), so a flood of events cannot queue
+//! Picks behind it, and at most that many writers contend for `index`.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};

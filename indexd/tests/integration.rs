@@ -1229,3 +1229,104 @@ mod kubernetes;
 
 #[path = "integration/metrics.rs"]
 mod metrics;
+
+/// Each thread of `pid` with its name and `Cpus_allowed_list`.
+#[cfg(target_os = "linux")]
+fn thread_cpus(pid: u32) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+    {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        let status = std::fs::read_to_string(task.path().join("status")).unwrap_or_default();
+        let cpus = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .unwrap_or_default();
+        out.push((comm.trim().to_owned(), cpus.trim().to_owned()));
+    }
+    out
+}
+
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_keeps_its_request_path_off_the_ingest_cpus() {
+    use tokio::io::AsyncBufReadExt;
+    let allowed = indexd::cpus::allowed().unwrap();
+    if allowed.len() < 2 {
+        eprintln!("skipped: needs two CPUs, this process has {allowed}");
+        return;
+    }
+    let ingest = allowed.cpus().last().unwrap().to_string();
+    let rest = allowed
+        .without(&ingest.parse().unwrap())
+        .unwrap()
+        .to_string();
+    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_indexd"))
+        .args([
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+            "--print-addresses",
+            "--ingest-cpus",
+            &ingest,
+            "--endpoint",
+            "{address: 127.0.0.1:18061, model: m, events: 'tcp://127.0.0.1:9'}",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    tokio::time::timeout(TIMEOUT, lines.next_line())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    // Threads pin themselves as they start: give them a moment.
+    let pid = child.id().unwrap();
+    let placed = |threads: &[(String, String)]| {
+        let ingest_threads = threads
+            .iter()
+            .filter(|(name, _)| name.starts_with("indexd-ingest"))
+            .count();
+        ingest_threads == 1
+            && threads.iter().all(|(name, cpus)| {
+                let want = if name.starts_with("indexd-ingest") {
+                    &ingest
+                } else {
+                    &rest
+                };
+                cpus == want
+            })
+    };
+    let deadline = std::time::Instant::now() + TIMEOUT;
+    let mut threads = thread_cpus(pid);
+    while !placed(&threads) && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        threads = thread_cpus(pid);
+    }
+    assert!(
+        placed(&threads),
+        "one ingest worker on CPU {ingest}, every other thread on {rest}: {threads:?}"
+    );
+    child.kill().await.unwrap();
+
+    // A CPU the process may not use is refused, with the reason.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_indexd"))
+        .args([
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--http-listen",
+            "127.0.0.1:0",
+        ])
+        .args(["--ingest-cpus", &allowed.to_string()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("leave at least one"), "{stderr}");
+}
