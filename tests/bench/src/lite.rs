@@ -46,6 +46,8 @@ pub struct LiteRun {
     pub workload: Workload,
     /// The replicas it needs (runs with equal options share one fleet).
     pub fleet: FleetOptions,
+    /// Which workload it comes from.
+    pub kind: LiteKind,
 }
 
 /// vLLM's block size on CPU (a multiple of 32), as the real-vLLM tier uses.
@@ -80,16 +82,19 @@ pub fn build(kinds: &[LiteKind], scale: Scale, seed: u64) -> Vec<LiteRun> {
                     out.push(LiteRun {
                         workload: w1(api, scale, seed),
                         fleet: roomy(),
+                        kind: LiteKind::W1,
                     });
                 }
             }
             LiteKind::W2 => out.push(LiteRun {
                 workload: w2("w2-lite", scale, seed, false),
                 fleet: roomy(),
+                kind: LiteKind::W2,
             }),
             LiteKind::W2Salted => out.push(LiteRun {
                 workload: w2("w2-lite-salted", scale, seed, true),
                 fleet: roomy(),
+                kind: LiteKind::W2Salted,
             }),
             LiteKind::W4 => {
                 for gateways in [2, 3] {
@@ -99,13 +104,18 @@ pub fn build(kinds: &[LiteKind], scale: Scale, seed: u64) -> Vec<LiteRun> {
                     out.push(LiteRun {
                         workload: w,
                         fleet: roomy(),
+                        kind: LiteKind::W4,
                     });
                 }
             }
             LiteKind::W3 => {
                 let w = w2("w3-lite", scale, seed, false);
                 let fleet = pressure(&w);
-                out.push(LiteRun { workload: w, fleet });
+                out.push(LiteRun {
+                    workload: w,
+                    fleet,
+                    kind: LiteKind::W3,
+                });
             }
         }
     }

@@ -23,6 +23,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use crate::fleet::{Fleet, FleetOptions};
 use crate::lite::{self, LiteKind, LiteRun};
 use crate::runner::{self, Profile, RunOptions, Target};
+// Round k's conversations are numbered from (k − 1) × this in samples.csv,
+// so that each turn meets the sticky oracle's same turn of the same round
+// and the summary tells the rounds apart.
+use crate::summary::ROUND_CONVERSATIONS;
 use crate::workload::Scale;
 use crate::{BenchError, output};
 
@@ -42,7 +46,9 @@ sglang-router-cache-aware, sticky-oracle (client-side affinity: the latency refe
 The replicas start once per cache size and are shared by the runs; each run's prompts
 carry a nonce of their own, so no profile finds another's blocks. With --rounds N, every
 workload runs N rounds of every profile (the order rotated each round), pooled in the
-summary; samples.csv numbers round k's conversations from (k - 1) x 1000.";
+summary, which also gives the ratio to the sticky oracle round by round; w2 and w2-salted
+run --one-gateway-rounds instead; samples.csv numbers round k's conversations from
+(k - 1) x 1000.";
 
 /// The `vllm` subcommand's flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -79,15 +85,26 @@ pub struct Args {
     /// rotated each round).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=20))]
     pub rounds: u32,
+    /// Rounds of w2-lite and w2-lite-salted instead (one gateway: their
+    /// latency against the sticky oracle is what they measure, and one
+    /// round's ratio moves by ±17% on a shared 2-CPU machine; a round of
+    /// every profile takes about 40 s).
+    #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub one_gateway_rounds: u32,
     /// Output directory.
     #[arg(long, default_value = "tests/bench/results-vllm")]
     pub out: PathBuf,
 }
 
-/// Round `k`'s conversations are numbered from `(k − 1) ×` this in
-/// samples.csv (a lite workload has far fewer), so that each turn is matched
-/// with the sticky oracle's same turn of the same round.
-const ROUND_CONVERSATIONS: u32 = 1_000;
+impl Args {
+    /// How many rounds of `kind`'s runs.
+    fn rounds_of(&self, kind: LiteKind) -> u32 {
+        match kind {
+            LiteKind::W2 | LiteKind::W2Salted => self.one_gateway_rounds,
+            LiteKind::W1 | LiteKind::W4 | LiteKind::W3 => self.rounds,
+        }
+    }
+}
 
 /// A line on stderr, also when the progress bar is hidden (no terminal: a log).
 fn say(progress: &ProgressBar, line: &str) {
@@ -125,9 +142,11 @@ fn start_fleet(options: FleetOptions, progress: &ProgressBar) -> Result<Fleet, B
 pub fn run(args: &Args) -> Result<(), BenchError> {
     let started = Instant::now();
     let runs = lite::build(&args.workloads, args.scale, args.seed);
-    let total: usize = runs.iter().map(|r| r.workload.requests()).sum::<usize>()
-        * args.profiles.len()
-        * args.rounds as usize;
+    let total: usize = runs
+        .iter()
+        .map(|r| r.workload.requests() * args.rounds_of(r.kind) as usize)
+        .sum::<usize>()
+        * args.profiles.len();
     let progress = ProgressBar::new(total as u64);
     if let Ok(style) =
         ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}")
@@ -182,19 +201,23 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
                 fleet_started.elapsed().as_secs_f64()
             ),
         );
+        // Each round rotates the profiles' order by one.
         let n = args.profiles.len();
-        let rounds = (1..=args.rounds).flat_map(|round| {
-            let k = (round as usize - 1) % n.max(1);
-            args.profiles
-                .iter()
-                .cycle()
-                .skip(k)
-                .take(n)
-                .map(move |p| (round, p))
-        });
-        let rounds: Vec<_> = rounds.collect();
+        let order = |rounds: u32| -> Vec<(u32, &Profile)> {
+            (1..=rounds)
+                .flat_map(|round| {
+                    let k = (round as usize - 1) % n.max(1);
+                    args.profiles
+                        .iter()
+                        .cycle()
+                        .skip(k)
+                        .take(n)
+                        .map(move |p| (round, p))
+                })
+                .collect()
+        };
         for r in these {
-            for &(round, p) in &rounds {
+            for (round, p) in order(args.rounds_of(r.kind)) {
                 nonce += 1;
                 let tag = format!("Run {nonce:03}.");
                 let target = Target::Vllm {

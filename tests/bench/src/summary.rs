@@ -69,6 +69,12 @@ pub struct Group {
     /// workload (workloads run with the sticky oracle only, as are the moves).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vs_sticky: Option<f64>,
+    /// The same ratio round by round (`kvroute-bench vllm --rounds`: round
+    /// k's conversations are numbered from (k − 1) × [`ROUND_CONVERSATIONS`]),
+    /// when there are two rounds or more: how far one round's ratio moves on
+    /// the machine, which the pooled ratio's CI does not show.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub vs_sticky_rounds: Vec<f64>,
     /// Continuations served by another replica than the request they continue.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moves: Option<usize>,
@@ -159,9 +165,28 @@ pub fn summarize(samples: &[Sample]) -> Summary {
     Summary { groups, phases }
 }
 
+/// Round k's conversations are numbered from (k − 1) × this in a
+/// multi-round run's samples (a workload has far fewer conversations).
+pub const ROUND_CONVERSATIONS: u32 = 1_000;
+
+/// Mean continuation latency per round: `(round, mean)`, ascending.
+fn round_means(rows: &[&Sample]) -> BTreeMap<u32, f64> {
+    let mut by_round: BTreeMap<u32, Vec<f64>> = BTreeMap::new();
+    for s in rows.iter().filter(|s| s.ok() && s.is_continuation()) {
+        by_round
+            .entry(s.conversation / ROUND_CONVERSATIONS)
+            .or_default()
+            .push(s.latency_ms);
+    }
+    by_round
+        .into_iter()
+        .map(|(r, v)| (r, Dist::of(&v).mean))
+        .collect()
+}
+
 /// For workloads run with the sticky oracle: each profile's mean latency
-/// against it, and its moves, judged turn by turn against the sticky
-/// oracle's same turn.
+/// against it (pooled, and round by round), and its moves, judged turn by
+/// turn against the sticky oracle's same turn.
 fn against_sticky(by_profile: &[((String, String), Vec<&Sample>)], groups: &mut [Group]) {
     for g in groups.iter_mut() {
         let Some((_, sticky_rows)) = by_profile
@@ -191,6 +216,15 @@ fn against_sticky(by_profile: &[((String, String), Vec<&Sample>)], groups: &mut 
         );
         if sticky_mean.n > 0 && sticky_mean.mean > 0.0 && g.latency_ms.n > 0 {
             g.vs_sticky = Some(g.latency_ms.mean / sticky_mean.mean);
+        }
+        let sticky_rounds = round_means(sticky_rows);
+        if sticky_rounds.len() >= 2 {
+            g.vs_sticky_rounds = round_means(rows)
+                .iter()
+                .filter_map(|(r, mean)| {
+                    sticky_rounds.get(r).filter(|s| **s > 0.0).map(|s| mean / s)
+                })
+                .collect();
         }
         let moves: Vec<&&Sample> = rows.iter().filter(|s| s.ok() && s.moved()).collect();
         let unpaid = moves
@@ -226,6 +260,18 @@ fn against_sticky(by_profile: &[((String, String), Vec<&Sample>)], groups: &mut 
     }
 }
 
+/// `"6: 0.82–1.30, 1.02 ± 0.18"` (rounds, range, mean ± CI95), or `–`.
+fn by_round(ratios: &[f64]) -> String {
+    if ratios.len() < 2 {
+        return "–".to_owned();
+    }
+    let d = Dist::of(ratios);
+    format!(
+        "{}: {:.2}–{:.2}, {:.2} ± {:.2}",
+        d.n, d.min, d.max, d.mean, d.ci95
+    )
+}
+
 fn group(workload: String, profile: String, rows: &[&Sample]) -> Group {
     let ok: Vec<&Sample> = rows.iter().copied().filter(|s| s.ok()).collect();
     let cont: Vec<&Sample> = ok.iter().copied().filter(|s| s.is_continuation()).collect();
@@ -256,6 +302,7 @@ fn group(workload: String, profile: String, rows: &[&Sample]) -> Group {
         ttft_ms: Dist::of(&ttft),
         all_latency_ms: Dist::of(&all),
         vs_sticky: None,
+        vs_sticky_rounds: Vec::new(),
         moves: None,
         unpaid_moves: None,
         moves_reprefilled_tokens: None,
@@ -288,7 +335,10 @@ impl Summary {
         if self.groups.iter().any(|g| g.moves.is_some()) {
             out.push_str(
                 "\nWith the sticky oracle (client-side affinity, conversations split evenly): \
-                 vs sticky: mean continuation latency over the sticky oracle's. Moves: \
+                 vs sticky: mean continuation latency over the sticky oracle's; by round (runs \
+                 with rounds): the same ratio in each round, its range and mean ± CI95 (t): one \
+                 round's ratio moves with the shared machine far more than the pooled samples' \
+                 CI shows. Moves: \
                  continuations served by another replica than the request they continue; did \
                  not pay: moves that re-prefilled tokens the best replica held (cached < oracle) \
                  and were slower than the same turn under the sticky oracle; re-prefilled: \
@@ -303,8 +353,8 @@ impl Summary {
                 .any(|g| g.workload == w && g.moves.is_some());
             let (extra_head, extra_rule) = if sticky {
                 (
-                    " vs sticky | moves | did not pay | re-prefilled | load split |",
-                    "---:|---:|---:|---:|---:|",
+                    " vs sticky | by round | moves | did not pay | re-prefilled | load split |",
+                    "---:|---:|---:|---:|---:|---:|",
                 )
             } else {
                 ("", "")
@@ -318,9 +368,10 @@ impl Summary {
             for g in self.groups.iter().filter(|g| g.workload == w) {
                 let extra = if sticky {
                     format!(
-                        " {} | {} | {} | {} | {} |",
+                        " {} | {} | {} | {} | {} | {} |",
                         g.vs_sticky
                             .map_or_else(|| "n/a".to_owned(), |r| format!("{r:.2}×")),
+                        by_round(&g.vs_sticky_rounds),
                         g.moves.map_or_else(|| "n/a".to_owned(), |n| n.to_string()),
                         g.unpaid_moves
                             .map_or_else(|| "n/a".to_owned(), |n| n.to_string()),
@@ -522,12 +573,47 @@ mod tests {
             .unwrap();
         assert_eq!((sticky.moves, sticky.vs_sticky), (Some(0), Some(1.0)));
         let md = s.to_markdown();
-        assert!(md.contains("| 1.75× | 2 | 1 | 160 | 2/2 (50%) |"), "{md}");
+        assert!(
+            md.contains("| 1.75× | – | 2 | 1 | 160 | 2/2 (50%) |"),
+            "{md}"
+        );
+        assert!(lr.vs_sticky_rounds.is_empty(), "one round: no spread");
         // Without the sticky oracle the table and JSON keep their old shape.
         let plain = summarize(&samples[4..]);
         assert!(plain.groups.iter().all(|g| g.moves.is_none()));
         assert!(!plain.to_markdown().contains("vs sticky"));
         assert!(!plain.to_json().unwrap().contains("vs_sticky"));
+    }
+
+    #[test]
+    fn the_sticky_ratio_is_also_given_round_by_round() {
+        let mut samples = Vec::new();
+        // Two rounds; the sticky oracle 100 then 200 ms, the router 150
+        // then 200 ms: 1.5× and 1.0× by round, 350 / 300 pooled.
+        for (round, sticky_ms, lr_ms) in [(0, 100.0, 150.0), (1, 200.0, 200.0)] {
+            let c = round * ROUND_CONVERSATIONS;
+            let mut s = pair(STICKY_ORACLE, c, "r0", "r0", 90, 90);
+            s[1].latency_ms = sticky_ms;
+            let mut l = pair("lr", c, "r0", "r0", 90, 90);
+            l[1].latency_ms = lr_ms;
+            samples.extend(s);
+            samples.extend(l);
+        }
+        let s = summarize(&samples);
+        let lr = s.groups.iter().find(|g| g.profile == "lr").unwrap();
+        assert_eq!(lr.vs_sticky_rounds, vec![1.5, 1.0]);
+        let pooled = lr.vs_sticky.unwrap();
+        assert!((pooled - 350.0 / 300.0).abs() < 1e-9, "{pooled}");
+        let md = s.to_markdown();
+        assert!(md.contains("| 2: 1.00–1.50, 1.25 ± "), "{md}");
+        let json: serde_json::Value = serde_json::from_str(&s.to_json().unwrap()).unwrap();
+        let rounds = json["groups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|g| g["profile"] == "lr")
+            .map(|g| g["vs_sticky_rounds"].clone());
+        assert_eq!(rounds, Some(serde_json::json!([1.5, 1.0])));
     }
 
     #[test]
