@@ -87,6 +87,14 @@ fn bit(key: BlockKey) -> (usize, u64) {
     (at / 64, 1 << (at % 64))
 }
 
+/// Sets `key`'s bit in `filter`.
+fn mark(filter: &mut [u64], key: BlockKey) {
+    let (word, mask) = bit(key);
+    if let Some(w) = filter.get_mut(word) {
+        *w |= mask;
+    }
+}
+
 impl Conversations {
     /// Records that the prompt with block `keys` goes to `slot` at `now`.
     pub(crate) fn place(&mut self, keys: &[BlockKey], slot: ReplicaSlot, now: Instant) -> Placed {
@@ -110,19 +118,23 @@ impl Conversations {
         // The same prompt again (a retry) continues itself.
         self.forget(tip);
         self.tips.insert(tip, Tip { slot, at: now });
-        let (word, mask) = bit(tip);
-        if let Some(w) = self.filter.get_mut(word) {
-            *w |= mask;
-        }
+        mark(&mut self.filter, tip);
         self.order.push_back((tip, now));
         *self.per_slot.entry(slot).or_default() += 1;
         placed
     }
 
-    /// The conversations whose latest turn went to `slot`, as of `now`.
-    pub(crate) fn on(&mut self, slot: ReplicaSlot, now: Instant) -> usize {
+    /// Each replica's conversations (those whose latest turn went there)
+    /// as of `now`; a replica without any is absent.
+    pub(crate) fn counts(&mut self, now: Instant) -> &FastMap<ReplicaSlot, usize> {
         self.expire(now);
-        self.per_slot.get(&slot).copied().unwrap_or(0)
+        &self.per_slot
+    }
+
+    /// The conversations whose latest turn went to `slot`, as of `now`.
+    #[cfg(test)]
+    pub(crate) fn on(&mut self, slot: ReplicaSlot, now: Instant) -> usize {
+        self.counts(now).get(&slot).copied().unwrap_or(0)
     }
 
     /// Conversations tracked.
@@ -151,10 +163,7 @@ impl Conversations {
         }
         self.filter.fill(0);
         for key in self.tips.keys() {
-            let (word, mask) = bit(*key);
-            if let Some(w) = self.filter.get_mut(word) {
-                *w |= mask;
-            }
+            mark(&mut self.filter, *key);
         }
         self.stale_bits = 0;
     }

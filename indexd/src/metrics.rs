@@ -252,6 +252,10 @@ pub struct Metrics {
     pub decisions: CounterVec<2>,
     /// Block-size mismatches by where they were seen.
     pub block_size_mismatch: CounterVec<1>,
+    /// Picks by what they did to their conversation
+    /// ([`crate::conversations`]): a new one, a turn on the replica of the
+    /// conversation's previous one, or a move.
+    pub conversation_turns: CounterVec<1>,
     /// Metrics scrapes by result.
     pub scrapes: CounterVec<1>,
     /// Batches whose data_parallel_rank differs from the endpoint's.
@@ -338,6 +342,11 @@ impl Metrics {
                 "indexd_decisions_total",
                 "Pick decisions by kind and reason.",
                 ["decision", "reason"],
+            ),
+            conversation_turns: CounterVec::new(
+                "indexd_conversation_turns_total",
+                "Picks by what they did to their conversation: new, stayed (the replica of its previous turn), moved.",
+                ["turn"],
             ),
             block_size_mismatch: CounterVec::new(
                 "indexd_block_size_mismatch_total",
@@ -444,6 +453,7 @@ impl Metrics {
         self.pick_latency.render(out);
         self.decisions.render(out);
         self.block_size_mismatch.render(out);
+        self.conversation_turns.render(out);
         self.scrapes.render(out);
         self.rank_mismatch.render(out);
         self.observes.render(out);

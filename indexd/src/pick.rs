@@ -20,6 +20,7 @@ use kvroute_proto::v1::{
 };
 
 use crate::config::EndpointId;
+use crate::conversations::Placed;
 use crate::error::RequestError;
 use crate::event::Tier;
 use crate::index::PrefixMatch;
@@ -182,7 +183,8 @@ fn affinity_shortcut(shared: &Shared, req: &PickRequest, now: Instant) -> Option
             shared.metrics.affinity_lookups.inc(["hit"]);
             // Its prefill: at most the whole prompt (the replica usually holds
             // most of it; the estimate errs on the busy side).
-            let load = r.load(now, shared.config.pending_pick_ttl);
+            // (Its conversation count does not enter a prefill estimate.)
+            let load = r.load(now, shared.config.pending_pick_ttl, 0);
             let weights = &shared.config.weights;
             let prefill = score::prefill_time(&load, f64::from(req.prompt_tokens), weights);
             r.note_pick(now, &req.request_id, prefill);
@@ -261,14 +263,13 @@ fn snapshot(
     };
     let inputs = {
         let mut conversations = lock(&shared.conversations);
+        let counts = conversations.counts(now);
         eligible
             .iter()
             .zip(&matches)
             .map(|(r, m)| {
-                let mut load = r.load(now, cfg.pending_pick_ttl);
-                #[allow(clippy::cast_precision_loss)]
-                let on = conversations.on(r.slot, now) as f64;
-                load.conversations = on;
+                let on = counts.get(&r.slot).copied().unwrap_or(0);
+                let load = r.load(now, cfg.pending_pick_ttl, on);
                 Input { matched: *m, load }
             })
             .collect()
@@ -360,7 +361,13 @@ fn credit(shared: &Shared, req: &PickRequest, snap: &Snapshot, ranking: &Ranking
     chosen.note_pick(now, &req.request_id, prefill);
     // Where conversations are: the move rule's lasting imbalance.
     if !snap.keys.is_empty() {
-        lock(&shared.conversations).place(&snap.keys, chosen.slot, now);
+        let placed = lock(&shared.conversations).place(&snap.keys, chosen.slot, now);
+        let turn = match placed {
+            Placed::New => "new",
+            Placed::Continued(from) if from == chosen.slot => "stayed",
+            Placed::Continued(_) => "moved",
+        };
+        shared.metrics.conversation_turns.inc([turn]);
     }
     if snap.mismatch || held >= snap.keys.len() {
         return;

@@ -561,4 +561,8 @@ fn picks_count_each_conversation_where_its_latest_turn_went() {
         expected[y_at] += 1;
         assert_eq!(counts(), expected, "turn {next}");
     }
+    // What each pick did to its conversation, counted.
+    let turns = |t| s.metrics.conversation_turns.get([t]);
+    assert_eq!(turns("new"), 2);
+    assert_eq!(turns("stayed") + turns("moved"), 3);
 }

@@ -363,8 +363,10 @@ impl Replica {
         lock(&self.pending).complete(now, request_id)
     }
 
-    /// The load snapshot the scorer uses.
-    pub(crate) fn load(&self, now: Instant, pending_ttl: Duration) -> Load {
+    /// The load snapshot the scorer uses; `conversations` is this indexd's
+    /// count of conversations whose latest turn went here
+    /// ([`crate::conversations`], kept for all replicas at once).
+    pub(crate) fn load(&self, now: Instant, pending_ttl: Duration, conversations: usize) -> Load {
         let (pending, queued_seconds) = {
             let mut p = lock(&self.pending);
             while p
@@ -387,8 +389,7 @@ impl Replica {
             kv_usage: s.kv_usage,
             pending_picks: pending as f64,
             queued_seconds,
-            // The request path's count (crate::conversations).
-            conversations: 0.0,
+            conversations: conversations as f64,
             occupancy: s.occupancy,
             cache_available: s.cache_available.unwrap_or(true),
         }
@@ -703,9 +704,9 @@ mod tests {
         let t0 = Instant::now();
         r.note_pick(t0, "a", 500 * MS);
         let ttl = Duration::from_secs(5);
-        assert_eq!(r.load(t0, ttl).pending_picks, 1.0);
+        assert_eq!(r.load(t0, ttl, 0).pending_picks, 1.0);
         r.scrape_ok(1.0, 0.0, 0.1, t0 + MS);
-        let load = r.load(t0 + 100 * MS, ttl);
+        let load = r.load(t0 + 100 * MS, ttl, 0);
         assert_eq!(load.pending_picks, 0.0);
         assert!((load.queued_seconds - 0.4).abs() < 1e-9);
     }
