@@ -932,19 +932,13 @@ async fn load_from_metrics_and_failing_scrapes_mark_unhealthy() {
     d.stop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_binary_prints_its_addresses_and_serves() {
+/// The indexd binary started with `args` and `--print-addresses` (killed
+/// when dropped), and the addresses it printed.
+async fn start_binary(args: &[&str]) -> (tokio::process::Child, serde_json::Value) {
     use tokio::io::AsyncBufReadExt;
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_indexd"))
-        .args([
-            "--grpc-listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--print-addresses",
-            "--endpoint",
-            "{address: 127.0.0.1:18060, model: m}",
-        ])
+        .args(args)
+        .arg("--print-addresses")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .kill_on_drop(true)
@@ -956,7 +950,20 @@ async fn the_binary_prints_its_addresses_and_serves() {
         .unwrap()
         .unwrap()
         .unwrap();
-    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    (child, serde_json::from_str(&line).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_prints_its_addresses_and_serves() {
+    let (mut child, v) = start_binary(&[
+        "--grpc-listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--endpoint",
+        "{address: 127.0.0.1:18060, model: m}",
+    ])
+    .await;
     let http = v["http"].as_str().unwrap();
     let grpc: SocketAddr = v["grpc"].as_str().unwrap().parse().unwrap();
     assert_ne!(grpc.port(), 0);
@@ -1252,7 +1259,6 @@ fn thread_cpus(pid: u32) -> Vec<(String, String)> {
 #[cfg(target_os = "linux")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binary_keeps_its_request_path_off_the_ingest_cpus() {
-    use tokio::io::AsyncBufReadExt;
     let allowed = indexd::cpus::allowed().unwrap();
     if allowed.len() < 2 {
         eprintln!("skipped: needs two CPUs, this process has {allowed}");
@@ -1263,29 +1269,17 @@ async fn the_binary_keeps_its_request_path_off_the_ingest_cpus() {
         .without(&ingest.parse().unwrap())
         .unwrap()
         .to_string();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_indexd"))
-        .args([
-            "--grpc-listen",
-            "127.0.0.1:0",
-            "--http-listen",
-            "127.0.0.1:0",
-            "--print-addresses",
-            "--ingest-cpus",
-            &ingest,
-            "--endpoint",
-            "{address: 127.0.0.1:18061, model: m, events: 'tcp://127.0.0.1:9'}",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    tokio::time::timeout(TIMEOUT, lines.next_line())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let (mut child, _) = start_binary(&[
+        "--grpc-listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+        "--ingest-cpus",
+        &ingest,
+        "--endpoint",
+        "{address: 127.0.0.1:18061, model: m, events: 'tcp://127.0.0.1:9'}",
+    ])
+    .await;
     // Threads pin themselves as they start: give them a moment.
     let pid = child.id().unwrap();
     let placed = |threads: &[(String, String)]| {

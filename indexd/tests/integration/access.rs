@@ -8,7 +8,7 @@ use indexd::ListenAddr;
 use kvroute_proto::v1::{DecisionKind, ObserveRequest, PickRequest};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-use super::{Daemon, TIMEOUT, endpoint};
+use super::{Daemon, TIMEOUT, endpoint, start_binary};
 
 const TOKEN: &str = "kvroute-test-token-0123456789abcdef";
 
@@ -159,23 +159,9 @@ async fn the_binary_refuses_an_open_listener_without_a_token() {
     // On a socket it serves, and says where.
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("indexd.sock");
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_indexd"))
-        .arg("--grpc-listen")
-        .arg(format!("unix://{}", socket.display()))
-        .args(["--http-listen", "127.0.0.1:0", "--print-addresses"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    use tokio::io::AsyncBufReadExt as _;
-    let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let line = tokio::time::timeout(TIMEOUT, lines.next_line())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let listen = format!("unix://{}", socket.display());
+    let (mut child, v) =
+        start_binary(&["--grpc-listen", &listen, "--http-listen", "127.0.0.1:0"]).await;
     assert_eq!(v["grpc"], format!("unix://{}", socket.display()));
     assert!(socket.exists());
     child.kill().await.unwrap();
