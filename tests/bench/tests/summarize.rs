@@ -108,7 +108,10 @@ fn summarize_reproduces_the_run_exactly() {
     let json = std::fs::read_to_string(run.path().join("summary.json")).unwrap();
     assert_eq!(json, kvroute_bench::summarize(&samples).to_json().unwrap());
     let md = std::fs::read_to_string(run.path().join("summary.md")).unwrap();
-    assert!(md.contains("| vs sticky | moves | did not pay |"), "{md}");
+    assert!(
+        md.contains("| vs sticky | by round | moves | did not pay |"),
+        "{md}"
+    );
 }
 
 #[test]
