@@ -319,6 +319,7 @@ fn explain(req: &PickRequest, snap: &Snapshot, ranking: &Ranking) {
             of_blocks = snap.keys.len(),
             running = input.load.running,
             waiting = input.load.waiting,
+            waiting_before = input.load.waiting_before,
             queued_seconds = input.load.queued_seconds,
             conversations = input.load.conversations,
             prefill_tokens_per_second = input.load.prefill_tokens_per_second,

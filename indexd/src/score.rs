@@ -43,7 +43,8 @@
 //! re-prefill no faster than the prior `prefill_tokens_per_second`.
 //!
 //! A passing queue does not move a conversation either: unless vLLM reports
-//! requests waiting on the warm replica, the move also needs this indexd to
+//! requests waiting on the warm replica in two scrapes in a row, the move
+//! also needs this indexd to
 //! have more conversations there than on the target: more than
 //! `1 + move_imbalance` times as many, and two more
 //! ([`crate::conversations`]: each conversation counts where its latest
@@ -186,6 +187,9 @@ pub struct Load {
     pub running: f64,
     /// `vllm:num_requests_waiting`.
     pub waiting: f64,
+    /// The same in the scrape before (0 before a second scrape): a queue
+    /// that shows in both lasted at least a scrape interval.
+    pub waiting_before: f64,
     /// `vllm:kv_cache_usage_perc` (0..1).
     pub kv_usage: f64,
     /// Picks not yet visible in the metrics (nor answered).
@@ -373,10 +377,12 @@ fn apply_move_rule(
     // A queue that comes and goes is no reason to move a conversation:
     // conversations stay where they go, so a move shifts all of its later
     // turns too, and two replicas with as many conversations each would only
-    // trade them back and forth. vLLM's own waiting requests are (every
-    // gateway's load); else this indexd's conversations must be uneven.
+    // trade them back and forth. vLLM's own requests waiting in two scrapes
+    // in a row are (every gateway's load, and not the burst of a moment:
+    // conversations starting together fill a queue that the next scrape no
+    // longer shows); else this indexd's conversations must be uneven.
     let (warm_held, target_held) = (warm_input.load.conversations, cheapest.load.conversations);
-    let lasting = warm_input.load.waiting > 0.0
+    let lasting = warm_input.load.waiting.min(warm_input.load.waiting_before) > 0.0
         || (warm_held > target_held * (1.0 + w.move_imbalance)
             && warm_held - target_held >= MIN_CONVERSATION_GAP);
     if saving > w.move_margin * reprefill_seconds && lasting {
@@ -441,7 +447,9 @@ mod tests {
             },
             load: Load {
                 running,
+                // A queue seen in two scrapes.
                 waiting,
+                waiting_before: waiting,
                 cache_available: true,
                 ..Load::default()
             },
@@ -697,9 +705,16 @@ mod tests {
         warm.load.conversations = 10.0;
         cold.load.conversations = 8.0;
         assert_eq!(verdict(&[warm, cold], 64 * 52), (Move::Held, 0));
-        // vLLM reports requests waiting there: that is every gateway's load.
+        // vLLM reports requests waiting there in one scrape: a burst of the
+        // moment (conversations starting together), held.
         warm.load.waiting = 1.0;
+        assert_eq!(verdict(&[warm, cold], 64 * 52), (Move::Held, 0));
+        // In two scrapes in a row: that is every gateway's lasting load.
+        warm.load.waiting_before = 2.0;
         assert_eq!(verdict(&[warm, cold], 64 * 52).0, Move::Moved);
+        // Gone from the latest scrape: held again.
+        warm.load.waiting = 0.0;
+        assert_eq!(verdict(&[warm, cold], 64 * 52), (Move::Held, 0));
     }
 
     #[test]

@@ -86,6 +86,8 @@ pub(crate) fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
 struct Scraped {
     running: f64,
     waiting: f64,
+    /// `waiting` of the scrape before the latest.
+    waiting_before: f64,
     kv_usage: f64,
     consecutive_failures: u32,
     occupancy: Option<f64>,
@@ -314,6 +316,7 @@ impl Replica {
         {
             let mut s = lock(&self.scraped);
             s.running = running;
+            s.waiting_before = s.waiting;
             s.waiting = waiting;
             s.kv_usage = kv_usage;
             s.consecutive_failures = 0;
@@ -386,6 +389,7 @@ impl Replica {
             prefill_overhead_seconds: prefill.map_or(0.0, |p| p.overhead_seconds),
             running: s.running,
             waiting: s.waiting,
+            waiting_before: s.waiting_before,
             kv_usage: s.kv_usage,
             pending_picks: pending as f64,
             queued_seconds,
@@ -709,5 +713,27 @@ mod tests {
         let load = r.load(t0 + 100 * MS, ttl, 0);
         assert_eq!(load.pending_picks, 0.0);
         assert!((load.queued_seconds - 0.4).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_load_keeps_the_waiting_of_the_scrape_before() {
+        let r = Replica::new(
+            EndpointConfig::new("10.0.0.1:8000".parse().expect("address"), "m"),
+            ReplicaSlot(0),
+            CancellationToken::new(),
+        );
+        let (t0, ttl) = (Instant::now(), Duration::from_secs(5));
+        let waiting = |r: &Replica| {
+            let l = r.load(t0, ttl, 0);
+            (l.waiting, l.waiting_before)
+        };
+        assert_eq!(waiting(&r), (0.0, 0.0));
+        r.scrape_ok(1.0, 3.0, 0.1, t0);
+        assert_eq!(waiting(&r), (3.0, 0.0), "one scrape: no queue seen before");
+        r.scrape_ok(1.0, 2.0, 0.1, t0);
+        assert_eq!(waiting(&r), (2.0, 3.0));
+        // A failed scrape changes neither.
+        r.scrape_failed(3);
+        assert_eq!(waiting(&r), (2.0, 3.0));
     }
 }
