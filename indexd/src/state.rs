@@ -666,6 +666,15 @@ impl Shared {
 mod tests {
     use super::*;
 
+    /// A replica of model `m`, never scraped.
+    fn replica() -> Replica {
+        Replica::new(
+            EndpointConfig::new("10.0.0.1:8000".parse().expect("address"), "m"),
+            ReplicaSlot(0),
+            CancellationToken::new(),
+        )
+    }
+
     const MS: Duration = Duration::from_millis(1);
 
     #[test]
@@ -700,11 +709,7 @@ mod tests {
 
     #[test]
     fn a_scrape_stops_counting_picks_but_leaves_their_prefill_queued() {
-        let r = Replica::new(
-            EndpointConfig::new("10.0.0.1:8000".parse().expect("address"), "m"),
-            ReplicaSlot(0),
-            CancellationToken::new(),
-        );
+        let r = replica();
         let t0 = Instant::now();
         r.note_pick(t0, "a", 500 * MS);
         let ttl = Duration::from_secs(5);
@@ -717,11 +722,7 @@ mod tests {
 
     #[test]
     fn the_load_keeps_the_waiting_of_the_scrape_before() {
-        let r = Replica::new(
-            EndpointConfig::new("10.0.0.1:8000".parse().expect("address"), "m"),
-            ReplicaSlot(0),
-            CancellationToken::new(),
-        );
+        let r = replica();
         let (t0, ttl) = (Instant::now(), Duration::from_secs(5));
         let waiting = |r: &Replica| {
             let l = r.load(t0, ttl, 0);
