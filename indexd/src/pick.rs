@@ -20,9 +20,10 @@ use kvroute_proto::v1::{
 };
 
 use crate::config::EndpointId;
-use crate::conversations::Placed;
+use crate::conversations::{Conversations, Placed};
 use crate::error::RequestError;
 use crate::event::Tier;
+use crate::ids::ReplicaSlot;
 use crate::index::PrefixMatch;
 use crate::score::{self, Input, Move, Ranking};
 use crate::state::{Replica, Shared, lock, read};
@@ -172,6 +173,14 @@ fn validate(shared: &Shared, req: &PickRequest) -> Result<(), RequestError> {
     Ok(())
 }
 
+/// The request's block keys.
+fn block_keys(req: &PickRequest) -> Vec<BlockKey> {
+    req.block_keys
+        .iter()
+        .map(|k| BlockKey::from_u64(*k))
+        .collect()
+}
+
 /// Phase 1: `previous_response_id` names a response only one replica can
 /// continue. The answer, when that replica may take it.
 fn affinity_shortcut(shared: &Shared, req: &PickRequest, now: Instant) -> Option<PickResponse> {
@@ -184,10 +193,19 @@ fn affinity_shortcut(shared: &Shared, req: &PickRequest, now: Instant) -> Option
             // Its prefill: at most the whole prompt (the replica usually holds
             // most of it; the estimate errs on the busy side).
             // (Its conversation count does not enter a prefill estimate.)
+            let mut conversations = lock(&shared.conversations);
             let load = r.load(now, shared.config.pending_pick_ttl, 0);
             let weights = &shared.config.weights;
             let prefill = score::prefill_time(&load, f64::from(req.prompt_tokens), weights);
             r.note_pick(now, &req.request_id, prefill);
+            // The conversation goes on there: the move rule counts it.
+            let keys: Vec<BlockKey> = req
+                .block_keys
+                .iter()
+                .map(|k| BlockKey::from_u64(*k))
+                .collect();
+            track(shared, &mut conversations, &keys, r.slot, now);
+            drop(conversations);
             tracing::debug!(
                 request_id = %req.request_id,
                 endpoint = %r.id(),
@@ -209,11 +227,12 @@ fn affinity_shortcut(shared: &Shared, req: &PickRequest, now: Instant) -> Option
 }
 
 /// What one Pick sees: the eligible replicas, what each holds of the
-/// request's keys, and their load.
+/// request's keys, and (from [`place`] on) their load.
 struct Snapshot {
     eligible: Vec<Arc<Replica>>,
     keys: Vec<BlockKey>,
     matches: Vec<PrefixMatch>,
+    /// Matches and loads, in `eligible`'s order (filled by [`place`]).
     inputs: Vec<Input>,
     approximate: bool,
     /// The request's block size differs from the index's.
@@ -221,7 +240,7 @@ struct Snapshot {
     index_block_size: u32,
 }
 
-/// Phase 2: matches and loads of the eligible replicas.
+/// Phase 2: what the eligible replicas hold of the request's keys.
 fn snapshot(
     shared: &Shared,
     req: &PickRequest,
@@ -230,11 +249,7 @@ fn snapshot(
 ) -> Snapshot {
     let cfg = &shared.config;
     let approximate = req.mode == Mode::Approximate as i32;
-    let keys: Vec<BlockKey> = req
-        .block_keys
-        .iter()
-        .map(|k| BlockKey::from_u64(*k))
-        .collect();
+    let keys = block_keys(req);
     let slots: Vec<_> = eligible.iter().map(|r| r.slot).collect();
     let index_block_size = eligible
         .iter()
@@ -261,31 +276,44 @@ fn snapshot(
         let lookup = &shared.lookup;
         lookup.match_prefix(lookup.partition(&req.model), &keys, &slots, now)
     };
-    let inputs = {
-        let mut conversations = lock(&shared.conversations);
-        let counts = conversations.counts(now);
-        eligible
-            .iter()
-            .zip(&matches)
-            .map(|(r, m)| {
-                let on = counts.get(&r.slot).copied().unwrap_or(0);
-                let load = r.load(now, cfg.pending_pick_ttl, on);
-                Input { matched: *m, load }
-            })
-            .collect()
-    };
     Snapshot {
         eligible,
         keys,
         matches,
-        inputs,
+        inputs: Vec::new(),
         approximate,
         mismatch,
         index_block_size,
     }
 }
 
-/// Phase 3: the cost model's order ([`score::rank`]).
+/// Phase 3: the loads, the order and the chosen replica's note, at once.
+///
+/// Under the conversations' lock, so that Picks place one after the other:
+/// two Picks reading the loads at the same moment (requests starting
+/// together, on Envoy's several workers) would both see the same idle
+/// replica and both go there, neither seeing the prefill the other queued.
+/// The prefix match before and the speculative credit after stay outside.
+fn place(shared: &Shared, req: &PickRequest, snap: &mut Snapshot, now: Instant) -> Ranking {
+    let cfg = &shared.config;
+    let mut conversations = lock(&shared.conversations);
+    let counts = conversations.counts(now);
+    snap.inputs = snap
+        .eligible
+        .iter()
+        .zip(&snap.matches)
+        .map(|(r, m)| {
+            let on = counts.get(&r.slot).copied().unwrap_or(0);
+            let load = r.load(now, cfg.pending_pick_ttl, on);
+            Input { matched: *m, load }
+        })
+        .collect();
+    let ranking = rank(shared, req, snap);
+    note(shared, req, snap, &ranking, &mut conversations, now);
+    ranking
+}
+
+/// The cost model's order ([`score::rank`]).
 fn rank(shared: &Shared, req: &PickRequest, snap: &Snapshot) -> Ranking {
     let keyed_tokens = u32::try_from(snap.keys.len())
         .unwrap_or(u32::MAX)
@@ -331,21 +359,28 @@ fn explain(req: &PickRequest, snap: &Snapshot, ranking: &Ranking) {
     }
 }
 
-/// Phase 4: the chosen replica is credited with the pick's queued prefill
-/// work and, speculatively, with the keys it will hold.
-fn credit(shared: &Shared, req: &PickRequest, snap: &Snapshot, ranking: &Ranking, now: Instant) {
-    let cfg = &shared.config;
-    let Some(first) = ranking.ranked.first() else {
+/// The chosen replica: its place in the snapshot, and how many of the keys
+/// it holds.
+fn chosen<'a>(snap: &'a Snapshot, ranking: &Ranking) -> Option<(usize, &'a Arc<Replica>, usize)> {
+    let first = ranking.ranked.first()?.input;
+    let chosen = snap.eligible.get(first)?;
+    let held = snap.matches.get(first).map_or(0, |m| m.blocks as usize);
+    Some((first, chosen, held))
+}
+
+/// The chosen replica is noted with the pick's queued prefill work, and
+/// the conversation with where it went ([`place`] holds `conversations`).
+fn note(
+    shared: &Shared,
+    req: &PickRequest,
+    snap: &Snapshot,
+    ranking: &Ranking,
+    conversations: &mut Conversations,
+    now: Instant,
+) {
+    let Some((first, chosen, held)) = chosen(snap, ranking) else {
         return;
     };
-    let Some(chosen) = snap.eligible.get(first.input) else {
-        return;
-    };
-    // Credit the run unless the chosen replica already holds all of it.
-    let held = snap
-        .matches
-        .get(first.input)
-        .map_or(0, |m| m.blocks as usize);
     // The pick's queued prefill work: the full blocks it will add at the
     // chosen replica's speed, and its fixed time. A continuation credited
     // with these blocks (speculatively) then costs on this replica what a
@@ -353,23 +388,39 @@ fn credit(shared: &Shared, req: &PickRequest, snap: &Snapshot, ranking: &Ranking
     // to the replica holding more.
     #[allow(clippy::cast_precision_loss)]
     let queued = (snap.keys.len().saturating_sub(held) as f64) * f64::from(req.block_size);
-    let load = snap
-        .inputs
-        .get(first.input)
-        .map(|i| i.load)
-        .unwrap_or_default();
-    let prefill = score::prefill_time(&load, queued, &cfg.weights);
+    let load = snap.inputs.get(first).map(|i| i.load).unwrap_or_default();
+    let prefill = score::prefill_time(&load, queued, &shared.config.weights);
     chosen.note_pick(now, &req.request_id, prefill);
-    // Where conversations are: the move rule's lasting imbalance.
-    if !snap.keys.is_empty() {
-        let placed = lock(&shared.conversations).place(&snap.keys, chosen.slot, now);
-        let turn = match placed {
-            Placed::New => "new",
-            Placed::Continued(from) if from == chosen.slot => "stayed",
-            Placed::Continued(_) => "moved",
-        };
-        shared.metrics.conversation_turns.inc([turn]);
+    track(shared, conversations, &snap.keys, chosen.slot, now);
+}
+
+/// Where conversations are (the move rule's lasting imbalance): the prompt
+/// with `keys` went to `slot`.
+fn track(
+    shared: &Shared,
+    conversations: &mut Conversations,
+    keys: &[BlockKey],
+    slot: ReplicaSlot,
+    now: Instant,
+) {
+    if keys.is_empty() {
+        return;
     }
+    let turn = match conversations.place(keys, slot, now) {
+        Placed::New => "new",
+        Placed::Continued(from) if from == slot => "stayed",
+        Placed::Continued(_) => "moved",
+    };
+    shared.metrics.conversation_turns.inc([turn]);
+}
+
+/// Phase 4: the chosen replica is credited, speculatively, with the keys it
+/// will hold (unless it holds all of them already).
+fn credit(shared: &Shared, req: &PickRequest, snap: &Snapshot, ranking: &Ranking, now: Instant) {
+    let cfg = &shared.config;
+    let Some((_, chosen, held)) = chosen(snap, ranking) else {
+        return;
+    };
     if snap.mismatch || held >= snap.keys.len() {
         return;
     }
@@ -426,7 +477,8 @@ fn classify(
 }
 
 /// Answers one Pick at `now`: the affinity shortcut, else a snapshot of the
-/// eligible replicas, ranked, the first credited, and the answer classified.
+/// eligible replicas, placed (loads, ranked, the first noted), the first
+/// credited, and the answer classified.
 pub fn pick(
     shared: &Shared,
     req: &PickRequest,
@@ -457,8 +509,8 @@ pub fn pick(
         };
         return Ok(answer(shared, DecisionKind::Stale, reason, Vec::new()));
     }
-    let snap = snapshot(shared, req, eligible, now);
-    let ranking = rank(shared, req, &snap);
+    let mut snap = snapshot(shared, req, eligible, now);
+    let ranking = place(shared, req, &mut snap, now);
     explain(req, &snap, &ranking);
     credit(shared, req, &snap, &ranking, now);
     Ok(classify(shared, req, &snap, &ranking))

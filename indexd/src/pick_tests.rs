@@ -225,6 +225,38 @@ fn pending_picks_spread_load_until_a_scrape_sees_them() {
     assert_ne!(a, b, "the second pick sees the first as in flight");
 }
 
+/// Picks arriving together (Envoy's workers, conversations starting at
+/// once) place one after the other: each sees the prefill the ones before
+/// it queued, so eight equal first turns on two idle replicas split 4/4.
+/// Read at the same moment, the loads would send several to one replica.
+#[test]
+fn picks_arriving_together_each_see_the_ones_before() {
+    const THREADS: usize = 8;
+    for round in 0..100u64 {
+        let (s, _) = shared(2, |c| c.speculative_ttl = Duration::ZERO);
+        let s = Arc::new(s);
+        let now = Instant::now();
+        let start = Arc::new(std::sync::Barrier::new(THREADS));
+        let threads: Vec<_> = (0..THREADS as u64)
+            .map(|t| {
+                let (s, start) = (Arc::clone(&s), Arc::clone(&start));
+                std::thread::spawn(move || {
+                    let keys: Vec<u64> = (0..1024).map(|b| (round << 32) | (t << 16) | b).collect();
+                    start.wait();
+                    pick(&s, &req(&keys), now).unwrap().candidates[0]
+                        .address
+                        .clone()
+                })
+            })
+            .collect();
+        let mut on_first = 0;
+        for t in threads {
+            on_first += usize::from(t.join().unwrap() == "10.0.0.1:8000");
+        }
+        assert_eq!(on_first, THREADS / 2, "round {round}");
+    }
+}
+
 #[test]
 fn affinity_by_address_when_the_rank_is_unknown() {
     let (s, _) = shared(2, |_| {});
@@ -243,6 +275,48 @@ fn affinity_by_address_when_the_rank_is_unknown() {
         (resp.decision, resp.candidates[0].address.as_str()),
         (DecisionKind::Affinity as i32, "10.0.0.1:8001")
     );
+}
+
+/// A turn sent by `previous_response_id` counts where its conversation is,
+/// as any other pick does: the move rule's counts see Responses traffic.
+#[test]
+fn an_affinity_pick_counts_its_conversation() {
+    let (s, replicas) = shared(2, |c| c.speculative_ttl = Duration::ZERO);
+    let now = Instant::now();
+    let first = keys(&(0..16).collect::<Vec<u32>>());
+    let at = pick(&s, &req(&first), now).unwrap().candidates[0]
+        .address
+        .clone();
+    let other = if at == "10.0.0.1:8000" {
+        "10.0.0.1:8001"
+    } else {
+        "10.0.0.1:8000"
+    };
+    // Its response was stored on the other replica (Envoy retried there).
+    let obs = ObserveRequest {
+        model: "m".into(),
+        endpoint: other.into(),
+        response_id: "resp_1".into(),
+        ..ObserveRequest::default()
+    };
+    observe(&s, &obs, now).unwrap();
+    let mut next = req(&keys(&(0..32).collect::<Vec<u32>>()));
+    next.previous_response_id = "resp_1".into();
+    let resp = pick(&s, &next, now).unwrap();
+    assert_eq!(
+        (resp.decision, resp.candidates[0].address.as_str()),
+        (DecisionKind::Affinity as i32, other)
+    );
+    let on = |address: &str| {
+        let r = replicas
+            .iter()
+            .find(|r| r.id().to_string() == address)
+            .unwrap();
+        lock(&s.conversations).on(r.slot, now)
+    };
+    assert_eq!((on(at.as_str()), on(other)), (0, 1));
+    let turns = |t| s.metrics.conversation_turns.get([t]);
+    assert_eq!((turns("new"), turns("moved")), (1, 1));
 }
 
 #[test]

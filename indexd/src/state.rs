@@ -15,6 +15,12 @@
 //! - per-replica load, freshness and health: atomics and small mutexes inside
 //!   [`Replica`], written by that replica's own tasks.
 //! - `affinity`, `approximate`, `rng`: short `Mutex`es.
+//! - `conversations`: a `Mutex` that also places Picks one at a time: held
+//!   from reading the candidates' loads to noting the chosen replica's
+//!   queued prefill (a few µs; inside it a Pick takes `rng` and each
+//!   candidate's own short mutexes, and nothing takes `conversations` with
+//!   one of those held). The prefix match before it and the speculative
+//!   credit after it stay outside.
 //! - `observe_bucket`: a short `Mutex` over the Observe rate limit's token
 //!   bucket, taken once per Observe before anything else (a few float
 //!   operations; never with another lock held).
