@@ -48,7 +48,11 @@
 //! have more conversations there than on the target: more than
 //! `1 + move_imbalance` times as many, and two more
 //! ([`crate::conversations`]: each conversation counts where its latest
-//! turn went). Moved conversations take their later turns along, so between
+//! turn went), and the replicas' own metrics to show more requests in
+//! flight (running and waiting) on the warm replica than on the target
+//! (with several gateways, this indexd's counts are only the turns sent
+//! through it: three conversations against one here can be four against
+//! four in the fleet). Moved conversations take their later turns along, so between
 //! replicas with as many conversations each, moves would only trade them
 //! back and forth; and the pace of picks is no measure, since conversations
 //! on a faster replica take their turns faster.
@@ -381,10 +385,16 @@ fn apply_move_rule(
     // in a row are (every gateway's load, and not the burst of a moment:
     // conversations starting together fill a queue that the next scrape no
     // longer shows); else this indexd's conversations must be uneven.
+    // This indexd's counts are only its own share of the traffic when
+    // several gateways route it (each sees the turns sent through it): the
+    // replicas' own counts, every gateway's requests, must show more in
+    // flight on the warm replica too.
     let (warm_held, target_held) = (warm_input.load.conversations, cheapest.load.conversations);
+    let in_flight = |l: &Load| l.running.max(0.0) + l.waiting.max(0.0);
     let lasting = warm_input.load.waiting.min(warm_input.load.waiting_before) > 0.0
         || (warm_held > target_held * (1.0 + w.move_imbalance)
-            && warm_held - target_held >= MIN_CONVERSATION_GAP);
+            && warm_held - target_held >= MIN_CONVERSATION_GAP
+            && in_flight(&warm_input.load) > in_flight(&cheapest.load));
     if saving > w.move_margin * reprefill_seconds && lasting {
         return Move::Moved;
     }
@@ -698,8 +708,15 @@ mod tests {
         warm.load.conversations = 5.0;
         cold.load.conversations = 4.0;
         assert_eq!(verdict(&[warm, cold], 64 * 52), (Move::Held, 0));
-        // Five against three: the move evens them.
+        // Five against three here, but the replicas' metrics show as many in
+        // flight on both (other gateways' conversations): held.
         cold.load.conversations = 3.0;
+        warm.load.running = 4.0;
+        cold.load.running = 4.0;
+        assert_eq!(verdict(&[warm, cold], 64 * 52), (Move::Held, 0));
+        // They show more on the warm one too: the move evens them.
+        warm.load.running = 5.0;
+        cold.load.running = 3.0;
         assert_eq!(verdict(&[warm, cold], 64 * 52), (Move::Moved, 1));
         // Two more but not a quarter more (many conversations): held.
         warm.load.conversations = 10.0;
