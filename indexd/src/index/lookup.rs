@@ -1,34 +1,35 @@
-//! What a Pick reads: the published key map, the partition names and the
-//! speculative credits, none of them behind the index's writer.
+//! What a Pick reads: the index's one copy ([`Store`], under a read lock),
+//! the partition names and the speculative credits.
 //!
-//! - the key map: a per-thread `left-right` read handle ([`super::keymap`]);
-//!   entering it never blocks.
+//! - the index: a `parking_lot` read lock for the walk. The index takes the
+//!   write lock only to apply a batch at its publish, and yields it to
+//!   waiting Picks after every block or event (`bump`), so a Pick waits for
+//!   one block's changes, not a batch (see the parent module's docs).
 //! - partitions: an `RwLock` written only when a model or adapter name is
 //!   seen for the first time (a map insert), read once per Pick.
 //! - credits: a `Mutex` taken by Picks (walk, then credit) and by a purge of
-//!   the index (dropping a replica's credit); never with the key map's
-//!   writer waiting on it.
+//!   the index (dropping a replica's credit).
 
 use std::collections::HashMap;
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 use kvroute_proto::keys::BlockKey;
-use left_right::{ReadHandle, ReadHandleFactory};
 use smallvec::SmallVec;
-use thread_local::ThreadLocal;
 
-use super::keymap::KeyMap;
-use super::{FastMap, PrefixMatch, best_tier};
+use super::store::{PARTITION_BITS, Store};
+use super::{PrefixMatch, best_tier};
 use crate::credits::Credits;
 use crate::event::Tier;
 use crate::ids::{PartitionId, ReplicaSlot};
 use crate::state::{lock, read, write};
 
+/// Partitions at most (their ids are packed in 12 bits).
+const MAX_PARTITIONS: usize = 1 << PARTITION_BITS;
+
 /// The read side of the index. See the module docs.
 pub struct Lookup {
-    factory: ReadHandleFactory<KeyMap>,
-    handles: ThreadLocal<ReadHandle<KeyMap>>,
+    store: Arc<parking_lot::RwLock<Store>>,
     partitions: RwLock<HashMap<String, PartitionId>>,
     max_partitions: usize,
     credits: Mutex<Credits>,
@@ -44,21 +45,13 @@ impl std::fmt::Debug for Lookup {
 }
 
 impl Lookup {
-    pub(super) fn new(factory: ReadHandleFactory<KeyMap>, max_speculative: usize) -> Self {
+    pub(super) fn new(store: Arc<parking_lot::RwLock<Store>>, max_speculative: usize) -> Self {
         Self {
-            factory,
-            handles: ThreadLocal::new(),
+            store,
             partitions: RwLock::new(HashMap::new()),
-            max_partitions: 4096,
+            max_partitions: MAX_PARTITIONS,
             credits: Mutex::new(Credits::new(max_speculative)),
         }
-    }
-
-    /// Runs `f` on the published key map (`None` once the index is gone).
-    pub(super) fn with_keys<R>(&self, f: impl FnOnce(Option<&KeyMap>) -> R) -> R {
-        let handle = self.handles.get_or(|| self.factory.handle());
-        let guard = handle.enter();
-        f(guard.as_deref())
     }
 
     /// The partition of `model`, if any event or pick has named it.
@@ -125,10 +118,11 @@ impl Lookup {
     /// it holds (indexed or speculative, unexpired at `now`). Stops at the
     /// first block no candidate still matching holds.
     ///
-    /// One key-map lookup per block, then one pass over that key's holders:
-    /// the candidates still matching are a bitset, and a holder finds its
-    /// candidate through a [`SlotIndex`], so a block costs one pass over its
-    /// holders whether 8 candidates are still matching or 256.
+    /// One key-table lookup per block, then one pass over that key's
+    /// holders: the candidates still matching are a bitset, and a holder
+    /// finds its candidate through a table over the replicas' local ids, so
+    /// a block costs one pass over its holders whether 8 candidates are
+    /// still matching or 256.
     pub fn match_prefix(
         &self,
         partition: Option<PartitionId>,
@@ -140,63 +134,89 @@ impl Lookup {
         let Some(partition) = partition else {
             return out;
         };
-        // Candidate by slot; a slot listed twice is walked once and copied.
-        let candidate_of = SlotIndex::new(candidates);
+        let Ok(part) = u16::try_from(partition.get()) else {
+            return out;
+        };
         let mut alive = Bits::new(candidates.len());
-        for (i, slot) in candidates.iter().enumerate() {
-            if candidate_of.get(*slot) == Some(i) {
-                alive.set(i);
-            }
-        }
         let mut held = Bits::new(candidates.len());
         // Per candidate: held speculatively up to (excluding) this position.
         let mut credited_until: SmallVec<[usize; 16]> = SmallVec::from_elem(0, candidates.len());
+        let store = self.store.read();
+        // Candidate by local id; a slot listed twice is walked once and
+        // copied. A replica the index has never seen holds nothing indexed
+        // but may hold credit.
+        let mut candidate_of: SmallVec<[u32; 64]> = SmallVec::new();
+        let mut first_of: SmallVec<[u32; 16]> = SmallVec::from_elem(NONE, candidates.len());
+        for (i, slot) in candidates.iter().enumerate() {
+            let first = match store.locals.get(slot) {
+                Some(&local) => {
+                    let local = usize::from(local);
+                    if candidate_of.len() <= local {
+                        candidate_of.resize(local + 1, NONE);
+                    }
+                    match candidate_of.get_mut(local) {
+                        Some(c) if *c == NONE => {
+                            *c = i as u32;
+                            i as u32
+                        }
+                        Some(c) => *c,
+                        None => NONE,
+                    }
+                }
+                None => candidates
+                    .iter()
+                    .position(|s| s == slot)
+                    .map_or(NONE, |f| f as u32),
+            };
+            if let Some(f) = first_of.get_mut(i) {
+                *f = first;
+            }
+            if first == i as u32 {
+                alive.set(i);
+            }
+        }
         let credits = lock(&self.credits);
-        self.with_keys(|map| {
-            for (pos, key) in keys.iter().enumerate() {
-                held.clear();
-                if let Some(holders) = map.and_then(|m| m.get(&(partition, *key))) {
-                    for h in holders {
-                        let Some(i) = candidate_of.get(h.slot) else {
-                            continue;
-                        };
-                        if !alive.get(i) {
-                            continue;
-                        }
-                        if let (Some(tier), Some(m)) = (best_tier(h.tiers), out.get_mut(i)) {
-                            m.push(tier);
-                            held.set(i);
-                        }
-                    }
+        for (pos, key) in keys.iter().enumerate() {
+            held.clear();
+            store.for_each_holder((part, key.as_u64()), |replica, tiers| {
+                let Some(&i) = candidate_of.get(usize::from(replica)) else {
+                    return;
+                };
+                let i = i as usize;
+                if i == NONE as usize || !alive.get(i) {
+                    return;
                 }
-                // The rest may hold it speculatively.
-                for i in alive.and_not(&held) {
-                    let (Some(slot), Some(until), Some(m)) =
-                        (candidates.get(i), credited_until.get_mut(i), out.get_mut(i))
-                    else {
-                        alive.unset(i);
-                        continue;
-                    };
-                    if pos >= *until {
-                        *until = pos + credits.extend(partition, *slot, keys, pos, now);
-                    }
-                    if pos < *until {
-                        m.push(Tier::Gpu);
-                        m.speculative += 1;
-                    } else {
-                        alive.unset(i);
-                    }
+                if let (Some(tier), Some(m)) = (best_tier(tiers), out.get_mut(i)) {
+                    m.push(tier);
+                    held.set(i);
                 }
-                if alive.is_empty() {
-                    break;
+            });
+            // The rest may hold it speculatively.
+            for i in alive.and_not(&held) {
+                let (Some(slot), Some(until), Some(m)) =
+                    (candidates.get(i), credited_until.get_mut(i), out.get_mut(i))
+                else {
+                    alive.unset(i);
+                    continue;
+                };
+                if pos >= *until {
+                    *until = pos + credits.extend(partition, *slot, keys, pos, now);
+                }
+                if pos < *until {
+                    m.push(Tier::Gpu);
+                    m.speculative += 1;
+                } else {
+                    alive.unset(i);
                 }
             }
-        });
+            if alive.is_empty() {
+                break;
+            }
+        }
         drop(credits);
-        for (i, slot) in candidates.iter().enumerate() {
-            let Some(first) = candidate_of.get(*slot) else {
-                continue;
-            };
+        drop(store);
+        for (i, first) in first_of.iter().enumerate() {
+            let first = *first as usize;
             if first != i
                 && let Some(m) = out.get(first).copied()
                 && let Some(dst) = out.get_mut(i)
@@ -208,50 +228,8 @@ impl Lookup {
     }
 }
 
-/// No candidate for this slot.
+/// No candidate for this local id.
 const NONE: u32 = u32::MAX;
-
-/// A slot's candidate (the first listing it). Slots are handed out in
-/// order and never reused, so the live ones are usually a dense range: a
-/// table over that range. A fleet whose pods come and go leaves gaps (an old
-/// replica's slot far below the new ones'): a hash map then.
-enum SlotIndex {
-    Dense { first: u32, table: Vec<u32> },
-    Sparse(FastMap<u32, u32>),
-}
-
-impl SlotIndex {
-    fn new(candidates: &[ReplicaSlot]) -> Self {
-        let lo = candidates.iter().map(|s| s.0).min().unwrap_or(0);
-        let hi = candidates.iter().map(|s| s.0).max().unwrap_or(0);
-        let span = (hi - lo) as usize + 1;
-        if span <= 4 * candidates.len() + 256 {
-            let mut table = vec![NONE; span];
-            for (i, slot) in candidates.iter().enumerate() {
-                if let Some(c) = table.get_mut((slot.0 - lo) as usize)
-                    && *c == NONE
-                {
-                    *c = i as u32;
-                }
-            }
-            Self::Dense { first: lo, table }
-        } else {
-            let mut map = FastMap::default();
-            for (i, slot) in candidates.iter().enumerate() {
-                map.entry(slot.0).or_insert(i as u32);
-            }
-            Self::Sparse(map)
-        }
-    }
-
-    fn get(&self, slot: ReplicaSlot) -> Option<usize> {
-        let i = match self {
-            Self::Dense { first, table } => *table.get(slot.0.checked_sub(*first)? as usize)?,
-            Self::Sparse(map) => *map.get(&slot.0)?,
-        };
-        (i != NONE).then_some(i as usize)
-    }
-}
 
 /// A set of candidate indices.
 struct Bits(SmallVec<[u64; 4]>);
