@@ -91,11 +91,6 @@ const fn tier_bit(tier: Tier) -> u8 {
     }
 }
 
-/// The best tier in a non-empty mask.
-fn best_tier(mask: u8) -> Option<Tier> {
-    Tier::ALL.into_iter().find(|t| mask & tier_bit(*t) != 0)
-}
-
 /// Per-candidate result of a prefix walk.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefixMatch {
@@ -117,13 +112,6 @@ impl PrefixMatch {
             .zip(self.per_tier.iter().rev())
             .find(|(_, n)| **n > 0)
             .map(|(t, _)| t)
-    }
-
-    fn push(&mut self, tier: Tier) {
-        self.blocks += 1;
-        if let Some(n) = self.per_tier.get_mut(tier as usize) {
-            *n += 1;
-        }
     }
 }
 

@@ -180,6 +180,7 @@ impl Txn<'_> {
             return;
         };
         let tier = tier_bit(ev.tier);
+        let mut claimed: Option<Option<PartitionId>> = None;
         // What each block continues: the parent's chain and partition for the
         // first block, then the previous block's; `Err` when unknown.
         let mut link = match ev.parent {
@@ -253,8 +254,11 @@ impl Txn<'_> {
                     (None, Some(_)) => Some(model),
                     (None, None) => None,
                 };
+                // Looked up once per event (the claim is the same for every
+                // block that makes one).
                 if let Some(claim) = claim
-                    && self.lookup.partition(claim) != Some(parent_partition)
+                    && *claimed.get_or_insert_with(|| self.lookup.partition(claim))
+                        != Some(parent_partition)
                 {
                     stats.skipped_partition_conflict += rest;
                     return;

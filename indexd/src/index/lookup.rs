@@ -17,8 +17,8 @@ use std::time::Instant;
 use kvroute_proto::keys::BlockKey;
 use smallvec::SmallVec;
 
+use super::PrefixMatch;
 use super::store::{PARTITION_BITS, Store};
-use super::{PrefixMatch, best_tier};
 use crate::credits::Credits;
 use crate::event::Tier;
 use crate::ids::{PartitionId, ReplicaSlot};
@@ -137,26 +137,36 @@ impl Lookup {
         let Ok(part) = u16::try_from(partition.get()) else {
             return out;
         };
-        let mut alive = Bits::new(candidates.len());
-        let mut held = Bits::new(candidates.len());
+        let n = candidates.len();
+        let mut alive = Bits::new(n);
+        let mut held = Bits::new(n);
         // Per candidate: held speculatively up to (excluding) this position.
-        let mut credited_until: SmallVec<[usize; 16]> = SmallVec::from_elem(0, candidates.len());
+        let mut credited_until: SmallVec<[usize; 16]> = SmallVec::from_elem(0, n);
+        // Per candidate: blocks by best tier (GPU, CPU, storage), then
+        // speculative ones (counted as GPU too).
+        let mut counts: SmallVec<[[u32; 4]; 16]> = SmallVec::from_elem([0; 4], n);
         let store = self.store.read();
-        // Candidate by local id; a slot listed twice is walked once and
-        // copied. A replica the index has never seen holds nothing indexed
-        // but may hold credit.
-        let mut candidate_of: SmallVec<[u32; 64]> = SmallVec::new();
-        let mut first_of: SmallVec<[u32; 16]> = SmallVec::from_elem(NONE, candidates.len());
+        // Candidate by local id, while it still matches (`NONE` once it
+        // stops); a slot listed twice is walked once and copied. A replica
+        // the index has never seen holds nothing indexed but may hold
+        // credit.
+        let mut live: SmallVec<[u32; 64]> = SmallVec::new();
+        let mut local_of: SmallVec<[u32; 16]> = SmallVec::from_elem(NONE, n);
+        let mut first_of: SmallVec<[u32; 16]> = SmallVec::from_elem(NONE, n);
+        let mut alive_n = 0usize;
         for (i, slot) in candidates.iter().enumerate() {
             let first = match store.locals.get(slot) {
                 Some(&local) => {
                     let local = usize::from(local);
-                    if candidate_of.len() <= local {
-                        candidate_of.resize(local + 1, NONE);
+                    if live.len() <= local {
+                        live.resize(local + 1, NONE);
                     }
-                    match candidate_of.get_mut(local) {
+                    match live.get_mut(local) {
                         Some(c) if *c == NONE => {
                             *c = i as u32;
+                            if let Some(l) = local_of.get_mut(i) {
+                                *l = local as u32;
+                            }
                             i as u32
                         }
                         Some(c) => *c,
@@ -173,45 +183,66 @@ impl Lookup {
             }
             if first == i as u32 {
                 alive.set(i);
+                alive_n += 1;
             }
         }
         let credits = lock(&self.credits);
         for (pos, key) in keys.iter().enumerate() {
             held.clear();
+            let mut held_n = 0;
             store.for_each_holder((part, key.as_u64()), |replica, tiers| {
-                let Some(&i) = candidate_of.get(usize::from(replica)) else {
+                let Some(&i) = live.get(usize::from(replica)) else {
                     return;
                 };
-                let i = i as usize;
-                if i == NONE as usize || !alive.get(i) {
+                let Some(&tier) = BEST_TIER.get(usize::from(tiers & 0b111)) else {
                     return;
-                }
-                if let (Some(tier), Some(m)) = (best_tier(tiers), out.get_mut(i)) {
-                    m.push(tier);
-                    held.set(i);
+                };
+                if let Some(c) = counts.get_mut(i as usize)
+                    && let Some(c) = c.get_mut(usize::from(tier))
+                {
+                    *c += 1;
+                    held.set(i as usize);
+                    held_n += 1;
                 }
             });
-            // The rest may hold it speculatively.
-            for i in alive.and_not(&held) {
-                let (Some(slot), Some(until), Some(m)) =
-                    (candidates.get(i), credited_until.get_mut(i), out.get_mut(i))
-                else {
+            if held_n < alive_n {
+                // The rest may hold it speculatively.
+                for i in alive.and_not(&held) {
+                    let (Some(slot), Some(until), Some(c)) = (
+                        candidates.get(i),
+                        credited_until.get_mut(i),
+                        counts.get_mut(i),
+                    ) else {
+                        continue;
+                    };
+                    if pos >= *until {
+                        *until = pos + credits.extend(partition, *slot, keys, pos, now);
+                    }
+                    if pos < *until {
+                        c[0] += 1;
+                        c[3] += 1;
+                        continue;
+                    }
                     alive.unset(i);
-                    continue;
-                };
-                if pos >= *until {
-                    *until = pos + credits.extend(partition, *slot, keys, pos, now);
-                }
-                if pos < *until {
-                    m.push(Tier::Gpu);
-                    m.speculative += 1;
-                } else {
-                    alive.unset(i);
+                    alive_n -= 1;
+                    if let Some(l) = local_of.get(i)
+                        && let Some(c) = live.get_mut(*l as usize)
+                    {
+                        *c = NONE;
+                    }
                 }
             }
-            if alive.is_empty() {
+            if alive_n == 0 {
                 break;
             }
+        }
+        for (m, c) in out.iter_mut().zip(&counts) {
+            let [gpu, cpu, storage, speculative] = *c;
+            *m = PrefixMatch {
+                blocks: gpu + cpu + storage,
+                per_tier: [gpu, cpu, storage],
+                speculative,
+            };
         }
         drop(credits);
         drop(store);
@@ -230,6 +261,19 @@ impl Lookup {
 
 /// No candidate for this local id.
 const NONE: u32 = u32::MAX;
+
+/// A tier mask's best tier, as an index into a candidate's counts (masks
+/// without a tier have none: the walk skips them).
+const BEST_TIER: [u8; 8] = [
+    u8::MAX,
+    Tier::Gpu as u8,
+    Tier::Cpu as u8,
+    Tier::Gpu as u8,
+    Tier::Storage as u8,
+    Tier::Gpu as u8,
+    Tier::Cpu as u8,
+    Tier::Gpu as u8,
+];
 
 /// A set of candidate indices.
 struct Bits(SmallVec<[u64; 4]>);
@@ -251,16 +295,8 @@ impl Bits {
         }
     }
 
-    fn get(&self, i: usize) -> bool {
-        self.0.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
-    }
-
     fn clear(&mut self) {
         self.0.iter_mut().for_each(|w| *w = 0);
-    }
-
-    fn is_empty(&self) -> bool {
-        self.0.iter().all(|w| *w == 0)
     }
 
     /// The members of `self` not in `other`, as a list (the caller changes
