@@ -187,27 +187,31 @@ impl Lookup {
             }
         }
         let credits = lock(&self.credits);
+        // Plain slices for the walk (a `SmallVec` checks where its items are
+        // on every access).
+        let live = live.as_mut_slice();
+        let counts = counts.as_mut_slice();
+        let held = held.0.as_mut_slice();
         for (pos, key) in keys.iter().enumerate() {
-            held.clear();
+            held.fill(0);
             let mut held_n = 0;
             store.for_each_holder((part, key.as_u64()), |replica, tiers| {
                 let Some(&i) = live.get(usize::from(replica)) else {
                     return;
                 };
-                let Some(&tier) = BEST_TIER.get(usize::from(tiers & 0b111)) else {
-                    return;
-                };
+                let tier = BEST_TIER[usize::from(tiers & 0b111)];
                 if let Some(c) = counts.get_mut(i as usize)
                     && let Some(c) = c.get_mut(usize::from(tier))
+                    && let Some(w) = held.get_mut(i as usize / 64)
                 {
                     *c += 1;
-                    held.set(i as usize);
+                    *w |= 1 << (i % 64);
                     held_n += 1;
                 }
             });
             if held_n < alive_n {
                 // The rest may hold it speculatively.
-                for i in alive.and_not(&held) {
+                for i in alive.and_not(held) {
                     let (Some(slot), Some(until), Some(c)) = (
                         candidates.get(i),
                         credited_until.get_mut(i),
@@ -236,7 +240,7 @@ impl Lookup {
                 break;
             }
         }
-        for (m, c) in out.iter_mut().zip(&counts) {
+        for (m, c) in out.iter_mut().zip(counts.iter()) {
             let [gpu, cpu, storage, speculative] = *c;
             *m = PrefixMatch {
                 blocks: gpu + cpu + storage,
@@ -295,15 +299,11 @@ impl Bits {
         }
     }
 
-    fn clear(&mut self) {
-        self.0.iter_mut().for_each(|w| *w = 0);
-    }
-
     /// The members of `self` not in `other`, as a list (the caller changes
     /// `self` while going through it).
-    fn and_not(&self, other: &Self) -> SmallVec<[usize; 16]> {
+    fn and_not(&self, other: &[u64]) -> SmallVec<[usize; 16]> {
         let mut list = SmallVec::new();
-        for (at, (a, b)) in self.0.iter().zip(&other.0).enumerate() {
+        for (at, (a, b)) in self.0.iter().zip(other).enumerate() {
             let mut w = a & !b;
             while w != 0 {
                 list.push(at * 64 + w.trailing_zeros() as usize);
