@@ -437,8 +437,28 @@ proptest! {
         ops in prop::collection::vec(op(), 1..120),
         bound in 1usize..24,
         batch in 1usize..6,
+        wide in any::<bool>(),
     ) {
         let mut ix = Index::new(bound, 1 << 10);
+        if wide {
+            // 64 replicas seen (and purged) first: the three below get local
+            // ids past 64, and Picks take the walk over holder lists rather
+            // than the one over masks.
+            for r in 100..164 {
+                let ev = KvEvent::BlockStored(BlockStored {
+                    block_hashes: vec![EngineHash(u64::from(r))],
+                    parent: None,
+                    token_ids: vec![9_000 + r, 9_001],
+                    block_size: BLOCK,
+                    tier: Tier::Gpu,
+                    lora_name: None,
+                    extra_keys: Some(vec![ExtraKeys::None]),
+                    group_idx: 0,
+                });
+                ix.apply(ReplicaSlot(r), "m", &ev, &mut ApplyStats::default());
+                ix.purge(ReplicaSlot(r));
+            }
+        }
         let mut naive = Naive::bounded(bound);
         let mut stats = ApplyStats::default();
         let slots = [ReplicaSlot(0), ReplicaSlot(1), ReplicaSlot(2)];

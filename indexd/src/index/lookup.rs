@@ -18,7 +18,7 @@ use kvroute_proto::keys::BlockKey;
 use smallvec::SmallVec;
 
 use super::PrefixMatch;
-use super::store::{PARTITION_BITS, Store};
+use super::store::{MASK_IDS, PARTITION_BITS, Store};
 use crate::credits::Credits;
 use crate::event::Tier;
 use crate::ids::{PartitionId, ReplicaSlot};
@@ -130,7 +130,7 @@ impl Lookup {
         candidates: &[ReplicaSlot],
         now: Instant,
     ) -> Vec<PrefixMatch> {
-        let mut out = vec![PrefixMatch::default(); candidates.len()];
+        let out = vec![PrefixMatch::default(); candidates.len()];
         let Some(partition) = partition else {
             return out;
         };
@@ -187,6 +187,35 @@ impl Lookup {
             }
         }
         let credits = lock(&self.credits);
+        // At most 64 replicas' worth of local ids among the candidates: the
+        // walk by masks.
+        let narrow = local_of
+            .iter()
+            .zip(&first_of)
+            .enumerate()
+            .all(|(i, (l, f))| *f != i as u32 || *l < u32::from(MASK_IDS) || *l == NONE);
+        if narrow {
+            let mut spec = Speculation {
+                credits: &credits,
+                partition,
+                keys,
+                now,
+                candidates,
+                until: &mut credited_until,
+            };
+            walk_masks(
+                &store,
+                part,
+                keys,
+                &local_of,
+                &first_of,
+                &mut spec,
+                &mut counts,
+            );
+            drop(credits);
+            drop(store);
+            return finish(out, &counts, &first_of);
+        }
         // Plain slices for the walk (a `SmallVec` checks where its items are
         // on every access).
         let live = live.as_mut_slice();
@@ -240,26 +269,160 @@ impl Lookup {
                 break;
             }
         }
-        for (m, c) in out.iter_mut().zip(counts.iter()) {
-            let [gpu, cpu, storage, speculative] = *c;
-            *m = PrefixMatch {
-                blocks: gpu + cpu + storage,
-                per_tier: [gpu, cpu, storage],
-                speculative,
-            };
-        }
         drop(credits);
         drop(store);
-        for (i, first) in first_of.iter().enumerate() {
-            let first = *first as usize;
-            if first != i
-                && let Some(m) = out.get(first).copied()
-                && let Some(dst) = out.get_mut(i)
+        finish(out, counts, &first_of)
+    }
+}
+
+/// Per candidate, its counts as a [`PrefixMatch`]; a slot listed twice
+/// copies its first listing's.
+fn finish(mut out: Vec<PrefixMatch>, counts: &[[u32; 4]], first_of: &[u32]) -> Vec<PrefixMatch> {
+    for (m, c) in out.iter_mut().zip(counts.iter()) {
+        let [gpu, cpu, storage, speculative] = *c;
+        *m = PrefixMatch {
+            blocks: gpu + cpu + storage,
+            per_tier: [gpu, cpu, storage],
+            speculative,
+        };
+    }
+    for (i, first) in first_of.iter().enumerate() {
+        let first = *first as usize;
+        if first != i
+            && let Some(m) = out.get(first).copied()
+            && let Some(dst) = out.get_mut(i)
+        {
+            *dst = m;
+        }
+    }
+    out
+}
+
+/// What a candidate that does not hold a key may still hold: credit.
+struct Speculation<'a> {
+    credits: &'a Credits,
+    partition: PartitionId,
+    keys: &'a [BlockKey],
+    now: Instant,
+    candidates: &'a [ReplicaSlot],
+    /// Per candidate: credited up to (excluding) this position.
+    until: &'a mut [usize],
+}
+
+impl Speculation<'_> {
+    /// Whether candidate `i` holds the key at `pos` speculatively.
+    fn holds(&mut self, i: usize, pos: usize) -> bool {
+        let (Some(slot), Some(until)) = (self.candidates.get(i), self.until.get_mut(i)) else {
+            return false;
+        };
+        if pos >= *until {
+            *until = pos
+                + self
+                    .credits
+                    .extend(self.partition, *slot, self.keys, pos, self.now);
+        }
+        pos < *until
+    }
+}
+
+/// Bit-sliced counters, one per local id below 64: plane `j` holds bit `j`
+/// of every counter, so adding a mask is a ripple carry (two steps on
+/// average) whatever the number of bits set.
+struct Counters([u64; 32]);
+
+impl Counters {
+    fn add(&mut self, mut carry: u64) {
+        for plane in &mut self.0 {
+            if carry == 0 {
+                return;
+            }
+            let next = *plane & carry;
+            *plane ^= carry;
+            carry = next;
+        }
+    }
+
+    fn get(&self, bit: u32) -> u32 {
+        self.0
+            .iter()
+            .enumerate()
+            .map(|(j, plane)| ((plane >> bit) as u32 & 1) << j)
+            .sum()
+    }
+}
+
+/// The walk when every candidate's local id is below 64: per key, the
+/// holders' masks by best tier (one read: an entry's bit, or a group's
+/// masks) against the candidates still matching, added to bit-sliced
+/// counters; a candidate's list of holders is never walked.
+fn walk_masks(
+    store: &Store,
+    part: u16,
+    keys: &[BlockKey],
+    local_of: &[u32],
+    first_of: &[u32],
+    spec: &mut Speculation<'_>,
+    counts: &mut [[u32; 4]],
+) {
+    let mut candidate_of = [NONE; MASK_IDS as usize];
+    let mut alive = 0u64;
+    // Candidates the index has never seen: they may hold credit only.
+    let mut unseen: SmallVec<[usize; 4]> = SmallVec::new();
+    for (i, (l, f)) in local_of.iter().zip(first_of).enumerate() {
+        if *f != i as u32 {
+            continue;
+        }
+        match candidate_of.get_mut(*l as usize) {
+            Some(c) => {
+                *c = i as u32;
+                alive |= 1 << l;
+            }
+            None => unseen.push(i),
+        }
+    }
+    let mut tiers = [Counters([0; 32]), Counters([0; 32]), Counters([0; 32])];
+    for (pos, key) in keys.iter().enumerate() {
+        let masks = store.holder_masks((part, key.as_u64()));
+        let mut held = 0;
+        for (counter, mask) in tiers.iter_mut().zip(masks) {
+            let mask = mask & alive;
+            counter.add(mask);
+            held |= mask;
+        }
+        let mut missing = alive & !held;
+        while missing != 0 {
+            let bit = missing.trailing_zeros();
+            missing &= missing - 1;
+            let i = candidate_of.get(bit as usize).map_or(NONE, |c| *c) as usize;
+            if spec.holds(i, pos)
+                && let Some(c) = counts.get_mut(i)
             {
-                *dst = m;
+                c[0] += 1;
+                c[3] += 1;
+            } else {
+                alive &= !(1 << bit);
             }
         }
-        out
+        unseen.retain(|i| {
+            let credited = spec.holds(*i, pos);
+            if credited && let Some(c) = counts.get_mut(*i) {
+                c[0] += 1;
+                c[3] += 1;
+            }
+            credited
+        });
+        if alive == 0 && unseen.is_empty() {
+            break;
+        }
+    }
+    for (bit, i) in candidate_of.iter().enumerate() {
+        if let Some(c) = counts.get_mut(*i as usize) {
+            for (t, counter) in tiers.iter().enumerate() {
+                if let Some(n) = c.get_mut(t) {
+                    *n += counter.get(bit as u32);
+                }
+            }
+        }
     }
 }
 

@@ -13,9 +13,11 @@
 //!   rehashes a 256th of the keys, under the write lock). A key held by one
 //!   entry names that entry: the entry itself says which replica holds it in
 //!   which tiers, so a key held once costs its table slot and nothing more.
-//!   A key held by several entries names a [`Group`]: the key, its partition
-//!   and its holders `(replica, tiers, refs)` side by side (three inline),
-//!   so a Pick reads a key's holders in one place.
+//!   A key held by several entries names a [`Group`] (64 B): the key, its
+//!   partition, its holders `(replica, tiers, refs)` side by side (three
+//!   inline), and the holders whose local id is below 64 as three masks by
+//!   best tier, so a Pick over at most 64 replicas reads a key's holders as
+//!   one word per tier, whatever their number.
 //! - Per replica, `engine hash → entry` lives with the writer, outside this
 //!   lock ([`super::Index`]): only ingest reads it.
 
@@ -112,15 +114,39 @@ pub(super) struct Holder {
     refs: u8,
 }
 
+/// A tier mask's best tier as an index (GPU 0, CPU 1, storage 2; a mask
+/// without a tier has none, 3).
+pub(super) const BEST_TIER: [u8; 8] = [3, 0, 1, 0, 2, 0, 1, 0];
+
+/// Local ids below this are in holder masks (the Pick's fast walk).
+pub(super) const MASK_IDS: u16 = 64;
+
 /// A key held by several entries.
 #[derive(Debug, Default)]
 pub(super) struct Group {
     key: u64,
     partition: u16,
     holders: SmallVec<[Holder; 3]>,
+    /// Holders with a local id below 64, by best tier: what a Pick over at
+    /// most 64 replicas reads instead of the list.
+    masks: [u64; 3],
 }
 
 impl Group {
+    /// Recomputes the masks from the holders (after every change: a group
+    /// lists a few holders, one per replica at most).
+    fn refresh(&mut self) {
+        let mut masks = [0u64; 3];
+        for h in &self.holders {
+            if h.replica < MASK_IDS
+                && let Some(m) = masks.get_mut(usize::from(BEST_TIER[usize::from(h.tiers & 0b111)]))
+            {
+                *m |= 1 << h.replica;
+            }
+        }
+        self.masks = masks;
+    }
+
     fn hold(&mut self, replica: u16, tiers: u8) {
         match self.holders.iter_mut().find(|h| h.replica == replica) {
             Some(h) => {
@@ -133,6 +159,7 @@ impl Group {
                 refs: 1,
             }),
         }
+        self.refresh();
     }
 
     /// One entry of `replica` is gone; true when no holder is left.
@@ -145,6 +172,7 @@ impl Group {
                 self.holders.swap_remove(pos);
             }
         }
+        self.refresh();
         self.holders.is_empty()
     }
 
@@ -303,6 +331,26 @@ impl Store {
         }
     }
 
+    /// The holders of `key` with a local id below 64, by best tier.
+    #[inline]
+    pub(super) fn holder_masks(&self, key: Key) -> [u64; 3] {
+        let mut masks = [0u64; 3];
+        let Some(r) = self.find(key) else {
+            return masks;
+        };
+        if r & GROUP != 0 {
+            if let Some(g) = self.groups.get(r & !GROUP) {
+                masks = g.masks;
+            }
+        } else if let Some(e) = self.entries.get(r)
+            && e.replica < MASK_IDS
+            && let Some(m) = masks.get_mut(usize::from(BEST_TIER[usize::from(e.tiers())]))
+        {
+            *m |= 1 << e.replica;
+        }
+        masks
+    }
+
     /// Entry `e` (stored, with its tiers) carries its key.
     pub(super) fn hold(&mut self, e: u32) {
         let Some(entry) = self.entries.get(e).copied() else {
@@ -340,7 +388,7 @@ impl Store {
         let mut g = Group {
             key: key.1,
             partition: key.0,
-            holders: SmallVec::new(),
+            ..Group::default()
         };
         if let Some(other) = entries.get(*slot) {
             g.hold(other.replica, other.tiers());
@@ -375,12 +423,11 @@ impl Store {
             return;
         };
         if r & GROUP != 0
-            && let Some(h) = self
-                .groups
-                .get_mut(r & !GROUP)
-                .and_then(|g| g.holder_mut(entry.replica))
+            && let Some(g) = self.groups.get_mut(r & !GROUP)
+            && let Some(h) = g.holder_mut(entry.replica)
         {
             f(h, entry.tiers());
+            g.refresh();
         }
     }
 
