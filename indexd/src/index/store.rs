@@ -501,3 +501,16 @@ impl Store {
         self.entries.len()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_keep_their_sizes() {
+        // The per-entry arithmetic in the module docs and BENCHMARKS.md.
+        assert_eq!(std::mem::size_of::<Entry>(), 40);
+        assert_eq!(std::mem::size_of::<Group>(), 64);
+        assert_eq!(table_bytes(7 * 1024), 8 * 1024 * 5 + 16);
+    }
+}
