@@ -320,7 +320,9 @@ impl Index {
         if let KvEvent::BlockStored(stored) = event {
             let store = self.store.read();
             let local = self.w.locals.get(&slot).copied();
-            if let Some(local) = local {
+            if let Some(local) = local
+                && !stored.token_ids.is_empty()
+            {
                 self.w.reserve(&store, local, stored.block_hashes.len());
             }
             apply::prepare_chains(&store, &self.w, local, stored, &mut self.chains);
