@@ -208,6 +208,27 @@ fn bench_ingest(c: &mut Criterion) {
             );
         })
     });
+    // Decode and apply as ingest does (`Shared::ingest`): the batch decoded,
+    // its event queued, the batch published; fresh engine hashes each time.
+    let mut index = Index::new(1 << 20, 0);
+    let mut next = 0u64;
+    let mut stats = ApplyStats::default();
+    g.bench_function(BenchmarkId::new("decode_and_apply", "64_blocks"), |b| {
+        b.iter(|| {
+            let mut batch = wire::decode_batch(black_box(&payload), &Limits::default()).unwrap();
+            let slot = ReplicaSlot((next / 4096 % 8) as u32);
+            for ev in &mut batch.events {
+                if let KvEvent::BlockStored(s) = ev {
+                    for h in &mut s.block_hashes {
+                        *h = EngineHash(next);
+                        next += 1;
+                    }
+                }
+                index.apply_unpublished(slot, "m", ev);
+            }
+            index.publish(&mut stats);
+        })
+    });
     g.finish();
 }
 

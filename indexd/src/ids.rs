@@ -12,4 +12,9 @@ impl PartitionId {
     pub(crate) const fn new(id: u32) -> Self {
         Self(id)
     }
+
+    /// The raw id.
+    pub(crate) const fn get(self) -> u32 {
+        self.0
+    }
 }

@@ -4,9 +4,9 @@
 //!   `(PartitionId, BlockKey)`; the partition is the event's `lora_name`, else
 //!   the endpoint's model.
 //! - `key → holders`: every replica holding the block, with its tiers.
-//! - Per replica, `engine hash → (Chain, key)`: how a later `BlockStored`
-//!   naming a block as its parent is keyed (via `kvroute_proto::keys`), and how
-//!   a `BlockRemoved` finds the key to drop.
+//! - Per replica, `engine hash → entry` (its chain, partition, tiers): how a
+//!   later `BlockStored` naming a block as its parent is keyed (via
+//!   `kvroute_proto::keys`), and how a `BlockRemoved` finds the key to drop.
 //! - Salts and partitions are never guessed. The salt comes from block 0's
 //!   `extra_keys` and travels down the chain; a child continues its parent's
 //!   chain in its parent's partition (an event claiming another partition is
@@ -25,42 +25,57 @@
 //!   snapshot of its blocks says where its event stream resumes
 //!   ([`crate::snapshot`]).
 //!
+//! # Layout and concurrency
+//!
+//! One copy of everything ([`store`]): a slab of 40-byte entries, a key
+//! table whose slot names the entry holding a key (or, for a key several
+//! entries hold, a group listing them), the eviction order threaded through
+//! the entries. Per replica, `engine hash → entry` is a table of `u32` that
+//! the writer keeps to itself. About 60 B per `(block, replica)` entry,
+//! where the key map kept twice (`left-right`) beside per-replica maps of
+//! chains cost ≈ 240 B.
+//!
 //! The index has a single owner (a `Mutex` in [`crate::state`]); every method
 //! here is synchronous and allocation-bounded. Picks do not take that lock:
-//! they read a [`Lookup`] (the key map as last published, the partitions,
-//! the credits), which the index keeps current (see [`keymap`]).
+//! they read the one copy under a `parking_lot` read lock ([`Lookup`]), and
+//! the index takes the write lock only in [`Index::publish`], only to apply
+//! changes:
+//! - A batch is queued by [`Index::apply_unpublished`] and applied at its
+//!   publish, event by event: nothing of it shows before, and a writer
+//!   stalled mid-batch holds back no Pick.
+//! - Per event, what costs (SHA-256 of each block's tokens, room in the
+//!   replica's table) is done under the read lock, beside the Picks; the
+//!   write lock covers the slab and table updates, tens of nanoseconds per
+//!   block.
+//! - The write lock is yielded to waiting readers after every block
+//!   (`RwLockWriteGuard::bump`, a fair handover), so a Pick waits for one
+//!   block's changes, never for a whole batch, a replica's purge or a run of
+//!   evictions. Between two yields a Pick may see a batch partly applied:
+//!   the replica's cache was in that state too, a moment before.
+//! - What still happens under the write lock and grows with the index: a
+//!   key-table shard's rehash (a 256th of the keys) as it grows or shrinks.
+//!
+//! Why a read lock rather than a seqlock or epochs over the slab: a Pick
+//! reads 1,024 keys and their holders; retrying that walk, or holding back
+//! every slab reuse until readers move on, buys little over a read lock the
+//! writer never holds for more than a block, and needs `unsafe` code. Why
+//! not a lock per shard: a Pick would take 1,024 of them.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kvroute_proto::keys::{BlockKey, Chain};
-use left_right::WriteHandle;
+use hashbrown::HashTable;
+use kvroute_proto::keys::Chain;
+use parking_lot::{RwLock, RwLockWriteGuard};
 
 pub use apply::ApplyStats;
 pub use lookup::Lookup;
 pub(crate) use saved::{Applied, SavedBlock};
 
-use fifo::Fifo;
-use keymap::{KeyMap, KeyOp};
+use store::{Entry, Store, table_bytes};
 
-use crate::event::{EngineHash, Tier};
+use crate::event::{EngineHash, KvEvent, Tier};
 use crate::ids::{PartitionId, ReplicaSlot};
-
-/// Gives memory back from a map that emptied out: the bound is on entries,
-/// and a map keeps the capacity of its peak otherwise (per-replica maps
-/// ratchet up as the global FIFO moves entries between replicas). Below a
-/// fifth of its capacity it is rehashed to twice its length: amortized
-/// O(1). Not sooner: a churning map that doubles to clear its tombstones
-/// lands just above a quarter full, and shrinking it back would only
-/// rehash it twice as often.
-fn shrink_if_sparse<K: std::hash::Hash + Eq, V, S: std::hash::BuildHasher>(
-    map: &mut HashMap<K, V, S>,
-) {
-    let (len, cap) = (map.len(), map.capacity());
-    if cap > 1024 && len.saturating_mul(5) < cap {
-        map.shrink_to(len.saturating_mul(2));
-    }
-}
 
 /// The index's hash maps: keys are SHA-256 prefixes and engine hashes, so a
 /// fast hasher (foldhash, seeded per process) does; SipHash cost a third of
@@ -74,11 +89,6 @@ const fn tier_bit(tier: Tier) -> u8 {
         Tier::Cpu => 2,
         Tier::Storage => 4,
     }
-}
-
-/// The best tier in a non-empty mask.
-fn best_tier(mask: u8) -> Option<Tier> {
-    Tier::ALL.into_iter().find(|t| mask & tier_bit(*t) != 0)
 }
 
 /// Per-candidate result of a prefix walk.
@@ -103,69 +113,124 @@ impl PrefixMatch {
             .find(|(_, n)| **n > 0)
             .map(|(t, _)| t)
     }
-
-    fn push(&mut self, tier: Tier) {
-        self.blocks += 1;
-        if let Some(n) = self.per_tier.get_mut(tier as usize) {
-            *n += 1;
-        }
-    }
 }
 
-#[derive(Clone, Copy, Debug)]
-struct BlockEntry {
-    /// Its chain value; its key is the chain's first 8 bytes.
-    chain: Chain,
-    partition: PartitionId,
-    tiers: u8,
-    seq: u64,
+/// A change queued until [`Index::publish`].
+#[derive(Debug)]
+enum Pending {
+    Event {
+        slot: ReplicaSlot,
+        model: String,
+        event: KvEvent,
+    },
+    Applied {
+        slot: ReplicaSlot,
+        applied: Applied,
+    },
 }
 
-impl BlockEntry {
-    fn key(&self) -> (PartitionId, BlockKey) {
-        (self.partition, self.chain.key())
-    }
-}
-
+/// One replica's blocks: `engine hash → entry`.
 #[derive(Debug, Default)]
 struct ReplicaBlocks {
-    blocks: FastMap<EngineHash, BlockEntry>,
-    /// The last batch whose events `blocks` reflects (None after a purge,
-    /// until the next batch).
-    applied: Option<Applied>,
+    table: HashTable<u32>,
+}
+
+/// The writer's own state, outside the lock.
+#[derive(Debug)]
+struct Writer {
+    /// By local id.
+    replicas: Vec<Option<ReplicaBlocks>>,
+    locals: FastMap<ReplicaSlot, u16>,
+    free_locals: Vec<u16>,
+    /// Per replica, the last batch applied (None after a purge, until the
+    /// next batch).
+    applied: HashMap<ReplicaSlot, Applied>,
+    /// Engine hashes' hasher (they are vLLM's; seeded per process).
+    hasher: foldhash::fast::RandomState,
+    next_seq: u32,
+    entries: usize,
+    max_entries: usize,
+}
+
+fn engine_hash(hasher: &foldhash::fast::RandomState, hash: EngineHash) -> u64 {
+    use std::hash::BuildHasher;
+    hasher.hash_one(hash.0)
+}
+
+impl Writer {
+    fn blocks(&self, local: u16) -> Option<&ReplicaBlocks> {
+        self.replicas.get(usize::from(local))?.as_ref()
+    }
+
+    /// The entry `local` holds for `hash`.
+    fn find(&self, store: &Store, local: u16, hash: EngineHash) -> Option<u32> {
+        self.blocks(local)?
+            .table
+            .find(engine_hash(&self.hasher, hash), |e| {
+                store.entry(*e).is_some_and(|x| x.hash() == hash)
+            })
+            .copied()
+    }
+
+    /// Room for `additional` more entries in `local`'s table (rehashing, if
+    /// needed, under the read lock rather than the write lock).
+    fn reserve(&mut self, store: &Store, local: u16, additional: usize) {
+        let hasher = &self.hasher;
+        if let Some(Some(r)) = self.replicas.get_mut(usize::from(local)) {
+            r.table.reserve(additional, |e| {
+                store.entry(*e).map_or(0, |x| engine_hash(hasher, x.hash()))
+            });
+        }
+    }
+
+    /// Gives memory back from `local`'s table if it emptied out: below a
+    /// fifth of its capacity it is rehashed to twice its length (amortized
+    /// O(1); not sooner, or a churning table would rehash twice as often).
+    fn shrink_if_sparse(&mut self, store: &Store, local: u16) {
+        let hasher = &self.hasher;
+        if let Some(Some(r)) = self.replicas.get_mut(usize::from(local)) {
+            let (len, cap) = (r.table.len(), r.table.capacity());
+            if cap > 1024 && len.saturating_mul(5) < cap {
+                r.table.shrink_to(len.saturating_mul(2), |e| {
+                    store.entry(*e).map_or(0, |x| engine_hash(hasher, x.hash()))
+                });
+            }
+        }
+    }
 }
 
 /// The block index. See the module docs.
 #[derive(Debug)]
 pub struct Index {
-    /// The key map's writer: changes are logged, and readers see them at
-    /// [`Index::publish`].
-    keys: WriteHandle<KeyMap, KeyOp>,
+    store: Arc<RwLock<Store>>,
     lookup: Arc<Lookup>,
-    replicas: HashMap<ReplicaSlot, ReplicaBlocks>,
-    order: Fifo,
-    next_seq: u64,
-    entries: usize,
-    max_entries: usize,
+    w: Writer,
+    pending: Vec<Pending>,
+    /// Per block of the event being applied: its parent's chain and its
+    /// own, computed before the write lock.
+    chains: Vec<(Chain, Chain)>,
 }
 
 impl Index {
     /// An empty index holding at most `max_entries` `(block, replica)`
     /// entries and `max_speculative` speculative ones.
     pub fn new(max_entries: usize, max_speculative: usize) -> Self {
-        let (mut keys, reader) = left_right::new_from_empty(KeyMap::default());
-        // Published once empty: from here on changes are logged (before the
-        // first publish they would go straight to the writer's copy, and
-        // `flush` would see nothing to publish).
-        keys.publish();
+        let store = Arc::new(RwLock::new(Store::default()));
         Self {
-            keys,
-            lookup: Arc::new(Lookup::new(reader.factory(), max_speculative)),
-            replicas: HashMap::new(),
-            order: Fifo::default(),
-            next_seq: 0,
-            entries: 0,
-            max_entries: max_entries.max(1),
+            lookup: Arc::new(Lookup::new(Arc::clone(&store), max_speculative)),
+            store,
+            w: Writer {
+                replicas: Vec::new(),
+                locals: FastMap::default(),
+                free_locals: Vec::new(),
+                applied: HashMap::new(),
+                hasher: foldhash::fast::RandomState::default(),
+                next_seq: 0,
+                entries: 0,
+                max_entries: max_entries.clamp(1, store::MAX_RECORDS as usize),
+            },
+            pending: Vec::new(),
+            chains: Vec::new(),
         }
     }
 
@@ -174,27 +239,23 @@ impl Index {
         Arc::clone(&self.lookup)
     }
 
-    /// Makes every change so far visible to readers (once per batch of
-    /// events; the mutating methods other than [`Index::apply_unpublished`]
-    /// call it themselves). Waits for readers still in the copy published
-    /// before the last one.
-    pub fn publish(&mut self) {
-        self.keys.flush();
-    }
-
     /// `(block, replica)` entries currently indexed.
     pub fn entries(&self) -> usize {
-        self.entries
+        self.w.entries
     }
 
     /// Distinct `(partition, key)` pairs.
     pub fn distinct_keys(&self) -> usize {
-        self.lookup.with_keys(|m| m.map_or(0, KeyMap::len))
+        self.store.read().distinct_keys()
     }
 
     /// Entries held by one replica.
     pub fn replica_entries(&self, slot: ReplicaSlot) -> usize {
-        self.replicas.get(&slot).map_or(0, |r| r.blocks.len())
+        self.w
+            .locals
+            .get(&slot)
+            .and_then(|l| self.w.blocks(*l))
+            .map_or(0, |r| r.table.len())
     }
 
     /// Live speculative entries (expired ones may linger until the next
@@ -203,19 +264,18 @@ impl Index {
         self.lookup.speculative_entries()
     }
 
-    /// An estimate of the heap bytes the index holds (capacity-based; the
-    /// key map counts twice, one copy for readers and one for the writer).
+    /// An estimate of the heap bytes the index holds (capacity-based: the
+    /// slab's chunks, every table's buckets, spilled holder lists, the
+    /// speculative credits).
     pub fn approx_bytes(&self) -> usize {
-        use std::mem::size_of;
-        let key_map =
-            2 * self.lookup.with_keys(|m| m.map_or(0, KeyMap::capacity)) * KeyMap::SLOT_BYTES;
-        let replica_maps: usize = self
+        let replica_tables: usize = self
+            .w
             .replicas
-            .values()
-            .map(|r| r.blocks.capacity() * (size_of::<EngineHash>() + size_of::<BlockEntry>() + 1))
+            .iter()
+            .flatten()
+            .map(|r| table_bytes(r.table.capacity()))
             .sum();
-        let order = self.order.capacity() * size_of::<fifo::Item>();
-        key_map + replica_maps + order + self.lookup.credit_bytes()
+        self.store.read().heap_bytes() + replica_tables + self.lookup.credit_bytes()
     }
 
     /// The partition of `model`, if any event or pick has named it.
@@ -229,143 +289,83 @@ impl Index {
         self.lookup.partition_or_insert(model)
     }
 
-    fn insert(
+    /// Applies everything queued (see [`Index::apply_unpublished`]), adding
+    /// what it did to `stats`. Readers see each event as it is applied.
+    pub fn publish(&mut self, stats: &mut ApplyStats) {
+        let mut pending = std::mem::take(&mut self.pending);
+        for p in pending.drain(..) {
+            match p {
+                Pending::Event { slot, model, event } => {
+                    self.apply_now(slot, &model, &event, stats);
+                }
+                Pending::Applied { slot, applied } => {
+                    self.w.applied.insert(slot, applied);
+                }
+            }
+        }
+        // Keeps the queue's allocation.
+        self.pending = pending;
+    }
+
+    /// Applies one event: its chains and room in the replica's table under
+    /// the read lock, then the changes under the write lock.
+    fn apply_now(
         &mut self,
         slot: ReplicaSlot,
-        hash: EngineHash,
-        chain: Chain,
-        partition: PartitionId,
-        tier_bit: u8,
+        model: &str,
+        event: &KvEvent,
         stats: &mut ApplyStats,
     ) {
-        let key = chain.key();
-        let replica = self.replicas.entry(slot).or_default();
-        if let Some(existing) = replica.blocks.get_mut(&hash) {
-            if existing.key() == (partition, key) {
-                existing.tiers |= tier_bit;
-                let tiers = existing.tiers;
-                self.keys.append(KeyOp::AddTiers {
-                    key: (partition, key),
-                    slot,
-                    tiers,
-                });
-                return;
+        self.chains.clear();
+        if let KvEvent::BlockStored(stored) = event {
+            let store = self.store.read();
+            let local = self.w.locals.get(&slot).copied();
+            if let Some(local) = local
+                && !stored.token_ids.is_empty()
+            {
+                self.w.reserve(&store, local, stored.block_hashes.len());
             }
-            self.drop_entry(slot, hash);
+            apply::prepare_chains(&store, &self.w, local, stored, &mut self.chains);
         }
-        let seq = self.next_seq;
-        self.next_seq += 1;
-        let entry = BlockEntry {
-            chain,
-            partition,
-            tiers: tier_bit,
-            seq,
-        };
-        self.replicas
-            .entry(slot)
-            .or_default()
-            .blocks
-            .insert(hash, entry);
-        self.keys.append(KeyOp::Hold {
-            key: (partition, key),
-            slot,
-            tiers: tier_bit,
-        });
-        self.entries += 1;
-        self.order.push((slot, hash, seq));
-        while self.entries > self.max_entries {
-            if !self.evict_oldest() {
-                break;
-            }
-            stats.evicted += 1;
+        let mut txn = self.txn();
+        txn.apply_event(slot, model, event, stats);
+        drop(txn);
+        if let Some(local) = self.w.locals.get(&slot).copied() {
+            let store = self.store.read();
+            self.w.shrink_if_sparse(&store, local);
         }
-        self.order_upkeep();
     }
 
-    /// One step of sweeping stale items out of the insertion order.
-    fn order_upkeep(&mut self) {
-        let replicas = &self.replicas;
-        self.order
-            .upkeep(self.entries, |item| Self::is_live(replicas, item));
-    }
-
-    fn is_live(
-        replicas: &HashMap<ReplicaSlot, ReplicaBlocks>,
-        (slot, hash, seq): &fifo::Item,
-    ) -> bool {
-        replicas
-            .get(slot)
-            .and_then(|r| r.blocks.get(hash))
-            .is_some_and(|e| e.seq == *seq)
-    }
-
-    fn evict_oldest(&mut self) -> bool {
-        while let Some(item) = self.order.pop_front() {
-            if Self::is_live(&self.replicas, &item) {
-                self.drop_entry(item.0, item.1);
-                return true;
-            }
+    fn txn(&mut self) -> Txn<'_> {
+        Txn {
+            store: self.store.write(),
+            w: &mut self.w,
+            lookup: &self.lookup,
+            chains: &self.chains,
         }
-        false
-    }
-
-    fn block(&self, slot: ReplicaSlot, hash: &EngineHash) -> Option<&BlockEntry> {
-        self.replicas.get(&slot).and_then(|r| r.blocks.get(hash))
-    }
-
-    fn block_mut(&mut self, slot: ReplicaSlot, hash: &EngineHash) -> Option<&mut BlockEntry> {
-        self.replicas
-            .get_mut(&slot)
-            .and_then(|r| r.blocks.get_mut(hash))
-    }
-
-    fn drop_entry(&mut self, slot: ReplicaSlot, hash: EngineHash) {
-        let Some(replica) = self.replicas.get_mut(&slot) else {
-            return;
-        };
-        let Some(entry) = replica.blocks.remove(&hash) else {
-            return;
-        };
-        shrink_if_sparse(&mut replica.blocks);
-        self.entries = self.entries.saturating_sub(1);
-        self.release_holder(entry.key(), slot);
-    }
-
-    fn release_holder(&mut self, key: (PartitionId, BlockKey), slot: ReplicaSlot) {
-        self.keys.append(KeyOp::Release { key, slot });
     }
 
     /// Forgets everything `slot` holds (restart, AllBlocksCleared, an
-    /// unrecoverable gap). Speculative credit for it is dropped too.
+    /// unrecoverable gap). Speculative credit for it is dropped too. Queued
+    /// changes are applied first.
     pub fn purge(&mut self, slot: ReplicaSlot) {
-        self.purge_unpublished(slot);
-        self.publish();
+        self.publish(&mut ApplyStats::default());
+        self.chains.clear();
+        self.txn().purge(slot);
     }
 
-    fn purge_unpublished(&mut self, slot: ReplicaSlot) {
-        self.lookup.forget_credits(slot);
-        let Some(replica) = self.replicas.get_mut(&slot) else {
-            return;
-        };
-        replica.applied = None;
-        let blocks = std::mem::take(&mut replica.blocks);
-        for entry in blocks.values() {
-            self.entries = self.entries.saturating_sub(1);
-            self.release_holder(entry.key(), slot);
-        }
-        // The replica's items stay in the insertion order as stale ones, and
-        // the sweep takes them out a few per later operation. Compacting the
-        // whole order here cost O(every entry) per purge: in the fleet
-        // simulation (4.6 M entries, 256 replicas restarting) each restart
-        // held the index for a few hundred milliseconds, and ingest fell
-        // from 131 k to 8–36 k blocks/s.
-        self.order_upkeep();
-    }
-
-    /// Purges `slot` and forgets it entirely (endpoint removed).
+    /// Purges `slot` and forgets it entirely (endpoint removed); its local
+    /// id is free for another replica.
     pub fn remove_replica(&mut self, slot: ReplicaSlot) {
         self.purge(slot);
-        self.replicas.remove(&slot);
+        let Some(local) = self.w.locals.remove(&slot) else {
+            return;
+        };
+        self.store.write().locals.remove(&slot);
+        if let Some(r) = self.w.replicas.get_mut(usize::from(local)) {
+            *r = None;
+        }
+        self.w.free_locals.push(local);
     }
 
     /// [`Lookup::match_prefix`] on what this index last published (tests;
@@ -374,19 +374,195 @@ impl Index {
     pub(crate) fn match_prefix(
         &self,
         partition: Option<PartitionId>,
-        keys: &[BlockKey],
+        keys: &[kvroute_proto::keys::BlockKey],
         candidates: &[ReplicaSlot],
         now: std::time::Instant,
     ) -> Vec<PrefixMatch> {
         self.lookup.match_prefix(partition, keys, candidates, now)
     }
+
+    /// Every entry as `(slot, engine hash, partition, chain)` (tests).
+    #[cfg(test)]
+    pub(crate) fn all_blocks(&self) -> Vec<(ReplicaSlot, EngineHash, PartitionId, Chain)> {
+        let store = self.store.read();
+        let mut out = Vec::new();
+        for (slot, local) in &self.w.locals {
+            for e in self
+                .w
+                .blocks(*local)
+                .into_iter()
+                .flat_map(|r| r.table.iter())
+            {
+                if let Some(x) = store.entry(*e) {
+                    out.push((
+                        *slot,
+                        x.hash(),
+                        PartitionId::new(u32::from(x.partition())),
+                        x.chain,
+                    ));
+                }
+            }
+        }
+        assert_eq!(store.slab_len(), self.w.entries, "slab and count agree");
+        out
+    }
+}
+
+/// The index under its write lock: the writer's state and the one copy.
+struct Txn<'a> {
+    store: RwLockWriteGuard<'a, Store>,
+    w: &'a mut Writer,
+    lookup: &'a Lookup,
+    chains: &'a [(Chain, Chain)],
+}
+
+impl Txn<'_> {
+    /// Lets waiting readers in (fair), then takes the lock back.
+    fn yield_to_readers(&mut self) {
+        RwLockWriteGuard::bump(&mut self.store);
+    }
+
+    fn local(&self, slot: ReplicaSlot) -> Option<u16> {
+        self.w.locals.get(&slot).copied()
+    }
+
+    /// `slot`'s local id, given on first use (`None` when all 65,536 are
+    /// taken by live replicas).
+    fn local_or_insert(&mut self, slot: ReplicaSlot) -> Option<u16> {
+        if let Some(l) = self.local(slot) {
+            return Some(l);
+        }
+        let local = match self.w.free_locals.pop() {
+            Some(l) => l,
+            None => u16::try_from(self.w.replicas.len()).ok()?,
+        };
+        let i = usize::from(local);
+        if self.w.replicas.len() <= i {
+            self.w.replicas.resize_with(i + 1, || None);
+        }
+        if let Some(r) = self.w.replicas.get_mut(i) {
+            *r = Some(ReplicaBlocks::default());
+        }
+        self.w.locals.insert(slot, local);
+        self.store.locals.insert(slot, local);
+        Some(local)
+    }
+
+    /// The entry `local` holds for `hash`.
+    fn find(&self, local: u16, hash: EngineHash) -> Option<u32> {
+        self.w.find(&self.store, local, hash)
+    }
+
+    fn entry(&self, local: u16, hash: EngineHash) -> Option<Entry> {
+        self.find(local, hash)
+            .and_then(|e| self.store.entry(e))
+            .copied()
+    }
+
+    /// Stores `(local, hash)` keyed by `chain` in `partition` with a tier
+    /// (or adds the tier if it holds that key already).
+    fn insert(
+        &mut self,
+        local: u16,
+        hash: EngineHash,
+        chain: Chain,
+        partition: PartitionId,
+        tier_bit: u8,
+        stats: &mut ApplyStats,
+    ) {
+        let Ok(part) = u16::try_from(partition.get()) else {
+            return;
+        };
+        if let Some(e) = self.find(local, hash) {
+            if let Some(x) = self.store.entry_mut(e)
+                && x.key() == (part, chain.key().as_u64())
+            {
+                x.set_tiers(x.tiers() | tier_bit);
+                self.store.add_tiers(e);
+                return;
+            }
+            self.drop_entry(local, e);
+        }
+        let seq = self.w.next_seq;
+        self.w.next_seq = seq.wrapping_add(1);
+        let Some(e) = self
+            .store
+            .insert(Entry::new(chain, hash, local, part, tier_bit, seq))
+        else {
+            return;
+        };
+        let hasher = &self.w.hasher;
+        let store = &*self.store;
+        let Some(Some(r)) = self.w.replicas.get_mut(usize::from(local)) else {
+            self.store.remove(e);
+            return;
+        };
+        r.table.insert_unique(engine_hash(hasher, hash), e, |i| {
+            store.entry(*i).map_or(0, |x| engine_hash(hasher, x.hash()))
+        });
+        self.store.hold(e);
+        self.w.entries += 1;
+        while self.w.entries > self.w.max_entries {
+            if !self.evict_oldest() {
+                break;
+            }
+            stats.evicted += 1;
+        }
+        self.yield_to_readers();
+    }
+
+    fn evict_oldest(&mut self) -> bool {
+        let Some(e) = self.store.oldest() else {
+            return false;
+        };
+        let local = self.store.entry(e).map_or(0, |x| x.replica);
+        self.drop_entry(local, e);
+        true
+    }
+
+    /// Forgets entry `e` of `local`.
+    fn drop_entry(&mut self, local: u16, e: u32) {
+        let Some(hash) = self.store.entry(e).map(Entry::hash) else {
+            return;
+        };
+        if let Some(Some(r)) = self.w.replicas.get_mut(usize::from(local))
+            && let Ok(found) = r
+                .table
+                .find_entry(engine_hash(&self.w.hasher, hash), |i| *i == e)
+        {
+            found.remove();
+        }
+        self.store.remove(e);
+        self.w.entries = self.w.entries.saturating_sub(1);
+    }
+
+    /// Forgets everything `slot` holds, yielding to readers every 64
+    /// entries.
+    fn purge(&mut self, slot: ReplicaSlot) {
+        self.lookup.forget_credits(slot);
+        self.w.applied.remove(&slot);
+        let Some(local) = self.local(slot) else {
+            return;
+        };
+        let Some(Some(r)) = self.w.replicas.get_mut(usize::from(local)) else {
+            return;
+        };
+        let table = std::mem::take(&mut r.table);
+        for (n, e) in table.into_iter().enumerate() {
+            self.store.remove(e);
+            self.w.entries = self.w.entries.saturating_sub(1);
+            if n % 64 == 63 {
+                self.yield_to_readers();
+            }
+        }
+    }
 }
 
 mod apply;
-mod fifo;
-mod keymap;
 mod lookup;
 mod saved;
+mod slab;
+mod store;
 
 #[cfg(test)]
 #[path = "index_tests.rs"]

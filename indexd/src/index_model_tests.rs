@@ -4,7 +4,7 @@
 //! another salt or partition than its own prompt's. The model and the stream
 //! generator are shared with the subscriber's stream-level test.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::time::Instant;
 
@@ -33,9 +33,44 @@ type NaiveBlock = (String, BlockKey, Chain, BTreeSet<Tier>);
 #[derive(Default)]
 pub(crate) struct Naive {
     pub(crate) replicas: HashMap<u32, HashMap<u64, NaiveBlock>>,
+    /// The entry bound, if any: beyond it the oldest entry goes.
+    bound: Option<usize>,
+    /// Each entry's insertion number, and the entries by it (stale ones
+    /// are skipped when met).
+    seq_of: HashMap<(u32, u64), u64>,
+    order: BTreeMap<u64, (u32, u64)>,
+    next: u64,
 }
 
 impl Naive {
+    fn bounded(bound: usize) -> Self {
+        Self {
+            bound: Some(bound),
+            ..Self::default()
+        }
+    }
+
+    /// A new entry `(slot, hash)` was stored: it is the newest, and the
+    /// oldest ones go beyond the bound.
+    fn inserted(&mut self, slot: u32, hash: u64) {
+        self.seq_of.insert((slot, hash), self.next);
+        self.order.insert(self.next, (slot, hash));
+        self.next += 1;
+        let Some(bound) = self.bound else {
+            return;
+        };
+        while self.replicas.values().map(HashMap::len).sum::<usize>() > bound {
+            let Some((seq, (s, h))) = self.order.pop_first() else {
+                break;
+            };
+            let live = self.seq_of.get(&(s, h)) == Some(&seq)
+                && self.replicas.get(&s).is_some_and(|r| r.contains_key(&h));
+            if live && let Some(r) = self.replicas.get_mut(&s) {
+                r.remove(&h);
+            }
+        }
+    }
+
     pub(crate) fn apply(&mut self, slot: u32, model: &str, ev: &KvEvent) {
         let rep = self.replicas.entry(slot).or_default();
         match ev {
@@ -86,7 +121,7 @@ impl Naive {
                         _ => {}
                     }
                     if carried.is_none()
-                        && let Some(e) = rep.get_mut(&h.0)
+                        && let Some(e) = self.replicas.entry(slot).or_default().get_mut(&h.0)
                     {
                         e.3.insert(s.tier);
                         link = Some((e.2, e.0.clone()));
@@ -116,12 +151,14 @@ impl Naive {
                     let c = KeyChain::from_parent(bs(s.block_size), parent)
                         .push_block(&s.token_ids[i * n..(i + 1) * n])
                         .unwrap();
+                    let rep = self.replicas.entry(slot).or_default();
                     match rep.get_mut(&h.0) {
                         Some(e) if e.0 == part && e.1 == c.key() => {
                             e.3.insert(s.tier);
                         }
                         _ => {
                             rep.insert(h.0, (part.clone(), c.key(), c, BTreeSet::from([s.tier])));
+                            self.inserted(slot, h.0);
                         }
                     }
                     link = Some((c, part));
@@ -388,6 +425,84 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// The same, with a small entry bound (the oldest entries evicted, slab
+    /// places reused, keys moving between one holder and a group) and the
+    /// events applied in batches: published every few events, queries only
+    /// between batches.
+    #[test]
+    fn bounded_batched_index_agrees_with_the_naive_model(
+        ops in prop::collection::vec(op(), 1..120),
+        bound in 1usize..24,
+        batch in 1usize..6,
+        wide in any::<bool>(),
+    ) {
+        let mut ix = Index::new(bound, 1 << 10);
+        if wide {
+            // 64 replicas seen (and purged) first: the three below get local
+            // ids past 64, and Picks take the walk over holder lists rather
+            // than the one over masks.
+            for r in 100..164 {
+                let ev = KvEvent::BlockStored(BlockStored {
+                    block_hashes: vec![EngineHash(u64::from(r))],
+                    parent: None,
+                    token_ids: vec![9_000 + r, 9_001],
+                    block_size: BLOCK,
+                    tier: Tier::Gpu,
+                    lora_name: None,
+                    extra_keys: Some(vec![ExtraKeys::None]),
+                    group_idx: 0,
+                });
+                ix.apply(ReplicaSlot(r), "m", &ev, &mut ApplyStats::default());
+                ix.purge(ReplicaSlot(r));
+            }
+        }
+        let mut naive = Naive::bounded(bound);
+        let mut stats = ApplyStats::default();
+        let slots = [ReplicaSlot(0), ReplicaSlot(1), ReplicaSlot(2)];
+        let mut queued = 0;
+        for op in &ops {
+            match op {
+                Op::Purge { slot } => {
+                    ix.purge(ReplicaSlot(*slot));
+                    naive.replicas.remove(slot);
+                    queued = 0;
+                }
+                Op::Query { p } => {
+                    ix.publish(&mut stats);
+                    queued = 0;
+                    let keys = block_keys(&p.tokens(0..p.ids.len()), bs(BLOCK), p.salt);
+                    let got = ix.match_prefix(ix.partition(p.model()), &keys, &slots, Instant::now());
+                    for (i, g) in got.iter().enumerate() {
+                        let want = naive.matched(i as u32, p.model(), &keys);
+                        prop_assert_eq!((g.blocks, g.per_tier), want, "replica {} prompt {:?}", i, p);
+                    }
+                }
+                _ => {
+                    if let Some((slot, ev)) = event(op) {
+                        ix.apply_unpublished(ReplicaSlot(slot), "m", &ev);
+                        naive.apply(slot, "m", &ev);
+                        queued += 1;
+                        if queued >= batch {
+                            ix.publish(&mut stats);
+                            queued = 0;
+                        }
+                    }
+                }
+            }
+            if queued == 0 {
+                let naive_entries: usize = naive.replicas.values().map(HashMap::len).sum();
+                prop_assert_eq!(ix.entries(), naive_entries);
+                prop_assert!(ix.entries() <= bound);
+                // Every entry is where its replica's table says.
+                prop_assert_eq!(ix.all_blocks().len(), naive_entries);
+            }
+        }
+    }
+}
+
 /// What each engine hash really is: the prompt block it names, keyed with
 /// that prompt's own salt in its own partition.
 fn truth(ops: &[Op]) -> HashMap<u64, (String, BlockKey)> {
@@ -419,15 +534,12 @@ proptest! {
             if let Some((slot, ev)) = event(op) {
                 ix.apply(ReplicaSlot(slot), "m", &ev, &mut stats);
             }
-            for (slot, rb) in &ix.replicas {
-                for (h, e) in &rb.blocks {
-                    let partition = ix.partition_name(e.partition);
-                    prop_assert_eq!(
-                        (partition, e.chain.key()),
-                        truth.get(&h.0).map(|(m, k)| (Some(m.clone()), *k)).unwrap(),
-                        "replica {:?} block {:?}", slot, h
-                    );
-                }
+            for (slot, h, partition, chain) in ix.all_blocks() {
+                prop_assert_eq!(
+                    (ix.partition_name(partition), chain.key()),
+                    truth.get(&h.0).map(|(m, k)| (Some(m.clone()), *k)).unwrap(),
+                    "replica {:?} block {:?}", slot, h
+                );
             }
         }
     }

@@ -386,3 +386,98 @@ fn many_candidates_in_any_order_and_a_slot_listed_twice() {
     want.push(0);
     assert_eq!(matched(&ix, "m", &keys, &slots), want);
 }
+
+#[test]
+fn readers_walk_while_the_writer_applies_evicts_and_purges() {
+    // Two readers walk the one copy while the writer stores, evicts at the
+    // bound and purges; every answer is a prefix of the prompt, and once the
+    // writer is done the readers see its final state.
+    let mut ix = Index::new(3_000, 0);
+    let lookup = ix.lookup();
+    let p = ix.partition_or_insert("m").unwrap();
+    let tokens = toks(256 * 4, 21);
+    let keys = block_keys(&tokens, bs(4), None);
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        for _ in 0..2 {
+            scope.spawn(|| {
+                let mut walks = 0u32;
+                while !done.load(std::sync::atomic::Ordering::Relaxed) || walks == 0 {
+                    let m = lookup.match_prefix(Some(p), &keys, &[R0, R1], Instant::now());
+                    assert!(m.iter().all(|m| m.blocks as usize <= keys.len()));
+                    walks += 1;
+                }
+            });
+        }
+        let mut st = ApplyStats::default();
+        for round in 0..40u64 {
+            let slot = ReplicaSlot((round % 2) as u32);
+            let hashes: Vec<u64> = (0..256).map(|i| round << 32 | i).collect();
+            ix.apply(
+                slot,
+                "m",
+                &store(&hashes, None, tokens.clone(), 4, None),
+                &mut st,
+            );
+            if round % 7 == 6 {
+                ix.purge(slot);
+            }
+        }
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+    });
+    assert!(ix.entries() <= 3_000);
+    // Round 39 went to R1 last (256 blocks); R0's round 38 may have lost
+    // its oldest blocks to the bound but not its newest.
+    let m = lookup.match_prefix(Some(p), &keys, &[R0, R1], Instant::now());
+    assert_eq!(m[1].blocks, 256);
+    assert_eq!(ix.all_blocks().len(), ix.entries());
+}
+
+#[test]
+fn a_key_moves_between_one_holder_and_a_group() {
+    // One replica holds a block (the key names its entry); a second one
+    // joins (a group); the first goes (a group of one); the second goes
+    // (nothing left); the memory estimate follows.
+    let mut ix = Index::new(1000, 0);
+    let mut st = ApplyStats::default();
+    let tokens = toks(8, 4);
+    let keys = block_keys(&tokens, bs(4), None);
+    ix.apply(
+        R0,
+        "m",
+        &store(&[1, 2], None, tokens.clone(), 4, None),
+        &mut st,
+    );
+    ix.apply(
+        R1,
+        "m",
+        &store(&[1, 2], None, tokens.clone(), 4, None),
+        &mut st,
+    );
+    assert_eq!((ix.entries(), ix.distinct_keys()), (4, 2));
+    assert_eq!(matched(&ix, "m", &keys, &[R0, R1]), vec![2, 2]);
+    ix.apply(R0, "m", &removed(&[2], Tier::Gpu), &mut st);
+    assert_eq!(matched(&ix, "m", &keys, &[R0, R1]), vec![1, 2]);
+    // A tier for R1 in its group; R0's entry for block 1 still there.
+    let KvEvent::BlockStored(mut mv) = store(&[1], None, vec![], 4, None) else {
+        panic!()
+    };
+    mv.tier = Tier::Cpu;
+    ix.apply(R1, "m", &KvEvent::BlockStored(mv), &mut st);
+    ix.apply(R1, "m", &removed(&[1], Tier::Gpu), &mut st);
+    let m = ix.match_prefix(ix.partition("m"), &keys, &[R0, R1], Instant::now());
+    assert_eq!((m[0].per_tier, m[1].per_tier), ([1, 0, 0], [1, 1, 0]));
+    ix.remove_replica(R0);
+    assert_eq!(matched(&ix, "m", &keys, &[R0, R1]), vec![0, 2]);
+    ix.purge(R1);
+    assert_eq!((ix.entries(), ix.distinct_keys()), (0, 0));
+    // A removed replica's local id goes to the next one.
+    let r2 = ReplicaSlot(2);
+    ix.apply(
+        r2,
+        "m",
+        &store(&[1, 2], None, tokens.clone(), 4, None),
+        &mut st,
+    );
+    assert_eq!(matched(&ix, "m", &keys, &[R0, R1, r2]), vec![0, 0, 2]);
+}

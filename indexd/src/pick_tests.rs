@@ -113,12 +113,7 @@ fn picks_do_not_wait_for_a_writer_holding_the_index() {
         extra_keys: Some(vec![ExtraKeys::None; 4]),
         group_idx: 0,
     });
-    index.apply_unpublished(
-        rs[1].slot,
-        "m",
-        &ev,
-        &mut crate::index::ApplyStats::default(),
-    );
+    index.apply_unpublished(rs[1].slot, "m", &ev);
     let (tx, rx) = std::sync::mpsc::channel();
     let picker = {
         let s = Arc::clone(&s);
@@ -135,7 +130,7 @@ fn picks_do_not_wait_for_a_writer_holding_the_index() {
         })
     };
     let answered = rx.recv_timeout(Duration::from_secs(30));
-    index.publish();
+    index.publish(&mut crate::index::ApplyStats::default());
     drop(index);
     picker.join().unwrap();
     let (held, unpublished) = answered.expect("a Pick waited for the index's writer");

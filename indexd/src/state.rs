@@ -4,9 +4,9 @@
 //! - `index`: `Mutex` — the writer's side: subscribers apply one batch at a
 //!   time and publish it; the snapshot writer, discovery and `/metrics` read
 //!   it. Never held across `.await`. Picks never take it.
-//! - `lookup`: what Picks read ([`Lookup`]): the key map as last published
-//!   (a per-thread `left-right` read handle: entering it never blocks; a
-//!   publish waits for the readers of the copy before), the partitions (an
+//! - `lookup`: what Picks read ([`Lookup`]): the index's one copy under a
+//!   read lock (a publish takes the write lock a block at a time and yields
+//!   it to waiting Picks in between; see [`crate::index`]), the partitions (an
 //!   `RwLock` written only for a new model name) and the speculative
 //!   credits (a short `Mutex`, Picks and purges; a purge takes it with
 //!   `index` held, a Pick never takes `index`).
@@ -614,12 +614,12 @@ impl Shared {
         {
             let mut index = lock(&self.index);
             for ev in &batch.events {
-                index.apply_unpublished(replica.slot, &replica.config.model, ev, &mut stats);
+                index.apply_unpublished(replica.slot, &replica.config.model, ev);
             }
             if let Some(applied) = applied {
                 index.set_applied(replica.slot, applied);
             }
-            index.publish();
+            index.publish(&mut stats);
         }
         if stats.cleared > 0 {
             m.purges.add(["cleared"], stats.cleared);

@@ -3,8 +3,8 @@
 
 use kvroute_proto::keys::{BlockSize, Chain, KeyChain};
 
-use super::keymap::KeyOp;
-use super::{Index, tier_bit};
+use super::store::Store;
+use super::{Index, Pending, Txn, Writer, tier_bit};
 use crate::event::{BlockRemoved, BlockStored, EngineHash, ExtraKeys, KvEvent};
 use crate::ids::{PartitionId, ReplicaSlot};
 
@@ -58,9 +58,55 @@ impl Skip {
     }
 }
 
+/// Computes, outside the write lock, the chains of a store's blocks as far
+/// as its start is known (its parent's chain, or the root from block 0's
+/// salt): `(parent chain, chain)` per block. The apply under the write lock
+/// takes a block's chain from here when its parent's chain is the one
+/// assumed, and hashes it itself otherwise.
+pub(super) fn prepare_chains(
+    store: &Store,
+    w: &Writer,
+    local: Option<u16>,
+    ev: &BlockStored,
+    out: &mut Vec<(Chain, Chain)>,
+) {
+    out.clear();
+    if ev.group_idx != 0 || ev.token_ids.is_empty() {
+        return;
+    }
+    let Some(block_size) = BlockSize::new(ev.block_size) else {
+        return;
+    };
+    let bs = ev.block_size as usize;
+    if ev.token_ids.len() != ev.block_hashes.len().saturating_mul(bs) {
+        return;
+    }
+    let mut prev = match ev.parent {
+        Some(parent) => local
+            .and_then(|l| w.find(store, l, parent))
+            .and_then(|e| store.entry(e))
+            .map(|e| e.chain),
+        None => match ev.extra_keys.as_ref().and_then(|e| e.first()) {
+            Some(ExtraKeys::Salt(salt)) => Some(Chain::root(Some(salt))),
+            Some(ExtraKeys::Unkeyable) | None => None,
+            Some(_) => Some(Chain::root(None)),
+        },
+    };
+    for tokens in ev.token_ids.chunks_exact(bs) {
+        let Some(parent) = prev else {
+            return;
+        };
+        let Ok(chain) = KeyChain::from_parent(block_size, parent).push_block(tokens) else {
+            return;
+        };
+        out.push((parent, chain));
+        prev = Some(chain);
+    }
+}
+
 impl Index {
     /// Applies one event from `slot`, whose configured model is `model`,
-    /// and publishes it.
+    /// and publishes it (with anything queued before it).
     pub fn apply(
         &mut self,
         slot: ReplicaSlot,
@@ -68,13 +114,24 @@ impl Index {
         event: &KvEvent,
         stats: &mut ApplyStats,
     ) {
-        self.apply_unpublished(slot, model, event, stats);
-        self.publish();
+        // Anything queued goes first; this event is applied as it stands.
+        self.publish(stats);
+        self.apply_now(slot, model, event, stats);
     }
 
-    /// Applies one event without publishing it: readers see it at the next
-    /// [`Index::publish`] (ingest publishes once per batch).
-    pub fn apply_unpublished(
+    /// Queues one event: readers see it, and its stats are counted, at the
+    /// next [`Index::publish`] (ingest publishes once per batch).
+    pub fn apply_unpublished(&mut self, slot: ReplicaSlot, model: &str, event: &KvEvent) {
+        self.pending.push(Pending::Event {
+            slot,
+            model: model.to_owned(),
+            event: event.clone(),
+        });
+    }
+}
+
+impl Txn<'_> {
+    pub(super) fn apply_event(
         &mut self,
         slot: ReplicaSlot,
         model: &str,
@@ -82,17 +139,23 @@ impl Index {
         stats: &mut ApplyStats,
     ) {
         match event {
-            KvEvent::BlockStored(stored) => self.store(slot, model, stored, stats),
+            KvEvent::BlockStored(stored) => self.store_blocks(slot, model, stored, stats),
             KvEvent::BlockRemoved(removed) => self.remove(slot, removed, stats),
             KvEvent::AllBlocksCleared => {
-                self.purge_unpublished(slot);
+                self.purge(slot);
                 stats.cleared += 1;
             }
             KvEvent::Unknown => stats.unknown_events += 1,
         }
     }
 
-    fn store(&mut self, slot: ReplicaSlot, model: &str, ev: &BlockStored, stats: &mut ApplyStats) {
+    fn store_blocks(
+        &mut self,
+        slot: ReplicaSlot,
+        model: &str,
+        ev: &BlockStored,
+        stats: &mut ApplyStats,
+    ) {
         let n = ev.block_hashes.len() as u64;
         if ev.group_idx != 0 {
             stats.skipped_group += n;
@@ -111,13 +174,19 @@ impl Index {
             stats.skipped_bad_length += n;
             return;
         }
+        let Some(local) = self.local_or_insert(slot) else {
+            // Every local id is taken by a live replica.
+            stats.skipped_unkeyable += n;
+            return;
+        };
         let tier = tier_bit(ev.tier);
+        let mut claimed: Option<Option<PartitionId>> = None;
         // What each block continues: the parent's chain and partition for the
         // first block, then the previous block's; `Err` when unknown.
         let mut link = match ev.parent {
             Some(parent) => self
-                .block(slot, &parent)
-                .map(|e| (e.chain, e.partition))
+                .entry(local, parent)
+                .map(|e| (e.chain, PartitionId::new(u32::from(e.partition()))))
                 .ok_or(Skip::UnknownParent),
             None => Err(Skip::UnknownParent),
         };
@@ -144,7 +213,7 @@ impl Index {
                 _ => {}
             }
             if carried.is_none()
-                && let Some(known) = self.retier(slot, hash, tier)
+                && let Some(known) = self.retier(local, *hash, tier)
             {
                 // The engine hash covers the salt, the adapter and every
                 // earlier token: the entry already says what this block is.
@@ -165,11 +234,16 @@ impl Index {
                     }
                 };
                 let named = ev.lora_name.as_deref().unwrap_or(model);
-                let Some(partition) = self.partition_or_insert(named) else {
+                let Some(partition) = self.lookup.partition_or_insert(named) else {
                     stats.skipped_unkeyable += rest;
                     return;
                 };
-                link = Ok((Chain::root(salt), partition));
+                // The root as computed before the lock, for the same salt.
+                let root = match self.chains.first() {
+                    Some((root, _)) => *root,
+                    None => Chain::root(salt),
+                };
+                link = Ok((root, partition));
             } else if let Ok((_, parent_partition)) = link {
                 // A chain stays in its partition (the engine hash covers the
                 // adapter). The event's own claim, if it makes one, must agree:
@@ -180,8 +254,11 @@ impl Index {
                     (None, Some(_)) => Some(model),
                     (None, None) => None,
                 };
+                // Looked up once per event (the claim is the same for every
+                // block that makes one).
                 if let Some(claim) = claim
-                    && self.partition(claim) != Some(parent_partition)
+                    && *claimed.get_or_insert_with(|| self.lookup.partition(claim))
+                        != Some(parent_partition)
                 {
                     stats.skipped_partition_conflict += rest;
                     return;
@@ -194,41 +271,46 @@ impl Index {
                     continue;
                 }
             };
-            let Ok(chain) = KeyChain::from_parent(block_size, parent).push_block(tokens) else {
-                stats.skipped_bad_length += rest;
-                return;
+            let chain = match self.chains.get(i) {
+                Some((assumed, chain)) if *assumed == parent => *chain,
+                _ => match KeyChain::from_parent(block_size, parent).push_block(tokens) {
+                    Ok(chain) => chain,
+                    Err(_) => {
+                        stats.skipped_bad_length += rest;
+                        return;
+                    }
+                },
             };
-            self.insert(slot, *hash, chain, partition, tier, stats);
+            self.insert(local, *hash, chain, partition, tier, stats);
             stats.stored += 1;
             link = Ok((chain, partition));
         }
     }
 
-    /// Adds `tier` to a block `slot` already holds; returns its chain and
+    /// Adds `tier` to a block `local` already holds; returns its chain and
     /// partition (`None` if unknown).
-    fn retier(
-        &mut self,
-        slot: ReplicaSlot,
-        hash: &EngineHash,
-        tier: u8,
-    ) -> Option<(Chain, PartitionId)> {
-        let entry = self.block_mut(slot, hash)?;
-        entry.tiers |= tier;
-        let (key, tiers, chain) = (entry.key(), entry.tiers, entry.chain);
-        self.keys.append(KeyOp::AddTiers { key, slot, tiers });
-        Some((chain, key.0))
+    fn retier(&mut self, local: u16, hash: EngineHash, tier: u8) -> Option<(Chain, PartitionId)> {
+        let e = self.find(local, hash)?;
+        let x = self.store.entry_mut(e)?;
+        x.set_tiers(x.tiers() | tier);
+        let (chain, partition) = (x.chain, x.partition());
+        self.store.add_tiers(e);
+        Some((chain, PartitionId::new(u32::from(partition))))
     }
 
     fn tier_move(&mut self, slot: ReplicaSlot, ev: &BlockStored, stats: &mut ApplyStats) {
+        let local = self.local(slot);
         for hash in &ev.block_hashes {
-            let Some(entry) = self.block_mut(slot, hash) else {
+            let Some(e) = local.and_then(|l| self.find(l, *hash)) else {
                 stats.skipped_unknown_parent += 1;
                 continue;
             };
-            entry.tiers |= tier_bit(ev.tier);
-            let (key, tiers) = (entry.key(), entry.tiers);
-            self.keys.append(KeyOp::AddTiers { key, slot, tiers });
+            if let Some(x) = self.store.entry_mut(e) {
+                x.set_tiers(x.tiers() | tier_bit(ev.tier));
+            }
+            self.store.add_tiers(e);
             stats.tier_moves += 1;
+            self.yield_to_readers();
         }
     }
 
@@ -236,20 +318,25 @@ impl Index {
         if ev.group_idx != 0 {
             return;
         }
+        let Some(local) = self.local(slot) else {
+            return;
+        };
         for hash in &ev.block_hashes {
-            let Some(entry) = self.block_mut(slot, hash) else {
+            let Some(e) = self.find(local, *hash) else {
                 continue;
             };
-            entry.tiers &= !tier_bit(ev.tier);
-            let (key, tiers) = (entry.key(), entry.tiers);
+            let Some(x) = self.store.entry_mut(e) else {
+                continue;
+            };
+            let tiers = x.tiers() & !tier_bit(ev.tier);
+            x.set_tiers(tiers);
             if tiers == 0 {
-                self.drop_entry(slot, *hash);
-                self.order_upkeep();
+                self.drop_entry(local, e);
             } else {
-                self.keys
-                    .append(KeyOp::SetTiersIfSingle { key, slot, tiers });
+                self.store.set_tiers_if_single(e);
             }
             stats.removed += 1;
+            self.yield_to_readers();
         }
     }
 }

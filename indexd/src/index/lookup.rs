@@ -1,34 +1,35 @@
-//! What a Pick reads: the published key map, the partition names and the
-//! speculative credits, none of them behind the index's writer.
+//! What a Pick reads: the index's one copy ([`Store`], under a read lock),
+//! the partition names and the speculative credits.
 //!
-//! - the key map: a per-thread `left-right` read handle ([`super::keymap`]);
-//!   entering it never blocks.
+//! - the index: a `parking_lot` read lock for the walk. The index takes the
+//!   write lock only to apply a batch at its publish, and yields it to
+//!   waiting Picks after every block or event (`bump`), so a Pick waits for
+//!   one block's changes, not a batch (see the parent module's docs).
 //! - partitions: an `RwLock` written only when a model or adapter name is
 //!   seen for the first time (a map insert), read once per Pick.
 //! - credits: a `Mutex` taken by Picks (walk, then credit) and by a purge of
-//!   the index (dropping a replica's credit); never with the key map's
-//!   writer waiting on it.
+//!   the index (dropping a replica's credit).
 
 use std::collections::HashMap;
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 use kvroute_proto::keys::BlockKey;
-use left_right::{ReadHandle, ReadHandleFactory};
 use smallvec::SmallVec;
-use thread_local::ThreadLocal;
 
-use super::keymap::KeyMap;
-use super::{FastMap, PrefixMatch, best_tier};
+use super::PrefixMatch;
+use super::store::{MASK_IDS, PARTITION_BITS, Store};
 use crate::credits::Credits;
 use crate::event::Tier;
 use crate::ids::{PartitionId, ReplicaSlot};
 use crate::state::{lock, read, write};
 
+/// Partitions at most (their ids are packed in 12 bits).
+const MAX_PARTITIONS: usize = 1 << PARTITION_BITS;
+
 /// The read side of the index. See the module docs.
 pub struct Lookup {
-    factory: ReadHandleFactory<KeyMap>,
-    handles: ThreadLocal<ReadHandle<KeyMap>>,
+    store: Arc<parking_lot::RwLock<Store>>,
     partitions: RwLock<HashMap<String, PartitionId>>,
     max_partitions: usize,
     credits: Mutex<Credits>,
@@ -44,21 +45,13 @@ impl std::fmt::Debug for Lookup {
 }
 
 impl Lookup {
-    pub(super) fn new(factory: ReadHandleFactory<KeyMap>, max_speculative: usize) -> Self {
+    pub(super) fn new(store: Arc<parking_lot::RwLock<Store>>, max_speculative: usize) -> Self {
         Self {
-            factory,
-            handles: ThreadLocal::new(),
+            store,
             partitions: RwLock::new(HashMap::new()),
-            max_partitions: 4096,
+            max_partitions: MAX_PARTITIONS,
             credits: Mutex::new(Credits::new(max_speculative)),
         }
-    }
-
-    /// Runs `f` on the published key map (`None` once the index is gone).
-    pub(super) fn with_keys<R>(&self, f: impl FnOnce(Option<&KeyMap>) -> R) -> R {
-        let handle = self.handles.get_or(|| self.factory.handle());
-        let guard = handle.enter();
-        f(guard.as_deref())
     }
 
     /// The partition of `model`, if any event or pick has named it.
@@ -125,10 +118,11 @@ impl Lookup {
     /// it holds (indexed or speculative, unexpired at `now`). Stops at the
     /// first block no candidate still matching holds.
     ///
-    /// One key-map lookup per block, then one pass over that key's holders:
-    /// the candidates still matching are a bitset, and a holder finds its
-    /// candidate through a [`SlotIndex`], so a block costs one pass over its
-    /// holders whether 8 candidates are still matching or 256.
+    /// One key-table lookup per block, then one pass over that key's
+    /// holders: the candidates still matching are a bitset, and a holder
+    /// finds its candidate through a table over the replicas' local ids, so
+    /// a block costs one pass over its holders whether 8 candidates are
+    /// still matching or 256.
     pub fn match_prefix(
         &self,
         partition: Option<PartitionId>,
@@ -136,122 +130,317 @@ impl Lookup {
         candidates: &[ReplicaSlot],
         now: Instant,
     ) -> Vec<PrefixMatch> {
-        let mut out = vec![PrefixMatch::default(); candidates.len()];
+        let out = vec![PrefixMatch::default(); candidates.len()];
         let Some(partition) = partition else {
             return out;
         };
-        // Candidate by slot; a slot listed twice is walked once and copied.
-        let candidate_of = SlotIndex::new(candidates);
-        let mut alive = Bits::new(candidates.len());
-        for (i, slot) in candidates.iter().enumerate() {
-            if candidate_of.get(*slot) == Some(i) {
-                alive.set(i);
-            }
-        }
-        let mut held = Bits::new(candidates.len());
+        let Ok(part) = u16::try_from(partition.get()) else {
+            return out;
+        };
+        let n = candidates.len();
+        let mut alive = Bits::new(n);
+        let mut held = Bits::new(n);
         // Per candidate: held speculatively up to (excluding) this position.
-        let mut credited_until: SmallVec<[usize; 16]> = SmallVec::from_elem(0, candidates.len());
-        let credits = lock(&self.credits);
-        self.with_keys(|map| {
-            for (pos, key) in keys.iter().enumerate() {
-                held.clear();
-                if let Some(holders) = map.and_then(|m| m.get(&(partition, *key))) {
-                    for h in holders {
-                        let Some(i) = candidate_of.get(h.slot) else {
-                            continue;
-                        };
-                        if !alive.get(i) {
-                            continue;
+        let mut credited_until: SmallVec<[usize; 16]> = SmallVec::from_elem(0, n);
+        // Per candidate: blocks by best tier (GPU, CPU, storage), then
+        // speculative ones (counted as GPU too).
+        let mut counts: SmallVec<[[u32; 4]; 16]> = SmallVec::from_elem([0; 4], n);
+        let store = self.store.read();
+        // Candidate by local id, while it still matches (`NONE` once it
+        // stops); a slot listed twice is walked once and copied. A replica
+        // the index has never seen holds nothing indexed but may hold
+        // credit.
+        let mut live: SmallVec<[u32; 64]> = SmallVec::new();
+        let mut local_of: SmallVec<[u32; 16]> = SmallVec::from_elem(NONE, n);
+        let mut first_of: SmallVec<[u32; 16]> = SmallVec::from_elem(NONE, n);
+        let mut alive_n = 0usize;
+        for (i, slot) in candidates.iter().enumerate() {
+            let first = match store.locals.get(slot) {
+                Some(&local) => {
+                    let local = usize::from(local);
+                    if live.len() <= local {
+                        live.resize(local + 1, NONE);
+                    }
+                    match live.get_mut(local) {
+                        Some(c) if *c == NONE => {
+                            *c = i as u32;
+                            if let Some(l) = local_of.get_mut(i) {
+                                *l = local as u32;
+                            }
+                            i as u32
                         }
-                        if let (Some(tier), Some(m)) = (best_tier(h.tiers), out.get_mut(i)) {
-                            m.push(tier);
-                            held.set(i);
-                        }
+                        Some(c) => *c,
+                        None => NONE,
                     }
                 }
+                None => candidates
+                    .iter()
+                    .position(|s| s == slot)
+                    .map_or(NONE, |f| f as u32),
+            };
+            if let Some(f) = first_of.get_mut(i) {
+                *f = first;
+            }
+            if first == i as u32 {
+                alive.set(i);
+                alive_n += 1;
+            }
+        }
+        let credits = lock(&self.credits);
+        // At most 64 replicas' worth of local ids among the candidates: the
+        // walk by masks.
+        let narrow = local_of
+            .iter()
+            .zip(&first_of)
+            .enumerate()
+            .all(|(i, (l, f))| *f != i as u32 || *l < u32::from(MASK_IDS) || *l == NONE);
+        if narrow {
+            let mut spec = Speculation {
+                credits: &credits,
+                partition,
+                keys,
+                now,
+                candidates,
+                until: &mut credited_until,
+            };
+            walk_masks(
+                &store,
+                part,
+                keys,
+                &local_of,
+                &first_of,
+                &mut spec,
+                &mut counts,
+            );
+            drop(credits);
+            drop(store);
+            return finish(out, &counts, &first_of);
+        }
+        // Plain slices for the walk (a `SmallVec` checks where its items are
+        // on every access).
+        let live = live.as_mut_slice();
+        let counts = counts.as_mut_slice();
+        let held = held.0.as_mut_slice();
+        for (pos, key) in keys.iter().enumerate() {
+            held.fill(0);
+            let mut held_n = 0;
+            store.for_each_holder((part, key.as_u64()), |replica, tiers| {
+                let Some(&i) = live.get(usize::from(replica)) else {
+                    return;
+                };
+                let tier = BEST_TIER[usize::from(tiers & 0b111)];
+                if let Some(c) = counts.get_mut(i as usize)
+                    && let Some(c) = c.get_mut(usize::from(tier))
+                    && let Some(w) = held.get_mut(i as usize / 64)
+                {
+                    *c += 1;
+                    *w |= 1 << (i % 64);
+                    held_n += 1;
+                }
+            });
+            if held_n < alive_n {
                 // The rest may hold it speculatively.
-                for i in alive.and_not(&held) {
-                    let (Some(slot), Some(until), Some(m)) =
-                        (candidates.get(i), credited_until.get_mut(i), out.get_mut(i))
-                    else {
-                        alive.unset(i);
+                for i in alive.and_not(held) {
+                    let (Some(slot), Some(until), Some(c)) = (
+                        candidates.get(i),
+                        credited_until.get_mut(i),
+                        counts.get_mut(i),
+                    ) else {
                         continue;
                     };
                     if pos >= *until {
                         *until = pos + credits.extend(partition, *slot, keys, pos, now);
                     }
                     if pos < *until {
-                        m.push(Tier::Gpu);
-                        m.speculative += 1;
-                    } else {
-                        alive.unset(i);
+                        c[0] += 1;
+                        c[3] += 1;
+                        continue;
+                    }
+                    alive.unset(i);
+                    alive_n -= 1;
+                    if let Some(l) = local_of.get(i)
+                        && let Some(c) = live.get_mut(*l as usize)
+                    {
+                        *c = NONE;
                     }
                 }
-                if alive.is_empty() {
-                    break;
-                }
             }
-        });
-        drop(credits);
-        for (i, slot) in candidates.iter().enumerate() {
-            let Some(first) = candidate_of.get(*slot) else {
-                continue;
-            };
-            if first != i
-                && let Some(m) = out.get(first).copied()
-                && let Some(dst) = out.get_mut(i)
-            {
-                *dst = m;
+            if alive_n == 0 {
+                break;
             }
         }
-        out
+        drop(credits);
+        drop(store);
+        finish(out, counts, &first_of)
     }
 }
 
-/// No candidate for this slot.
+/// Per candidate, its counts as a [`PrefixMatch`]; a slot listed twice
+/// copies its first listing's.
+fn finish(mut out: Vec<PrefixMatch>, counts: &[[u32; 4]], first_of: &[u32]) -> Vec<PrefixMatch> {
+    for (m, c) in out.iter_mut().zip(counts.iter()) {
+        let [gpu, cpu, storage, speculative] = *c;
+        *m = PrefixMatch {
+            blocks: gpu + cpu + storage,
+            per_tier: [gpu, cpu, storage],
+            speculative,
+        };
+    }
+    for (i, first) in first_of.iter().enumerate() {
+        let first = *first as usize;
+        if first != i
+            && let Some(m) = out.get(first).copied()
+            && let Some(dst) = out.get_mut(i)
+        {
+            *dst = m;
+        }
+    }
+    out
+}
+
+/// What a candidate that does not hold a key may still hold: credit.
+struct Speculation<'a> {
+    credits: &'a Credits,
+    partition: PartitionId,
+    keys: &'a [BlockKey],
+    now: Instant,
+    candidates: &'a [ReplicaSlot],
+    /// Per candidate: credited up to (excluding) this position.
+    until: &'a mut [usize],
+}
+
+impl Speculation<'_> {
+    /// Whether candidate `i` holds the key at `pos` speculatively.
+    fn holds(&mut self, i: usize, pos: usize) -> bool {
+        let (Some(slot), Some(until)) = (self.candidates.get(i), self.until.get_mut(i)) else {
+            return false;
+        };
+        if pos >= *until {
+            *until = pos
+                + self
+                    .credits
+                    .extend(self.partition, *slot, self.keys, pos, self.now);
+        }
+        pos < *until
+    }
+}
+
+/// Bit-sliced counters, one per local id below 64: plane `j` holds bit `j`
+/// of every counter, so adding a mask is a ripple carry (two steps on
+/// average) whatever the number of bits set.
+struct Counters([u64; 32]);
+
+impl Counters {
+    fn add(&mut self, mut carry: u64) {
+        for plane in &mut self.0 {
+            if carry == 0 {
+                return;
+            }
+            let next = *plane & carry;
+            *plane ^= carry;
+            carry = next;
+        }
+    }
+
+    fn get(&self, bit: u32) -> u32 {
+        self.0
+            .iter()
+            .enumerate()
+            .map(|(j, plane)| ((plane >> bit) as u32 & 1) << j)
+            .sum()
+    }
+}
+
+/// The walk when every candidate's local id is below 64: per key, the
+/// holders' masks by best tier (one read: an entry's bit, or a group's
+/// masks) against the candidates still matching, added to bit-sliced
+/// counters; a candidate's list of holders is never walked.
+fn walk_masks(
+    store: &Store,
+    part: u16,
+    keys: &[BlockKey],
+    local_of: &[u32],
+    first_of: &[u32],
+    spec: &mut Speculation<'_>,
+    counts: &mut [[u32; 4]],
+) {
+    let mut candidate_of = [NONE; MASK_IDS as usize];
+    let mut alive = 0u64;
+    // Candidates the index has never seen: they may hold credit only.
+    let mut unseen: SmallVec<[usize; 4]> = SmallVec::new();
+    for (i, (l, f)) in local_of.iter().zip(first_of).enumerate() {
+        if *f != i as u32 {
+            continue;
+        }
+        match candidate_of.get_mut(*l as usize) {
+            Some(c) => {
+                *c = i as u32;
+                alive |= 1 << l;
+            }
+            None => unseen.push(i),
+        }
+    }
+    let mut tiers = [Counters([0; 32]), Counters([0; 32]), Counters([0; 32])];
+    for (pos, key) in keys.iter().enumerate() {
+        let masks = store.holder_masks((part, key.as_u64()));
+        let mut held = 0;
+        for (counter, mask) in tiers.iter_mut().zip(masks) {
+            let mask = mask & alive;
+            counter.add(mask);
+            held |= mask;
+        }
+        let mut missing = alive & !held;
+        while missing != 0 {
+            let bit = missing.trailing_zeros();
+            missing &= missing - 1;
+            let i = candidate_of.get(bit as usize).map_or(NONE, |c| *c) as usize;
+            if spec.holds(i, pos)
+                && let Some(c) = counts.get_mut(i)
+            {
+                c[0] += 1;
+                c[3] += 1;
+            } else {
+                alive &= !(1 << bit);
+            }
+        }
+        unseen.retain(|i| {
+            let credited = spec.holds(*i, pos);
+            if credited && let Some(c) = counts.get_mut(*i) {
+                c[0] += 1;
+                c[3] += 1;
+            }
+            credited
+        });
+        if alive == 0 && unseen.is_empty() {
+            break;
+        }
+    }
+    for (bit, i) in candidate_of.iter().enumerate() {
+        if let Some(c) = counts.get_mut(*i as usize) {
+            for (t, counter) in tiers.iter().enumerate() {
+                if let Some(n) = c.get_mut(t) {
+                    *n += counter.get(bit as u32);
+                }
+            }
+        }
+    }
+}
+
+/// No candidate for this local id.
 const NONE: u32 = u32::MAX;
 
-/// A slot's candidate (the first listing it). Slots are handed out in
-/// order and never reused, so the live ones are usually a dense range: a
-/// table over that range. A fleet whose pods come and go leaves gaps (an old
-/// replica's slot far below the new ones'): a hash map then.
-enum SlotIndex {
-    Dense { first: u32, table: Vec<u32> },
-    Sparse(FastMap<u32, u32>),
-}
-
-impl SlotIndex {
-    fn new(candidates: &[ReplicaSlot]) -> Self {
-        let lo = candidates.iter().map(|s| s.0).min().unwrap_or(0);
-        let hi = candidates.iter().map(|s| s.0).max().unwrap_or(0);
-        let span = (hi - lo) as usize + 1;
-        if span <= 4 * candidates.len() + 256 {
-            let mut table = vec![NONE; span];
-            for (i, slot) in candidates.iter().enumerate() {
-                if let Some(c) = table.get_mut((slot.0 - lo) as usize)
-                    && *c == NONE
-                {
-                    *c = i as u32;
-                }
-            }
-            Self::Dense { first: lo, table }
-        } else {
-            let mut map = FastMap::default();
-            for (i, slot) in candidates.iter().enumerate() {
-                map.entry(slot.0).or_insert(i as u32);
-            }
-            Self::Sparse(map)
-        }
-    }
-
-    fn get(&self, slot: ReplicaSlot) -> Option<usize> {
-        let i = match self {
-            Self::Dense { first, table } => *table.get(slot.0.checked_sub(*first)? as usize)?,
-            Self::Sparse(map) => *map.get(&slot.0)?,
-        };
-        (i != NONE).then_some(i as usize)
-    }
-}
+/// A tier mask's best tier, as an index into a candidate's counts (masks
+/// without a tier have none: the walk skips them).
+const BEST_TIER: [u8; 8] = [
+    u8::MAX,
+    Tier::Gpu as u8,
+    Tier::Cpu as u8,
+    Tier::Gpu as u8,
+    Tier::Storage as u8,
+    Tier::Gpu as u8,
+    Tier::Cpu as u8,
+    Tier::Gpu as u8,
+];
 
 /// A set of candidate indices.
 struct Bits(SmallVec<[u64; 4]>);
@@ -273,23 +462,11 @@ impl Bits {
         }
     }
 
-    fn get(&self, i: usize) -> bool {
-        self.0.get(i / 64).is_some_and(|w| w & (1 << (i % 64)) != 0)
-    }
-
-    fn clear(&mut self) {
-        self.0.iter_mut().for_each(|w| *w = 0);
-    }
-
-    fn is_empty(&self) -> bool {
-        self.0.iter().all(|w| *w == 0)
-    }
-
     /// The members of `self` not in `other`, as a list (the caller changes
     /// `self` while going through it).
-    fn and_not(&self, other: &Self) -> SmallVec<[usize; 16]> {
+    fn and_not(&self, other: &[u64]) -> SmallVec<[usize; 16]> {
         let mut list = SmallVec::new();
-        for (at, (a, b)) in self.0.iter().zip(&other.0).enumerate() {
+        for (at, (a, b)) in self.0.iter().zip(other).enumerate() {
             let mut w = a & !b;
             while w != 0 {
                 list.push(at * 64 + w.trailing_zeros() as usize);

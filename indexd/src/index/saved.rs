@@ -3,7 +3,9 @@
 
 use kvroute_proto::keys::Chain;
 
-use super::Index;
+use std::sync::Arc;
+
+use super::{Index, Pending};
 use crate::event::EngineHash;
 use crate::ids::{PartitionId, ReplicaSlot};
 
@@ -39,12 +41,17 @@ const TIER_MASK: u8 = 0b111;
 impl Index {
     /// The last batch applied from `slot` (None: none since the last purge).
     pub(crate) fn applied(&self, slot: ReplicaSlot) -> Option<Applied> {
-        self.replicas.get(&slot).and_then(|r| r.applied)
+        self.w.applied.get(&slot).copied()
     }
 
-    /// Records that `slot`'s blocks reflect every batch up to `applied`.
+    /// Records that `slot`'s blocks reflect every batch up to `applied`
+    /// (queued behind any events not yet published).
     pub(crate) fn set_applied(&mut self, slot: ReplicaSlot, applied: Applied) {
-        self.replicas.entry(slot).or_default().applied = Some(applied);
+        if self.pending.is_empty() {
+            self.w.applied.insert(slot, applied);
+        } else {
+            self.pending.push(Pending::Applied { slot, applied });
+        }
     }
 
     /// The name of a partition.
@@ -54,17 +61,26 @@ impl Index {
 
     /// Every block `slot` holds, in no particular order.
     pub(crate) fn saved_blocks(&self, slot: ReplicaSlot) -> impl Iterator<Item = SavedBlock> + '_ {
-        self.replicas
+        let store = self.store.read();
+        let next = self.w.next_seq;
+        let blocks: Vec<SavedBlock> = self
+            .w
+            .locals
             .get(&slot)
+            .and_then(|l| self.w.blocks(*l))
             .into_iter()
-            .flat_map(|r| r.blocks.iter())
-            .map(|(hash, e)| SavedBlock {
-                hash: *hash,
+            .flat_map(|r| r.table.iter())
+            .filter_map(|e| store.entry(*e))
+            .map(|e| SavedBlock {
+                hash: e.hash(),
                 chain: e.chain,
-                partition: e.partition,
-                tiers: e.tiers,
-                order: e.seq,
+                partition: PartitionId::new(u32::from(e.partition())),
+                tiers: e.tiers(),
+                // Oldest first: by age in insertions (counted mod 2^32).
+                order: u64::from(u32::MAX - next.wrapping_sub(e.seq)),
             })
+            .collect();
+        blocks.into_iter()
     }
 
     /// Replaces what `slot` holds by saved blocks (oldest first) whose
@@ -80,19 +96,24 @@ impl Index {
         self.purge(slot);
         let mut stats = super::ApplyStats::default();
         let mut restored = 0;
+        let lookup = Arc::clone(&self.lookup);
+        let mut txn = self.txn();
+        let Some(local) = txn.local_or_insert(slot) else {
+            return 0;
+        };
         for (hash, chain, partition, tiers) in blocks {
             let tiers = tiers & TIER_MASK;
             if tiers == 0 {
                 continue;
             }
-            let Some(partition) = self.partition_or_insert(partition) else {
+            let Some(partition) = lookup.partition_or_insert(partition) else {
                 continue;
             };
-            self.insert(slot, hash, chain, partition, tiers, &mut stats);
+            txn.insert(local, hash, chain, partition, tiers, &mut stats);
             restored += 1;
         }
-        self.set_applied(slot, applied);
-        self.publish();
+        drop(txn);
+        self.w.applied.insert(slot, applied);
         restored
     }
 }
