@@ -199,12 +199,7 @@ fn affinity_shortcut(shared: &Shared, req: &PickRequest, now: Instant) -> Option
             let prefill = score::prefill_time(&load, f64::from(req.prompt_tokens), weights);
             r.note_pick(now, &req.request_id, prefill);
             // The conversation goes on there: the move rule counts it.
-            let keys: Vec<BlockKey> = req
-                .block_keys
-                .iter()
-                .map(|k| BlockKey::from_u64(*k))
-                .collect();
-            track(shared, &mut conversations, &keys, r.slot, now);
+            track(shared, &mut conversations, &block_keys(req), r.slot, now);
             drop(conversations);
             tracing::debug!(
                 request_id = %req.request_id,
