@@ -44,6 +44,14 @@ use stream::Stream;
 
 /// Most batches accepted from one replay (vLLM buffers 10,000).
 pub const MAX_REPLAY_BATCHES: usize = 20_000;
+/// Most requests one replay is read in: vLLM's answer arrives whole up to
+/// its ROUTER's send queue (≈ 1,000–1,500 batches), so its 10,000-batch
+/// buffer takes up to about ten ([`stream`]'s `replay`).
+pub const MAX_REPLAY_PAGES: usize = 32;
+/// Once a replay answer has started, this long without its next message
+/// ends the page: vLLM sends the whole answer at once, and what its ROUTER
+/// dropped never comes.
+pub const REPLAY_IDLE: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// How long connecting plus the ZMTP handshake may take (a bound publisher
 /// that does not finish its handshake in time is dropped).

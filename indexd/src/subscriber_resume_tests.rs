@@ -30,11 +30,17 @@ impl World {
     }
 
     fn replay(&self) -> FakeReplay {
+        self.replay_cut(None)
+    }
+
+    /// Replays whose answers are cut as [`FakeReplay::cut`] says.
+    fn replay_cut(&self, cut: Option<(usize, bool)>) -> FakeReplay {
         FakeReplay {
             engine: Arc::clone(&self.engine),
             queue: VecDeque::new(),
             legacy: false,
             available: true,
+            cut,
         }
     }
 
@@ -249,4 +255,53 @@ fn a_restarted_engine_with_fewer_batches_is_told_apart_by_its_empty_replay() {
         assert_eq!(stream.tracker.next, Some(1));
         agrees(&shared, &replicas[0], &world, &[&[0, 1], &[1, 2]]);
     });
+}
+
+/// vLLM's ROUTER drops what exceeds its send queue: a start-up replay of a
+/// long buffer gets its first batches, then nothing (or, once the queue
+/// drained, the rest after a hole). Read in pages, it still ends with every
+/// batch applied, the end marker seen, and no gap at the next live batch.
+#[test]
+fn a_replay_answer_cut_short_is_read_in_pages() {
+    const PROMPTS: [&[u8]; 7] = [
+        &[1, 2],
+        &[1, 3],
+        &[2, 2, 1],
+        &[0, 1],
+        &[1, 2, 2],
+        &[3],
+        &[3, 1],
+    ];
+    for (window, resume) in [(2, false), (2, true), (3, false), (1, true)] {
+        block_on(async {
+            let mut world = World::new(usize::MAX);
+            for ids in PROMPTS {
+                world.publish(ids);
+            }
+            let shared = Shared::new(Config::new(Vec::new()), CancellationToken::new());
+            let replica = shared.add_replica(endpoint(7100)).unwrap();
+            let mut stream =
+                Stream::new(&shared, &replica, world.replay_cut(Some((window, resume))));
+            stream.resync(false).await;
+            let case = format!("cut ({window}, {resume})");
+            assert!(replica.is_fresh());
+            let m = &shared.metrics;
+            assert!(m.replay_requests.get(["page"]) >= 1, "{case}");
+            if !resume {
+                // Cut off for good each time: read to the end marker.
+                assert_eq!(stream.tracker.next, Some(7), "{case}");
+                assert_eq!(m.replays.get(["complete"]), 1, "{case}");
+                agrees(&shared, &replica, &world, &PROMPTS);
+            }
+            // A batch dropped right before the end marker shows at the
+            // next live batch, as a gap its replay reaches.
+            let next = world.publish(&[2, 1]);
+            stream.on_live(next).await;
+            assert_eq!(stream.tracker.next, Some(8), "{case}");
+            assert_eq!(m.purges.get(["gap"]), 0, "{case}");
+            assert_eq!(m.batches.get(), 8, "{case}: each batch applied once");
+            let all: Vec<&[u8]> = PROMPTS.iter().copied().chain([&[2u8, 1][..]]).collect();
+            agrees(&shared, &replica, &world, &all);
+        });
+    }
 }

@@ -111,6 +111,11 @@ struct FakeReplay {
     queue: VecDeque<Vec<Bytes>>,
     legacy: bool,
     available: bool,
+    /// Answers cut as vLLM's ROUTER cuts them when its send queue fills:
+    /// after `.0` batches the rest is lost, the end marker included; with
+    /// `.1`, only the next `.0` batches are lost and the rest (end marker
+    /// included) arrives.
+    cut: Option<(usize, bool)>,
 }
 
 impl Replay for FakeReplay {
@@ -143,6 +148,14 @@ impl Replay for FakeReplay {
                 Bytes::new(),
             ]
         });
+        if let Some((window, resume)) = self.cut
+            && self.queue.len() > window + 1
+        {
+            let rest = self.queue.split_off(window);
+            if resume {
+                self.queue.extend(rest.into_iter().skip(window));
+            }
+        }
         true
     }
 
@@ -164,6 +177,9 @@ enum Step {
     /// The engine restarts and the subscriber reconnects (queued messages
     /// are lost with the connection).
     RestartReconnect,
+    /// The subscriber reconnects to the same engine (indexd restarted, the
+    /// connection broke): queued messages are lost, the buffer replays.
+    Reconnect,
     /// Compare a prompt's match.
     Query(Prompt),
 }
@@ -174,6 +190,7 @@ fn step() -> impl Strategy<Value = Step> {
         4 => (1usize..4).prop_map(|n| Step::Deliver { n }),
         1 => Just(Step::RestartSameSocket),
         1 => Just(Step::RestartReconnect),
+        1 => Just(Step::Reconnect),
         3 => prompt().prop_map(Step::Query),
     ]
 }
@@ -185,6 +202,7 @@ fn run(
     cap: usize,
     legacy: bool,
     available: bool,
+    cut: Option<(usize, bool)>,
     exact: bool,
 ) -> Result<(), TestCaseError> {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -208,6 +226,7 @@ fn run(
             queue: VecDeque::new(),
             legacy,
             available,
+            cut,
         };
         let mut stream = Stream::new(&shared, &replica, replay);
         stream.resync(false).await;
@@ -265,6 +284,12 @@ fn run(
                     last_dropped = false;
                     restart_pending = false;
                 }
+                Step::Reconnect => {
+                    live.clear();
+                    stream.resync(true).await;
+                    last_dropped = false;
+                    restart_pending = false;
+                }
                 Step::Query(p) => {
                     let synced = live.is_empty() && !last_dropped && !restart_pending;
                     if !synced {
@@ -303,7 +328,19 @@ proptest! {
     /// The buffer holds everything: every gap heals, every restart is seen.
     #[test]
     fn stream_with_a_full_buffer_equals_the_engine(steps in prop::collection::vec(step(), 1..80), legacy in any::<bool>()) {
-        run(&steps, usize::MAX, legacy, true, true)?;
+        run(&steps, usize::MAX, legacy, true, None, true)?;
+    }
+
+    /// Replay answers cut short on the way (vLLM's ROUTER drops what
+    /// exceeds its send queue, the end marker too): read in pages, every
+    /// gap still heals.
+    #[test]
+    fn stream_with_replay_answers_cut_short_equals_the_engine(
+        steps in prop::collection::vec(step(), 1..80),
+        window in 1usize..4,
+        resume in any::<bool>(),
+    ) {
+        run(&steps, usize::MAX, false, true, Some((window, resume)), true)?;
     }
 
     /// A tiny buffer (or none reachable) loses history: indexd may
@@ -314,7 +351,7 @@ proptest! {
         cap in 1usize..4,
         available in any::<bool>(),
     ) {
-        run(&steps, cap, false, available, false)?;
+        run(&steps, cap, false, available, None, false)?;
     }
 }
 
@@ -355,6 +392,7 @@ fn a_restarted_engine_reusing_replayed_seqs_is_not_taken_for_duplicates() {
             queue: VecDeque::new(),
             legacy: false,
             available: true,
+            cut: None,
         };
         let mut stream = Stream::new(&shared, &replica, replay);
         stream.resync(false).await;
@@ -420,7 +458,7 @@ fn a_gap_without_replay_purges_rather_than_keep_stale_blocks() {
         Step::Query(p.clone()),
         Step::Query(q),
     ];
-    run(&steps, 100, false, false, true).unwrap();
+    run(&steps, 100, false, false, None, true).unwrap();
 }
 
 #[path = "subscriber_resume_tests.rs"]

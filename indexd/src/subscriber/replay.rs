@@ -6,7 +6,7 @@ use std::future::Future;
 use bytes::Bytes;
 use tokio::time::{Instant, timeout_at};
 
-use super::{options, report_violation};
+use super::{REPLAY_IDLE, options, report_violation};
 use crate::state::{Replica, Shared};
 use crate::zmtp::{self, Connection, Endpoint, Frame, Role};
 
@@ -22,13 +22,17 @@ pub trait Replay {
 }
 
 /// Replays over a fresh DEALER connection per request (the replica's
-/// `replay` endpoint), bounded by `replay_timeout`.
+/// `replay` endpoint), bounded by `replay_timeout` per request and, once
+/// an answer has started, by [`REPLAY_IDLE`] between its messages.
 pub struct ZmqReplay<'a> {
     shared: &'a Shared,
     replica: &'a Replica,
     endpoint: Option<Endpoint>,
     dealer: Option<Connection>,
     deadline: Instant,
+    /// The current answer has started (its next message is due within
+    /// [`REPLAY_IDLE`]).
+    started: bool,
 }
 
 impl std::fmt::Debug for ZmqReplay<'_> {
@@ -56,6 +60,7 @@ impl<'a> ZmqReplay<'a> {
             endpoint,
             dealer: None,
             deadline: Instant::now(),
+            started: false,
         }
     }
 }
@@ -63,6 +68,7 @@ impl<'a> ZmqReplay<'a> {
 impl Replay for ZmqReplay<'_> {
     async fn request(&mut self, from: u64) -> bool {
         self.dealer = None;
+        self.started = false;
         let Some(endpoint) = self.endpoint.clone() else {
             return false;
         };
@@ -97,8 +103,16 @@ impl Replay for ZmqReplay<'_> {
 
     async fn next_reply(&mut self) -> Option<Vec<Frame>> {
         let dealer = self.dealer.as_mut()?;
-        match timeout_at(self.deadline, dealer.recv()).await {
-            Ok(Ok(frames)) => Some(frames),
+        let until = if self.started {
+            self.deadline.min(Instant::now() + REPLAY_IDLE)
+        } else {
+            self.deadline
+        };
+        match timeout_at(until, dealer.recv()).await {
+            Ok(Ok(frames)) => {
+                self.started = true;
+                Some(frames)
+            }
             Ok(Err(e)) => {
                 report_violation(self.shared, self.replica, &dealer.peer(), &e);
                 self.dealer = None;

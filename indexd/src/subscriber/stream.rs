@@ -5,8 +5,8 @@ use std::collections::VecDeque;
 
 use sha2::{Digest as _, Sha256};
 
-use super::MAX_REPLAY_BATCHES;
 use super::replay::Replay;
+use super::{MAX_REPLAY_BATCHES, MAX_REPLAY_PAGES};
 use crate::index::Applied;
 use crate::message::{self, ReplayAnswer};
 use crate::state::{Replica, Shared};
@@ -156,7 +156,7 @@ impl<'a, R: Replay> Stream<'a, R> {
             crate::state::lock(&self.shared.index).purge(self.replica.slot);
         }
         self.tracker = Tracker::default();
-        let result = self.replay(0, None, "start").await;
+        let result = self.replay(0, None, None, "start").await;
         let label = match result {
             ReplayResult::Complete => "complete",
             // Already purged: a partial buffer is all there is to recover.
@@ -182,7 +182,7 @@ impl<'a, R: Replay> Stream<'a, R> {
     /// engine restarted), or no replay answers.
     async fn resume(&mut self, point: Applied) -> bool {
         self.tracker = Tracker::default();
-        let result = self.replay(point.seq, Some(point), "snapshot").await;
+        let result = self.replay(point.seq, Some(point), None, "snapshot").await;
         let (resumed, label) = match result {
             ReplayResult::Complete => (true, "proven"),
             // Proven, then broken off: the live stream (a gap) carries on.
@@ -219,9 +219,13 @@ impl<'a, R: Replay> Stream<'a, R> {
             Verdict::Duplicate => self.shared.metrics.duplicates.inc(),
             Verdict::Gap { from } => {
                 self.shared.metrics.gaps.inc();
-                self.replica.set_fresh(false);
+                // The replica stays a candidate meanwhile: its index lacks
+                // only the gap's batches, which the replay is about to
+                // apply. Taking it out would send its conversations to
+                // replicas holding less of them (a Pick names only fresh
+                // replicas), which is worse than a few batches' lag.
                 tracing::info!(endpoint = %self.replica.id(), from, to = seq, "seq gap; replaying");
-                let result = self.replay(from, None, "gap").await;
+                let result = self.replay(from, None, Some(seq), "gap").await;
                 // Covered: the replay reached this batch (after a purge of its
                 // own if the buffer had lost the start of the gap).
                 let covered = self.tracker.next.is_some_and(|n| n > seq);
@@ -237,7 +241,6 @@ impl<'a, R: Replay> Stream<'a, R> {
                     self.tracker = Tracker::default();
                     self.apply(seq, payload, live_digest);
                 }
-                self.replica.set_fresh(true);
             }
             Verdict::Restart => {
                 tracing::info!(endpoint = %self.replica.id(), seq, "seq dropped: engine restarted");
@@ -287,84 +290,126 @@ impl<'a, R: Replay> Stream<'a, R> {
     /// Replays from `from`, applying batches as they come. Resuming
     /// (`expect`), the first batch must be `expect` itself: it is checked,
     /// not applied again.
+    ///
+    /// vLLM answers a replay by sending every buffered batch at once through
+    /// a ROUTER socket, which drops what exceeds its send queue (1,000
+    /// messages by default) without a word: a reader slower than the
+    /// publisher gets the first ~1,500 batches, then nothing, the end marker
+    /// included. A replay is therefore read in pages: when the answer goes
+    /// quiet or skips seqs after the page's first batch (vLLM's buffer holds
+    /// consecutive seqs, so a skip inside an answer is a drop), it is asked
+    /// again from the first batch not yet applied, until the end marker
+    /// comes ([`MAX_REPLAY_PAGES`] at most). A batch dropped just before
+    /// the end marker cannot be seen in the answer: a gap's replay knows
+    /// the live batch it must reach (`reach`) and asks again until it has.
     async fn replay(
         &mut self,
         from: u64,
         expect: Option<Applied>,
+        reach: Option<u64>,
         why: &'static str,
     ) -> ReplayResult {
         self.shared.metrics.replay_requests.inc([why]);
-        if !self.replay.request(from).await {
-            return ReplayResult::Unavailable;
-        }
         let mut expected = from;
         let mut complete = true;
         let mut received = 0usize;
-        loop {
-            let Some(frames) = self.replay.next_reply().await else {
-                tracing::warn!(endpoint = %self.replica.id(), from, "replay broke off before its end marker");
+        let mut page_from = from;
+        for page in 0..MAX_REPLAY_PAGES {
+            if page > 0 {
+                self.shared.metrics.replay_requests.inc(["page"]);
+            }
+            if !self.replay.request(page_from).await {
                 return if received == 0 {
                     ReplayResult::Unavailable
                 } else {
                     ReplayResult::Incomplete
                 };
-            };
-            let (seq, payload) = match message::replay_answer(&frames) {
-                Ok(ReplayAnswer::Batch { seq, payload }) => (seq, payload),
-                Ok(ReplayAnswer::End) => {
-                    return match (expect, received) {
-                        // Nothing at or after the saved seq: the engine's
-                        // seqs went back (it restarted).
-                        (Some(_), 0) => ReplayResult::Unproven("restarted"),
-                        _ if complete => ReplayResult::Complete,
-                        _ => ReplayResult::Incomplete,
-                    };
-                }
-                Err(e) => {
-                    self.shared.metrics.decode_errors.inc([e.label(true)]);
-                    if expect.is_some() && received == 0 {
-                        return ReplayResult::Unproven("unreadable");
+            }
+            let mut page_received = 0usize;
+            let ended = loop {
+                let Some(frames) = self.replay.next_reply().await else {
+                    break None;
+                };
+                let (seq, payload) = match message::replay_answer(&frames) {
+                    Ok(ReplayAnswer::Batch { seq, payload }) => (seq, payload),
+                    Ok(ReplayAnswer::End) => {
+                        if reach.is_some_and(|r| expected <= r) && page_received > 0 {
+                            // Short of the live batch: dropped on the way.
+                            break None;
+                        }
+                        break Some(match (expect, received) {
+                            // Nothing at or after the saved seq: the
+                            // engine's seqs went back (it restarted).
+                            (Some(_), 0) => ReplayResult::Unproven("restarted"),
+                            _ if complete => ReplayResult::Complete,
+                            _ => ReplayResult::Incomplete,
+                        });
                     }
-                    complete = false;
+                    Err(e) => {
+                        self.shared.metrics.decode_errors.inc([e.label(true)]);
+                        if expect.is_some() && received == 0 {
+                            return ReplayResult::Unproven("unreadable");
+                        }
+                        complete = false;
+                        continue;
+                    }
+                };
+                if page_received > 0 && seq != expected {
+                    // Dropped on the way (see above): ask again from there.
+                    break None;
+                }
+                received += 1;
+                page_received += 1;
+                if received > MAX_REPLAY_BATCHES {
+                    return ReplayResult::Incomplete;
+                }
+                let digest = frame_digest(payload);
+                if let Some(point) = expect
+                    && received == 1
+                {
+                    if seq != point.seq {
+                        // The buffer no longer holds the saved seq.
+                        return ReplayResult::Unproven("gone");
+                    }
+                    if digest != point.digest {
+                        return ReplayResult::Unproven("restarted");
+                    }
+                    // Proven: what the snapshot holds is this publisher's
+                    // state up to `seq`.
+                    self.tracker.note_replayed(seq, digest);
+                    self.tracker.applied(seq);
+                    expected = seq.saturating_add(1);
                     continue;
                 }
-            };
-            received += 1;
-            if received > MAX_REPLAY_BATCHES {
-                return ReplayResult::Incomplete;
-            }
-            let digest = frame_digest(payload);
-            if let Some(point) = expect
-                && received == 1
-            {
-                if seq != point.seq {
-                    // The buffer no longer holds the saved seq.
-                    return ReplayResult::Unproven("gone");
+                if seq != expected && complete {
+                    complete = false;
+                    if from > 0 || expect.is_some() {
+                        // Batches expected..seq are gone from the buffer.
+                        self.shared.purge(self.replica, "gap");
+                        self.tracker = Tracker::default();
+                    }
                 }
-                if digest != point.digest {
-                    return ReplayResult::Unproven("restarted");
-                }
-                // Proven: what the snapshot holds is this publisher's state
-                // up to `seq`.
-                self.tracker.note_replayed(seq, digest);
-                self.tracker.applied(seq);
                 expected = seq.saturating_add(1);
-                continue;
-            }
-            if seq != expected && complete {
-                complete = false;
-                if from > 0 || expect.is_some() {
-                    // Batches expected..seq are gone from the buffer.
-                    self.shared.purge(self.replica, "gap");
-                    self.tracker = Tracker::default();
+                self.tracker.note_replayed(seq, digest);
+                if self.tracker.next.is_some_and(|n| seq < n) {
+                    continue;
                 }
+                self.apply(seq, payload, digest);
+            };
+            if let Some(result) = ended {
+                return result;
             }
-            expected = seq.saturating_add(1);
-            self.tracker.note_replayed(seq, digest);
-            if self.tracker.next.is_some_and(|n| seq < n) {
-                continue;
+            if page_received == 0 {
+                break;
             }
-            self.apply(seq, payload, digest);
+            tracing::debug!(endpoint = %self.replica.id(), from, next = expected, "replay answer cut short; asking again from the next batch");
+            page_from = expected;
+        }
+        tracing::warn!(endpoint = %self.replica.id(), from, next = expected, "replay broke off before its end marker");
+        if received == 0 {
+            ReplayResult::Unavailable
+        } else {
+            ReplayResult::Incomplete
         }
     }
 }
