@@ -287,7 +287,9 @@ fn run(
                 Step::Reconnect => {
                     live.clear();
                     stream.resync(true).await;
-                    last_dropped = false;
+                    // A batch dropped right before the end marker cannot be
+                    // seen in the answer: the next live batch shows the gap.
+                    last_dropped = matches!(cut, Some((_, true)));
                     restart_pending = false;
                 }
                 Step::Query(p) => {
