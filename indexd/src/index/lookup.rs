@@ -331,14 +331,25 @@ impl Speculation<'_> {
 struct Counters([u64; 32]);
 
 impl Counters {
-    fn add(&mut self, mut carry: u64) {
-        for plane in &mut self.0 {
-            if carry == 0 {
-                return;
+    /// Adds `times` to every counter whose bit `mask` sets: plane by plane
+    /// of `times`, a ripple carry from that plane up.
+    fn add_times(&mut self, mask: u64, times: u32) {
+        if mask == 0 {
+            return;
+        }
+        let mut rest = times;
+        while rest != 0 {
+            let from = rest.trailing_zeros() as usize;
+            rest &= rest - 1;
+            let mut carry = mask;
+            for plane in self.0.iter_mut().skip(from) {
+                if carry == 0 {
+                    break;
+                }
+                let next = *plane & carry;
+                *plane ^= carry;
+                carry = next;
             }
-            let next = *plane & carry;
-            *plane ^= carry;
-            carry = next;
         }
     }
 
@@ -381,14 +392,24 @@ fn walk_masks(
         }
     }
     let mut tiers = [Counters([0; 32]), Counters([0; 32]), Counters([0; 32])];
+    // Consecutive keys held alike (the same candidates, in the same tiers:
+    // most of a prompt) are counted once per run, not once per key.
+    // (Scalars, not an array: comparing a just-stored array as a whole
+    // stalls on store forwarding.)
+    let (mut run_gpu, mut run_cpu, mut run_storage) = (0u64, 0u64, 0u64);
+    let mut run_len = 0u32;
     for (pos, key) in keys.iter().enumerate() {
-        let masks = store.holder_masks((part, key.as_u64()));
-        let mut held = 0;
-        for (counter, mask) in tiers.iter_mut().zip(masks) {
-            let mask = mask & alive;
-            counter.add(mask);
-            held |= mask;
+        let [gpu, cpu, storage] = store.holder_masks((part, key.as_u64()));
+        let (gpu, cpu, storage) = (gpu & alive, cpu & alive, storage & alive);
+        if (gpu ^ run_gpu) | (cpu ^ run_cpu) | (storage ^ run_storage) != 0 {
+            for (counter, mask) in tiers.iter_mut().zip([run_gpu, run_cpu, run_storage]) {
+                counter.add_times(mask, run_len);
+            }
+            (run_gpu, run_cpu, run_storage) = (gpu, cpu, storage);
+            run_len = 0;
         }
+        run_len += 1;
+        let held = gpu | cpu | storage;
         let mut missing = alive & !held;
         while missing != 0 {
             let bit = missing.trailing_zeros();
@@ -403,17 +424,22 @@ fn walk_masks(
                 alive &= !(1 << bit);
             }
         }
-        unseen.retain(|i| {
-            let credited = spec.holds(*i, pos);
-            if credited && let Some(c) = counts.get_mut(*i) {
-                c[0] += 1;
-                c[3] += 1;
-            }
-            credited
-        });
+        if !unseen.is_empty() {
+            unseen.retain(|i| {
+                let credited = spec.holds(*i, pos);
+                if credited && let Some(c) = counts.get_mut(*i) {
+                    c[0] += 1;
+                    c[3] += 1;
+                }
+                credited
+            });
+        }
         if alive == 0 && unseen.is_empty() {
             break;
         }
+    }
+    for (counter, mask) in tiers.iter_mut().zip([run_gpu, run_cpu, run_storage]) {
+        counter.add_times(mask, run_len);
     }
     for (bit, i) in candidate_of.iter().enumerate() {
         if let Some(c) = counts.get_mut(*i as usize) {

@@ -198,7 +198,8 @@ pub(crate) struct Store {
     /// Spilled holder lists' heap bytes.
     group_heap: usize,
     keys: Vec<HashTable<u32>>,
-    hasher: foldhash::fast::RandomState,
+    /// This process's random seed of [`hash_key`].
+    hasher: u64,
     /// The ends of the eviction order.
     oldest: u32,
     newest: u32,
@@ -213,7 +214,10 @@ impl Default for Store {
             groups: Slab::new(MAX_RECORDS),
             group_heap: 0,
             keys: (0..KEY_SHARDS).map(|_| HashTable::new()).collect(),
-            hasher: foldhash::fast::RandomState::default(),
+            hasher: {
+                use std::hash::BuildHasher;
+                foldhash::fast::RandomState::default().hash_one(0u64)
+            },
             oldest: NIL,
             newest: NIL,
             locals: FastMap::default(),
@@ -235,9 +239,18 @@ fn key_of(entries: &Slab<Entry>, groups: &Slab<Group>, r: u32) -> Option<Key> {
     }
 }
 
-fn hash_key(hasher: &foldhash::fast::RandomState, key: Key) -> u64 {
-    use std::hash::BuildHasher;
-    hasher.hash_one(key)
+/// A key's hash in its shard's table: one multiply of the key, its
+/// partition and the process's seed. Keys are SHA-256 prefixes computed by
+/// indexd itself from events (no caller chooses them), so a mix this cheap
+/// spreads them; the rotation feeds the table's bucket bits from the
+/// product's well-mixed high half, not from the low bits the shard was
+/// chosen by.
+#[inline]
+fn hash_key(seed: &u64, key: Key) -> u64 {
+    let (partition, key) = key;
+    (key ^ seed ^ (u64::from(partition) << 48))
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        .rotate_left(32)
 }
 
 /// Table bytes of a `hashbrown` table of `u32` with `capacity` (its buckets:
@@ -304,6 +317,7 @@ impl Store {
     }
 
     /// The key table slot of `key`, if any.
+    #[inline]
     fn find(&self, key: Key) -> Option<u32> {
         let shard = self.keys.get(shard_of(key.1))?;
         let (entries, groups) = (&self.entries, &self.groups);
