@@ -151,13 +151,13 @@ fn duration(s: &str) -> Result<Duration, String> {
 }
 
 /// Bytes of RSS per index entry the budget allows. Without churn an entry
-/// costs about 217 B (BENCHMARKS.md); at the bound, with entries evicted and
-/// added all the time, the hash maps settle at up to four buckets per entry
-/// (a map doubles to clear its tombstones once it is half full): the
-/// per-replica map (≈ 49 B a bucket) and the key map (≈ 41 B) then take up
-/// to ≈ 360 B, the FIFO 24–72 B; the key map's second copy (the one Picks
-/// read while the writer updates the other) up to 164 B more.
-const BYTES_PER_ENTRY: f64 = 644.0;
+/// costs about 60 B (BENCHMARKS.md: a 40-byte slab entry and a 5-byte slot
+/// in each of two tables at half load); at the bound, with entries evicted
+/// and added all the time, each table can settle at up to four slots per
+/// entry (a table doubles to clear its tombstones once it is half full):
+/// 40 + 2 × 4 × 5 = 80 B, plus the groups and spilled holder lists of keys
+/// several replicas hold and the slab's free chunks: 100 B.
+const BYTES_PER_ENTRY: f64 = 100.0;
 /// The process without its index: runtime, 64 connections' read buffers,
 /// metrics, allocator slack.
 const BASE_MIB: f64 = 64.0;
@@ -572,9 +572,9 @@ async fn run(
     let note = format!(
         "- RSS: {budget:.0} MiB = {BASE_MIB:.0} MiB (the process without its index: runtime, {} \
          connections' read buffers, metrics, allocator slack) + `max_index_entries` {} × {BYTES_PER_ENTRY:.0} B \
-         (217 B per entry without churn, BENCHMARKS.md; at the bound, entries evicted and added all \
-         the time, the hash maps settle at up to four buckets per entry: ≈ 360 B, plus the FIFO, plus \
-         up to 164 B for the key map's second copy, the one Picks read). The flood offers about {} entries (64 blocks per prompt, \
+         (60 B per entry without churn, BENCHMARKS.md; at the bound, entries evicted and added all \
+         the time, the two tables settle at up to four slots per entry: 80 B, plus shared keys' \
+         groups and the slab's free chunks). The flood offers about {} entries (64 blocks per prompt, \
          {} prompts kept per replica){}.\n\
          - Pick p99: {:.0} µs per window inside indexd (`indexd_pick_latency_seconds`, from the \
          decoded request to the answer: the bucket bound holding 99% of the window's Picks). The \
