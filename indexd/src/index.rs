@@ -52,8 +52,10 @@
 //!   block's changes, never for a whole batch, a replica's purge or a run of
 //!   evictions. Between two yields a Pick may see a batch partly applied:
 //!   the replica's cache was in that state too, a moment before.
-//! - What still happens under the write lock and grows with the index: a
-//!   key-table shard's rehash (a 256th of the keys) as it grows or shrinks.
+//! - A key-table shard that an event's new keys would make grow is grown
+//!   (a copy, rehashed) under the read lock and swapped in under the write
+//!   lock (`Store::grow_for`): a rehash reads every slot's key
+//!   from the entry it names, a cache miss each, too long to hold Picks.
 //!
 //! Why a read lock rather than a seqlock or epochs over the slab: a Pick
 //! reads 1,024 keys and their holders; retrying that walk, or holding back
@@ -307,8 +309,8 @@ impl Index {
         self.pending = pending;
     }
 
-    /// Applies one event: its chains and room in the replica's table under
-    /// the read lock, then the changes under the write lock.
+    /// Applies one event: its chains, room in the replica's table and in the
+    /// key table under the read lock, then the changes under the write lock.
     fn apply_now(
         &mut self,
         slot: ReplicaSlot,
@@ -317,6 +319,7 @@ impl Index {
         stats: &mut ApplyStats,
     ) {
         self.chains.clear();
+        let mut grown = Vec::new();
         if let KvEvent::BlockStored(stored) = event {
             let store = self.store.read();
             let local = self.w.locals.get(&slot).copied();
@@ -326,8 +329,10 @@ impl Index {
                 self.w.reserve(&store, local, stored.block_hashes.len());
             }
             apply::prepare_chains(&store, &self.w, local, stored, &mut self.chains);
+            grown = store.grow_for(self.chains.iter().map(|(_, c)| c.key().as_u64()));
         }
         let mut txn = self.txn();
+        txn.store.install_grown(grown);
         txn.apply_event(slot, model, event, stats);
         drop(txn);
         if let Some(local) = self.w.locals.get(&slot).copied() {

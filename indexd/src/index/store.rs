@@ -328,6 +328,47 @@ impl Store {
             .copied()
     }
 
+    /// The key-table shards that adding `keys` could make grow (or rehash
+    /// away their tombstones), grown already, to install with
+    /// [`Store::install_grown`]. Built under the read lock, so Picks go on
+    /// meanwhile: a shard's rehash reads the key of every slot from the
+    /// entry or group it names, a cache miss each, which under the write
+    /// lock made Picks wait milliseconds. Only the writer changes the
+    /// store, so no shard changes between this and the install.
+    pub(super) fn grow_for(&self, keys: impl Iterator<Item = u64>) -> Vec<(usize, HashTable<u32>)> {
+        let mut adding = [0usize; KEY_SHARDS];
+        for key in keys {
+            if let Some(n) = adding.get_mut(shard_of(key)) {
+                *n += 1;
+            }
+        }
+        let (entries, groups, seed) = (&self.entries, &self.groups, &self.hasher);
+        let hash = |r: &u32| key_of(entries, groups, *r).map_or(0, |k| hash_key(seed, k));
+        let mut grown = Vec::new();
+        for ((i, shard), n) in self.keys.iter().enumerate().zip(adding) {
+            if n == 0 || shard.capacity() - shard.len() >= n {
+                continue;
+            }
+            // As the table itself would: at least one slot more than it can
+            // hold now (doubling a full table).
+            let mut table = HashTable::with_capacity((shard.len() + n).max(shard.capacity() + 1));
+            for r in shard {
+                table.insert_unique(hash(r), *r, hash);
+            }
+            grown.push((i, table));
+        }
+        grown
+    }
+
+    /// Installs shards [`Store::grow_for`] built (under the write lock).
+    pub(super) fn install_grown(&mut self, grown: Vec<(usize, HashTable<u32>)>) {
+        for (i, table) in grown {
+            if let Some(shard) = self.keys.get_mut(i) {
+                *shard = table;
+            }
+        }
+    }
+
     /// Calls `f(replica, tiers)` for every holder of `key`.
     #[inline]
     pub(super) fn for_each_holder(&self, key: Key, mut f: impl FnMut(u16, u8)) {
