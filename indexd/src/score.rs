@@ -214,6 +214,14 @@ pub struct Load {
     pub conversations: f64,
 }
 
+impl Load {
+    /// Requests in flight on the replica by its own metrics (running and
+    /// waiting, every gateway's), not counting this indexd's pending picks.
+    fn in_flight(&self) -> f64 {
+        self.running.max(0.0) + self.waiting.max(0.0)
+    }
+}
+
 /// One candidate as the scorer sees it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Input {
@@ -390,11 +398,10 @@ fn apply_move_rule(
     // replicas' own counts, every gateway's requests, must show more in
     // flight on the warm replica too.
     let (warm_held, target_held) = (warm_input.load.conversations, cheapest.load.conversations);
-    let in_flight = |l: &Load| l.running.max(0.0) + l.waiting.max(0.0);
     let lasting = warm_input.load.waiting.min(warm_input.load.waiting_before) > 0.0
         || (warm_held > target_held * (1.0 + w.move_imbalance)
             && warm_held - target_held >= MIN_CONVERSATION_GAP
-            && in_flight(&warm_input.load) > in_flight(&cheapest.load));
+            && warm_input.load.in_flight() > cheapest.load.in_flight());
     if saving > w.move_margin * reprefill_seconds && lasting {
         return Move::Moved;
     }
@@ -420,7 +427,7 @@ fn by_cost<R: Rng>(
             let c = cost(input, prompt_tokens, block_size, w);
             #[allow(clippy::cast_possible_truncation)]
             let micros = (c * 1e6).round() as i64;
-            let in_flight = input.load.running + input.load.waiting + input.load.pending_picks;
+            let in_flight = input.load.in_flight() + input.load.pending_picks;
             (
                 micros,
                 input.matched.blocks,

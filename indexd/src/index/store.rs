@@ -336,16 +336,23 @@ impl Store {
     /// lock made Picks wait milliseconds. Only the writer changes the
     /// store, so no shard changes between this and the install.
     pub(super) fn grow_for(&self, keys: impl Iterator<Item = u64>) -> Vec<(usize, HashTable<u32>)> {
-        let mut adding = [0usize; KEY_SHARDS];
-        for key in keys {
-            if let Some(n) = adding.get_mut(shard_of(key)) {
-                *n += 1;
+        // Keys per shard; then each shard touched, once (an event's blocks
+        // touch a few of the 256).
+        let keys: SmallVec<[usize; 64]> = keys.map(shard_of).collect();
+        let mut adding = [0u16; KEY_SHARDS];
+        for &i in &keys {
+            if let Some(n) = adding.get_mut(i) {
+                *n = n.saturating_add(1);
             }
         }
         let (entries, groups, seed) = (&self.entries, &self.groups, &self.hasher);
         let hash = |r: &u32| key_of(entries, groups, *r).map_or(0, |k| hash_key(seed, k));
         let mut grown = Vec::new();
-        for ((i, shard), n) in self.keys.iter().enumerate().zip(adding) {
+        for &i in &keys {
+            let (Some(n), Some(shard)) = (adding.get_mut(i), self.keys.get(i)) else {
+                continue;
+            };
+            let n = usize::from(std::mem::take(n));
             if n == 0 || shard.capacity() - shard.len() >= n {
                 continue;
             }

@@ -415,7 +415,6 @@ impl<'a, R: Replay> Stream<'a, R> {
 }
 
 #[cfg(test)]
-#[cfg(test)]
 mod tests {
     use super::*;
 
