@@ -72,7 +72,7 @@ fn answer(
 
 fn candidate(r: &Replica, m: &PrefixMatch, block_size: u32, cost: f64) -> Candidate {
     Candidate {
-        address: r.id().address.to_string(),
+        address: r.address().to_owned(),
         data_parallel_rank: r.id().rank,
         matched_blocks: m.blocks,
         matched_tokens: m.blocks.saturating_mul(block_size),

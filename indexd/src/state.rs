@@ -121,6 +121,9 @@ pub struct Replica {
     resume: Mutex<Option<Applied>>,
     /// Its prefill speed, fitted from its metrics.
     calibration: Mutex<Fitted>,
+    /// Its host as a Pick's candidates name it (`ip:port`), written once:
+    /// formatting the address took a twentieth of a Pick.
+    address: String,
 }
 
 /// A replica's calibration and what it last concluded.
@@ -213,6 +216,7 @@ impl Replica {
             // without a metrics URL there is no health signal.
             fresh: AtomicBool::new(config.events.is_none()),
             healthy: AtomicBool::new(config.metrics_url.is_none()),
+            address: config.id.address.to_string(),
             config,
             slot,
             cancel,
@@ -285,6 +289,11 @@ impl Replica {
     /// Its identity.
     pub fn id(&self) -> &EndpointId {
         &self.config.id
+    }
+
+    /// Its host address as text (`ip:port`, what Envoy's override names).
+    pub fn address(&self) -> &str {
+        &self.address
     }
 
     /// Subscribed with no unrecovered gap.

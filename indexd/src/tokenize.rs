@@ -16,8 +16,10 @@
 //! - [`http`] serves vLLM-compatible `POST /tokenize` and
 //!   `POST /v1/responses/render` on indexd's HTTP port, by the same rules.
 //!
-//! Local tokenization runs on tokio's blocking pool: a cold 32k-token
-//! conversation takes milliseconds and must not stall the runtime.
+//! Local tokenization runs on the worker that took the Pick, inside
+//! `block_in_place` (tokio moves the worker's other tasks to another thread
+//! meanwhile, so a cold 32k-token conversation's milliseconds stall no one);
+//! on a current-thread runtime, on tokio's blocking pool.
 
 pub mod config;
 pub mod gate;
@@ -198,6 +200,14 @@ impl TokenizeMetrics {
     }
 }
 
+/// Whether this task runs on a multi-thread tokio runtime, where
+/// `block_in_place` may run blocking work on the worker itself (it panics
+/// elsewhere: a current-thread runtime, as in tests, or none).
+fn on_multi_thread_runtime() -> bool {
+    tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread)
+}
+
 /// Every local tokenizer, the replica client, and their metrics.
 #[derive(Debug)]
 pub struct Tokenizers {
@@ -325,11 +335,20 @@ impl Tokenizers {
         let result = match self.local(model) {
             Some(local) if local.gate.state() == GateState::Open => {
                 let started = Instant::now();
-                let tokenizer = local.tokenizer.clone();
-                let input = body.clone();
-                let ids = tokio::task::spawn_blocking(move || local_ids(&tokenizer, api, &input))
-                    .await
-                    .map_err(|e| TokenizeError::Unavailable(format!("tokenizer task: {e}")))?;
+                let ids = if on_multi_thread_runtime() {
+                    // On this very thread: tokio hands the worker's other
+                    // tasks to another thread meanwhile. Handing the work to
+                    // a blocking thread instead costs two thread wake-ups,
+                    // which on a node whose CPUs the replicas keep busy
+                    // took longer than a continuation's tokenization.
+                    tokio::task::block_in_place(|| local_ids(&local.tokenizer, api, &body))
+                } else {
+                    let tokenizer = local.tokenizer.clone();
+                    let input = body.clone();
+                    tokio::task::spawn_blocking(move || local_ids(&tokenizer, api, &input))
+                        .await
+                        .map_err(|e| TokenizeError::Unavailable(format!("tokenizer task: {e}")))?
+                };
                 self.metrics.local_latency.observe(started.elapsed());
                 if let Ok(ids) = &ids
                     && local.gate.take_shadow_slot()

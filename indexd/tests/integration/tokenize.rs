@@ -341,6 +341,27 @@ async fn picks_with_bodies_are_tokenized_locally_once_the_gate_opens() {
     assert!(metrics.contains("indexd_tokenizer_cache_hits_total{model=\"tiny\"}"));
 }
 
+/// The test above runs on a multi-thread runtime, where a Pick's body is
+/// tokenized on the worker itself (`block_in_place`); on a current-thread
+/// runtime, where that would panic, it goes to the blocking pool and
+/// answers the same.
+#[tokio::test]
+async fn a_current_thread_runtime_tokenizes_locally_too() {
+    let dir = model_dir();
+    let replica = start_replica(&dir).await;
+    let mut d = start_indexd(replica.addr, &dir).await;
+    wait_for_gate(&d, 1).await;
+    let truth = Tokenizer::load(&dir, MODEL, LoadOptions::default()).unwrap();
+    let body = chat("Which replica holds the prefix?");
+    let want = truth
+        .tokenize(&TokenizeRequest::from_json(&body).unwrap())
+        .unwrap()
+        .tokens;
+    let a = pick_body(&mut d, Api::Chat, body).await;
+    assert_eq!(a.tokenizer, TokenizerSource::Local as i32);
+    assert_eq!(a.prompt_tokens as usize, want.len());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupted_local_template_closes_the_gate_and_replicas_tokenize() {
     let dir = model_dir();

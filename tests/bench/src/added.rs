@@ -1,17 +1,22 @@
 //! Where kvroute's own time goes on real replicas: after each kvroute run the
 //! bench reads every gateway's filter histograms from its Envoy admin (the
 //! whole hold of a request, the tokenizer callout, the Pick callout; µs) and
-//! writes them, per workload × profile × gateway, to `added.csv` and
-//! `added.md` beside the samples. With the one-call path (indexd tokenizes
-//! the body the Pick carries) the tokenizer callout does not happen and the
-//! Pick callout includes indexd's tokenization.
+//! its indexd's own (the local tokenization, the task's wait for a blocking
+//! thread included; the Pick on the index), and writes them, per workload ×
+//! profile × gateway, to `added.csv` and `added.md` beside the samples. With
+//! the one-call path (indexd tokenizes the body the Pick carries) the
+//! tokenizer callout does not happen and the Pick callout includes indexd's
+//! tokenization: the callout less indexd's two is the gRPC hop (both ends'
+//! scheduling included).
 
 use std::fmt::Write as _;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::overhead::histogram::{FILTER_DURATION, Hist, INDEX_DURATION, TOKENIZER_DURATION};
+use crate::overhead::histogram::{
+    FILTER_DURATION, Hist, INDEX_DURATION, PICK_LATENCY, TOKENIZE_LOCAL, TOKENIZER_DURATION,
+};
 use crate::{BenchError, sample};
 
 /// The CSV of [`AddedRow`]s.
@@ -19,11 +24,14 @@ pub const ADDED_CSV: &str = "added.csv";
 /// Its table.
 pub const ADDED_MD: &str = "added.md";
 
-/// The histograms read, and their names in the files.
-const METRICS: [(&str, &str); 3] = [
+/// The histograms read (the filter's in Envoy, then indexd's), and their
+/// names in the files.
+const METRICS: [(&str, &str); 5] = [
     (FILTER_DURATION, "hold"),
     (TOKENIZER_DURATION, "tokenizer_call"),
     (INDEX_DURATION, "pick_call"),
+    (TOKENIZE_LOCAL, "indexd_tokenize"),
+    (PICK_LATENCY, "indexd_pick"),
 ];
 
 /// One filter histogram of one gateway after one run.
@@ -38,7 +46,8 @@ pub struct AddedRow {
     /// The round of the workload × profile (`kvroute-bench vllm --rounds`),
     /// from 1.
     pub round: u32,
-    /// `hold`, `tokenizer_call` or `pick_call`.
+    /// `hold`, `tokenizer_call`, `pick_call`, `indexd_tokenize` or
+    /// `indexd_pick`.
     pub metric: String,
     /// Observations.
     pub count: u64,
@@ -50,7 +59,8 @@ pub struct AddedRow {
     pub p99_us: Option<f64>,
 }
 
-/// The rows of one gateway's histograms (`hists` as read from its Envoy).
+/// The rows of one gateway's histograms (`hists` as read from its Envoy and
+/// its indexd, by their source names).
 pub fn rows(
     workload: &str,
     profile: &str,
@@ -88,9 +98,13 @@ pub fn markdown(rows: &[AddedRow]) -> String {
          first turns included), in ms: mean / p50 / p99. Hold: from the request's headers until \
          the filter lets it go on (the body buffered, tokens and the Pick). Pick call: the \
          callout to indexd, which here also tokenizes the body (one-call path); tokenizer call: \
-         the replica's `/tokenize` when the filter calls it itself (`–`: not used).\n\n\
-         | workload | profile | round | gateway | requests | hold | pick call | tokenizer call |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|\n",
+         the replica's `/tokenize` when the filter calls it itself (`–`: not used). From the \
+         gateway's indexd: tokenize, its own tokenizer on a body (the wait for a blocking \
+         thread included), and pick, the Pick on the index. The pick call less these two is \
+         the gRPC hop, both ends' scheduling on the busy machine included. indexd's quantiles \
+         come from its coarse fixed buckets; its means are exact.\n\n\
+         | workload | profile | round | gateway | requests | hold | pick call | tokenizer call | indexd tokenize | indexd pick |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let mut keys: Vec<(&str, &str, u32, u32)> = rows
         .iter()
@@ -116,10 +130,12 @@ pub fn markdown(rows: &[AddedRow]) -> String {
         let requests = of("hold").map_or(0, |r| r.count);
         let _ = writeln!(
             out,
-            "| {workload} | {profile} | {round} | {gateway} | {requests} | {} | {} | {} |",
+            "| {workload} | {profile} | {round} | {gateway} | {requests} | {} | {} | {} | {} | {} |",
             cell("hold"),
             cell("pick_call"),
-            cell("tokenizer_call")
+            cell("tokenizer_call"),
+            cell("indexd_tokenize"),
+            cell("indexd_pick")
         );
     }
     out
@@ -156,6 +172,10 @@ mod tests {
             INDEX_DURATION.to_owned(),
             Hist::new(vec![bin(900.0, 4)], Some(3_800.0)),
         );
+        hists.insert(
+            PICK_LATENCY.to_owned(),
+            Hist::new(vec![bin(300.0, 4)], Some(1_200.0)),
+        );
         let mut all = rows("w2-lite", "kvroute-precise", 0, &hists);
         all.extend(rows("w2-lite", "kvroute-precise", 1, &hists));
         let mut second = rows("w2-lite", "kvroute-precise", 0, &hists);
@@ -164,11 +184,11 @@ mod tests {
             r.count = 0;
         }
         all.extend(second);
-        assert_eq!(all.len(), 9);
+        assert_eq!(all.len(), 15);
         let md = markdown(&all);
         assert!(
             md.contains(
-                "| w2-lite | kvroute-precise | 1 | 0 | 4 | 2.0 / 1.1 / 5.1 | 0.9 / 0.9 / 1.0 | – |"
+                "| w2-lite | kvroute-precise | 1 | 0 | 4 | 2.0 / 1.1 / 5.1 | 0.9 / 0.9 / 1.0 | – | – | 0.3 / 0.3 / 0.4 |"
             ),
             "{md}"
         );
@@ -177,7 +197,7 @@ mod tests {
             "{md}"
         );
         assert!(
-            md.contains("| w2-lite | kvroute-precise | 2 | 0 | 0 | – | – | – |"),
+            md.contains("| w2-lite | kvroute-precise | 2 | 0 | 0 | – | – | – | – | – |"),
             "each round its own line: {md}"
         );
     }

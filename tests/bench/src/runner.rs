@@ -23,6 +23,7 @@ use crate::added::{self, AddedRow};
 use crate::client::{self, Reply};
 use crate::fleet::{self, Fleet};
 use crate::history::{Msg, apply, request_body};
+use crate::overhead::histogram::{PICK_LATENCY, TOKENIZE_LOCAL, parse_prometheus_seconds};
 use crate::peers::{self, Peer, Worker};
 use crate::sample::{Sample, millis};
 use crate::workload::{Api, Conversation, Fault, FaultKind, Step, Workload};
@@ -379,10 +380,22 @@ fn filter_histograms(
     progress: &ProgressBar,
 ) -> Vec<AddedRow> {
     let mut out = Vec::new();
+    let indexds = stack.indexd_handles();
     for (gateway, envoy) in (0u32..).zip(stack.gateway_envoys()) {
         let sent = samples.iter().filter(|s| s.gateway == gateway).count() as u64;
         match overhead::envoy_histograms(envoy, sent) {
-            Ok(hists) => out.extend(added::rows(&workload.name, profile.name(), gateway, &hists)),
+            Ok(mut hists) => {
+                // Gateway i's own indexd (the stack starts them in order).
+                if let Some(h) = indexds.get(gateway as usize) {
+                    let text = h.metrics_text();
+                    for name in [PICK_LATENCY, TOKENIZE_LOCAL] {
+                        if let Some(hist) = parse_prometheus_seconds(&text, name) {
+                            hists.insert(name.to_owned(), hist);
+                        }
+                    }
+                }
+                out.extend(added::rows(&workload.name, profile.name(), gateway, &hists));
+            }
             Err(e) => progress.println(format!(
                 "{} / {}: gateway {gateway}'s filter histograms not read: {e}",
                 workload.name,

@@ -26,6 +26,9 @@ pub const TOKENIZER_DURATION: &str = "wasmcustom.kvroute.tokenizer_duration_us";
 pub const INDEX_DURATION: &str = "wasmcustom.kvroute.index_duration_us";
 /// indexd's time to answer a Pick (indexd/src/metrics.rs), in seconds.
 pub const PICK_LATENCY: &str = "indexd_pick_latency_seconds";
+/// indexd's time to tokenize a body with its own tokenizer
+/// (indexd/src/tokenize.rs), in seconds.
+pub const TOKENIZE_LOCAL: &str = "indexd_tokenize_local_seconds";
 
 /// The admin query for the filter's histograms with their bins.
 pub const ENVOY_QUERY: &str = "/stats?format=json&type=Histograms&histogram_buckets=detailed&filter=%5Ewasmcustom%5C.kvroute%5C.";
