@@ -486,21 +486,12 @@ pub fn pick(
     if let Some(resp) = affinity_shortcut(shared, req, now) {
         return Ok(resp);
     }
-    let serving: Vec<Arc<Replica>> = read(&shared.registry)
-        .all()
-        .into_iter()
-        .filter(|r| r.serves(&req.model))
-        .collect();
-    let eligible: Vec<Arc<Replica>> = serving
-        .iter()
-        .filter(|r| r.is_eligible())
-        .cloned()
-        .collect();
+    let (eligible, serving) = read(&shared.registry).eligible(&req.model);
     if eligible.is_empty() {
-        let reason = if serving.is_empty() {
-            "unknown_model"
-        } else {
+        let reason = if serving {
             "no_fresh_replica"
+        } else {
+            "unknown_model"
         };
         return Ok(answer(shared, DecisionKind::Stale, reason, Vec::new()));
     }

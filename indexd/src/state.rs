@@ -28,7 +28,8 @@
 //! - `tokenizers`: no lock — the set of models is fixed at start; each
 //!   model's gate is atomics plus a `Mutex` over its closing reason, and its
 //!   tokenizer's segment cache locks itself briefly (never while encoding).
-//!   Local tokenization runs on the blocking pool, never under a lock here.
+//!   Local tokenization runs on the worker that took the Pick
+//!   (`block_in_place`) or on the blocking pool, never under a lock here.
 //! - `restores` (a snapshot's replicas not registered yet): a short `Mutex`,
 //!   taken when a replica is added; restoring its blocks then takes the
 //!   `index` write lock once (start-up or discovery, not the request path).
@@ -36,7 +37,10 @@
 //!   read lock, in a blocking task (no `.await` while held); `snapshot_lock`
 //!   serializes writers (the periodic one and the one at shutdown).
 //! - per-replica prefill calibration: a short `Mutex`, written by that
-//!   replica's scrape task, read once per Pick candidate.
+//!   replica's scrape task, which copies the fitted speed into the
+//!   replica's scraped load while holding it (the one nesting of the two,
+//!   always in this order); a Pick reads the copy with the rest of the
+//!   load, under the scraped load's mutex alone.
 //! - per-replica resume point (from a snapshot): a short `Mutex`, taken once
 //!   by the replica's subscription.
 //!
@@ -98,6 +102,9 @@ struct Scraped {
     consecutive_failures: u32,
     occupancy: Option<f64>,
     cache_available: Option<bool>,
+    /// The calibration's latest speed, copied here so that a Pick reads a
+    /// replica's load under this one lock (and its pending picks').
+    prefill: Option<PrefillSpeed>,
 }
 
 /// One replica's runtime state.
@@ -238,6 +245,7 @@ impl Replica {
         // An idle interval adds nothing; a restart resets the fit.
         f.fit.observe(counters, Some(at));
         f.speed = f.fit.speed(prior);
+        lock(&self.scraped).prefill = f.speed;
         let Some(speed) = f.speed else {
             return;
         };
@@ -396,8 +404,8 @@ impl Replica {
             }
             (p.picks.len(), p.queued_seconds(now))
         };
-        let prefill = self.prefill_speed();
         let s = lock(&self.scraped);
+        let prefill = s.prefill;
         #[allow(clippy::cast_precision_loss)]
         Load {
             prefill_tokens_per_second: prefill.map(|p| p.tokens_per_second),
@@ -426,6 +434,24 @@ impl Registry {
     /// All replicas.
     pub(crate) fn all(&self) -> Vec<Arc<Replica>> {
         self.replicas.values().cloned().collect()
+    }
+
+    /// The replicas serving `model` that are eligible (healthy and fresh),
+    /// in [`Registry::all`]'s order, and whether any replica serves it at
+    /// all.
+    pub(crate) fn eligible(&self, model: &str) -> (Vec<Arc<Replica>>, bool) {
+        let mut serving = false;
+        let eligible = self
+            .replicas
+            .values()
+            .filter(|r| {
+                let serves = r.serves(model);
+                serving |= serves;
+                serves && r.is_eligible()
+            })
+            .cloned()
+            .collect();
+        (eligible, serving)
     }
 
     /// One replica.

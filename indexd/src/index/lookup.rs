@@ -353,9 +353,12 @@ impl Counters {
         }
     }
 
-    fn get(&self, bit: u32) -> u32 {
+    /// The counter of `bit`, from its lowest `planes` planes (the higher
+    /// ones are zero when no counter reaches `1 << planes`).
+    fn get(&self, bit: u32, planes: usize) -> u32 {
         self.0
             .iter()
+            .take(planes)
             .enumerate()
             .map(|(j, plane)| ((plane >> bit) as u32 & 1) << j)
             .sum()
@@ -441,11 +444,14 @@ fn walk_masks(
     for (counter, mask) in tiers.iter_mut().zip([run_gpu, run_cpu, run_storage]) {
         counter.add_times(mask, run_len);
     }
+    // No counter exceeds the number of keys: planes above its bit length
+    // are zero.
+    let planes = (usize::BITS - keys.len().leading_zeros()) as usize;
     for (bit, i) in candidate_of.iter().enumerate() {
         if let Some(c) = counts.get_mut(*i as usize) {
             for (t, counter) in tiers.iter().enumerate() {
                 if let Some(n) = c.get_mut(t) {
-                    *n += counter.get(bit as u32);
+                    *n += counter.get(bit as u32, planes);
                 }
             }
         }

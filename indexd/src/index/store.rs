@@ -393,23 +393,40 @@ impl Store {
         }
     }
 
-    /// The holders of `key` with a local id below 64, by best tier.
+    /// The holders of `key` with a local id below 64, by best tier. One
+    /// probe: the record that matches the key gives its masks as it is
+    /// compared (the Pick's walk calls this once per block).
     #[inline]
     pub(super) fn holder_masks(&self, key: Key) -> [u64; 3] {
         let mut masks = [0u64; 3];
-        let Some(r) = self.find(key) else {
+        let Some(shard) = self.keys.get(shard_of(key.1)) else {
             return masks;
         };
-        if r & GROUP != 0 {
-            if let Some(g) = self.groups.get(r & !GROUP) {
-                masks = g.masks;
+        let (entries, groups) = (&self.entries, &self.groups);
+        shard.find(hash_key(&self.hasher, key), |r| {
+            if r & GROUP != 0 {
+                match groups.get(r & !GROUP) {
+                    Some(g) if (g.partition, g.key) == key => {
+                        masks = g.masks;
+                        true
+                    }
+                    _ => false,
+                }
+            } else {
+                match entries.get(*r) {
+                    Some(e) if e.key() == key => {
+                        if e.replica < MASK_IDS
+                            && let Some(m) =
+                                masks.get_mut(usize::from(BEST_TIER[usize::from(e.tiers())]))
+                        {
+                            *m |= 1 << e.replica;
+                        }
+                        true
+                    }
+                    _ => false,
+                }
             }
-        } else if let Some(e) = self.entries.get(r)
-            && e.replica < MASK_IDS
-            && let Some(m) = masks.get_mut(usize::from(BEST_TIER[usize::from(e.tiers())]))
-        {
-            *m |= 1 << e.replica;
-        }
+        });
         masks
     }
 
