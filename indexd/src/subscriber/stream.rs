@@ -310,108 +310,156 @@ impl<'a, R: Replay> Stream<'a, R> {
         why: &'static str,
     ) -> ReplayResult {
         self.shared.metrics.replay_requests.inc([why]);
-        let mut expected = from;
-        let mut complete = true;
-        let mut received = 0usize;
-        let mut page_from = from;
+        let mut r = Replaying {
+            from,
+            expect,
+            reach,
+            expected: from,
+            complete: true,
+            received: 0,
+            page_received: 0,
+        };
         for page in 0..MAX_REPLAY_PAGES {
             if page > 0 {
                 self.shared.metrics.replay_requests.inc(["page"]);
             }
-            if !self.replay.request(page_from).await {
-                return if received == 0 {
-                    ReplayResult::Unavailable
-                } else {
-                    ReplayResult::Incomplete
-                };
+            if !self.replay.request(r.expected).await {
+                return r.broken_off();
             }
-            let mut page_received = 0usize;
+            r.page_received = 0;
             let ended = loop {
                 let Some(frames) = self.replay.next_reply().await else {
                     break None;
                 };
-                let (seq, payload) = match message::replay_answer(&frames) {
-                    Ok(ReplayAnswer::Batch { seq, payload }) => (seq, payload),
-                    Ok(ReplayAnswer::End) => {
-                        if reach.is_some_and(|r| expected <= r) && page_received > 0 {
-                            // Short of the live batch: dropped on the way.
-                            break None;
-                        }
-                        break Some(match (expect, received) {
-                            // Nothing at or after the saved seq: the
-                            // engine's seqs went back (it restarted).
-                            (Some(_), 0) => ReplayResult::Unproven("restarted"),
-                            _ if complete => ReplayResult::Complete,
-                            _ => ReplayResult::Incomplete,
-                        });
-                    }
-                    Err(e) => {
-                        self.shared.metrics.decode_errors.inc([e.label(true)]);
-                        if expect.is_some() && received == 0 {
-                            return ReplayResult::Unproven("unreadable");
-                        }
-                        complete = false;
-                        continue;
-                    }
-                };
-                if page_received > 0 && seq != expected {
-                    // Dropped on the way (see above): ask again from there.
-                    break None;
+                match self.replayed_batch(&mut r, &frames) {
+                    Read::Next => {}
+                    Read::Cut => break None,
+                    Read::Ended(result) => break Some(result),
                 }
-                received += 1;
-                page_received += 1;
-                if received > MAX_REPLAY_BATCHES {
-                    return ReplayResult::Incomplete;
-                }
-                let digest = frame_digest(payload);
-                if let Some(point) = expect
-                    && received == 1
-                {
-                    if seq != point.seq {
-                        // The buffer no longer holds the saved seq.
-                        return ReplayResult::Unproven("gone");
-                    }
-                    if digest != point.digest {
-                        return ReplayResult::Unproven("restarted");
-                    }
-                    // Proven: what the snapshot holds is this publisher's
-                    // state up to `seq`.
-                    self.tracker.note_replayed(seq, digest);
-                    self.tracker.applied(seq);
-                    expected = seq.saturating_add(1);
-                    continue;
-                }
-                if seq != expected && complete {
-                    complete = false;
-                    if from > 0 || expect.is_some() {
-                        // Batches expected..seq are gone from the buffer.
-                        self.shared.purge(self.replica, "gap");
-                        self.tracker = Tracker::default();
-                    }
-                }
-                expected = seq.saturating_add(1);
-                self.tracker.note_replayed(seq, digest);
-                if self.tracker.next.is_some_and(|n| seq < n) {
-                    continue;
-                }
-                self.apply(seq, payload, digest);
             };
             if let Some(result) = ended {
                 return result;
             }
-            if page_received == 0 {
+            if r.page_received == 0 {
                 break;
             }
-            tracing::debug!(endpoint = %self.replica.id(), from, next = expected, "replay answer cut short; asking again from the next batch");
-            page_from = expected;
+            tracing::debug!(endpoint = %self.replica.id(), from, next = r.expected, "replay answer cut short; asking again from the next batch");
         }
-        tracing::warn!(endpoint = %self.replica.id(), from, next = expected, "replay broke off before its end marker");
-        if received == 0 {
+        tracing::warn!(endpoint = %self.replica.id(), from, next = r.expected, "replay broke off before its end marker");
+        r.broken_off()
+    }
+
+    /// One message of a replay's answer: a batch applied (or checked, or
+    /// already applied), the answer cut short (ask again from
+    /// `r.expected`), or the replay's end.
+    fn replayed_batch(&mut self, r: &mut Replaying, frames: &[Frame]) -> Read {
+        let (seq, payload) = match message::replay_answer(frames) {
+            Ok(ReplayAnswer::Batch { seq, payload }) => (seq, payload),
+            Ok(ReplayAnswer::End) => {
+                if r.reach.is_some_and(|reach| r.expected <= reach) && r.page_received > 0 {
+                    // Short of the live batch: dropped on the way.
+                    return Read::Cut;
+                }
+                return Read::Ended(match (r.expect, r.received) {
+                    // Nothing at or after the saved seq: the engine's seqs
+                    // went back (it restarted).
+                    (Some(_), 0) => ReplayResult::Unproven("restarted"),
+                    _ if r.complete => ReplayResult::Complete,
+                    _ => ReplayResult::Incomplete,
+                });
+            }
+            Err(e) => {
+                self.shared.metrics.decode_errors.inc([e.label(true)]);
+                if r.expect.is_some() && r.received == 0 {
+                    return Read::Ended(ReplayResult::Unproven("unreadable"));
+                }
+                r.complete = false;
+                return Read::Next;
+            }
+        };
+        if r.page_received > 0 && seq != r.expected {
+            // Dropped on the way (see [`Self::replay`]): ask again from there.
+            return Read::Cut;
+        }
+        r.received += 1;
+        r.page_received += 1;
+        if r.received > MAX_REPLAY_BATCHES {
+            return Read::Ended(ReplayResult::Incomplete);
+        }
+        let digest = frame_digest(payload);
+        if let Some(point) = r.expect
+            && r.received == 1
+        {
+            if seq != point.seq {
+                // The buffer no longer holds the saved seq.
+                return Read::Ended(ReplayResult::Unproven("gone"));
+            }
+            if digest != point.digest {
+                return Read::Ended(ReplayResult::Unproven("restarted"));
+            }
+            // Proven: what the snapshot holds is this publisher's state up
+            // to `seq`.
+            self.tracker.note_replayed(seq, digest);
+            self.tracker.applied(seq);
+            r.expected = seq.saturating_add(1);
+            return Read::Next;
+        }
+        if seq != r.expected && r.complete {
+            r.complete = false;
+            if r.from > 0 || r.expect.is_some() {
+                // Batches expected..seq are gone from the buffer.
+                self.shared.purge(self.replica, "gap");
+                self.tracker = Tracker::default();
+            }
+        }
+        r.expected = seq.saturating_add(1);
+        self.tracker.note_replayed(seq, digest);
+        if self.tracker.next.is_some_and(|n| seq < n) {
+            return Read::Next;
+        }
+        self.apply(seq, payload, digest);
+        Read::Next
+    }
+}
+
+/// A replay in progress ([`Stream::replay`]).
+#[derive(Debug)]
+struct Replaying {
+    /// The seq asked for first.
+    from: u64,
+    /// Resuming: the batch the answer must start with.
+    expect: Option<Applied>,
+    /// A gap's replay: the live batch it must reach.
+    reach: Option<u64>,
+    /// The next seq wanted (where a cut answer is asked again from).
+    expected: u64,
+    /// No batch was missing from the buffer so far.
+    complete: bool,
+    /// Batches received, over every page and in this page.
+    received: usize,
+    page_received: usize,
+}
+
+impl Replaying {
+    /// The result of a replay that ended without its end marker.
+    fn broken_off(&self) -> ReplayResult {
+        if self.received == 0 {
             ReplayResult::Unavailable
         } else {
             ReplayResult::Incomplete
         }
     }
+}
+
+/// What one message of a replay's answer did ([`Stream::replayed_batch`]).
+#[derive(Debug)]
+enum Read {
+    /// Go on reading this page.
+    Next,
+    /// The answer was cut short: ask again from the next seq wanted.
+    Cut,
+    /// The replay is over.
+    Ended(ReplayResult),
 }
 
 #[cfg(test)]
