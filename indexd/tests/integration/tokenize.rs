@@ -236,19 +236,31 @@ async fn oversized_request_head(http: &str, length: usize) -> String {
     String::from_utf8_lossy(&answer[..n]).into_owned()
 }
 
+/// A replica and an indexd tokenizing `dir`'s model locally, its gate open,
+/// and the tokenizer to check their answers against.
+async fn gate_open(dir: &Path) -> (Replica, Daemon, Tokenizer) {
+    let replica = start_replica(dir).await;
+    let d = start_indexd(replica.addr, dir).await;
+    wait_for_gate(&d, 1).await;
+    let truth = Tokenizer::load(dir, MODEL, LoadOptions::default()).unwrap();
+    (replica, d, truth)
+}
+
+/// The token ids `truth` gives a `/tokenize` body.
+fn tokens_of(truth: &Tokenizer, body: &[u8]) -> Vec<u32> {
+    truth
+        .tokenize(&TokenizeRequest::from_json(body).unwrap())
+        .unwrap()
+        .tokens
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn picks_with_bodies_are_tokenized_locally_once_the_gate_opens() {
     let dir = model_dir();
-    let replica = start_replica(&dir).await;
-    let mut d = start_indexd(replica.addr, &dir).await;
-    wait_for_gate(&d, 1).await;
-    let truth = Tokenizer::load(&dir, MODEL, LoadOptions::default()).unwrap();
+    let (replica, mut d, truth) = gate_open(&dir).await;
 
     let body = chat("How long is a block?");
-    let want = truth
-        .tokenize(&TokenizeRequest::from_json(&body).unwrap())
-        .unwrap()
-        .tokens;
+    let want = tokens_of(&truth, &body);
     let calls = replica.calls.load(Ordering::Relaxed);
     let a = pick_body(&mut d, Api::Chat, body).await;
     assert_eq!(a.tokenizer, TokenizerSource::Local as i32);
@@ -348,15 +360,9 @@ async fn picks_with_bodies_are_tokenized_locally_once_the_gate_opens() {
 #[tokio::test]
 async fn a_current_thread_runtime_tokenizes_locally_too() {
     let dir = model_dir();
-    let replica = start_replica(&dir).await;
-    let mut d = start_indexd(replica.addr, &dir).await;
-    wait_for_gate(&d, 1).await;
-    let truth = Tokenizer::load(&dir, MODEL, LoadOptions::default()).unwrap();
+    let (_replica, mut d, truth) = gate_open(&dir).await;
     let body = chat("Which replica holds the prefix?");
-    let want = truth
-        .tokenize(&TokenizeRequest::from_json(&body).unwrap())
-        .unwrap()
-        .tokens;
+    let want = tokens_of(&truth, &body);
     let a = pick_body(&mut d, Api::Chat, body).await;
     assert_eq!(a.tokenizer, TokenizerSource::Local as i32);
     assert_eq!(a.prompt_tokens as usize, want.len());
