@@ -412,12 +412,7 @@ impl Reader<'_> {
                 limit: limits.max_tokens_per_event,
             });
         }
-        // Each token takes at least one byte of the frame.
-        let mut out = Vec::with_capacity(len.min(self.buf.len()));
-        for _ in 0..len {
-            out.push(self.u32("token_ids")?);
-        }
-        Ok(out)
+        self.token_array(len, "token_ids")
     }
 
     fn extra_keys(&mut self, limits: &Limits) -> Result<Option<Vec<RawExtra>>, DecodeError> {

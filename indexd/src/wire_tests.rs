@@ -484,3 +484,72 @@ fn wrong_types_are_errors() {
         .is_err()
     );
 }
+
+/// One BlockStored whose `token_ids` array is `ids` written marker by marker,
+/// so that every integer encoding (minimal or not) can be tried.
+fn stored_with_raw_tokens(n: u32, ids: &[u8]) -> Vec<u8> {
+    use rmp::encode::{write_array_len, write_map_len, write_str, write_uint};
+    let mut out = Vec::new();
+    write_array_len(&mut out, 2).unwrap();
+    write_uint(&mut out, 0).unwrap();
+    write_array_len(&mut out, 1).unwrap();
+    write_map_len(&mut out, 4).unwrap();
+    write_str(&mut out, "type").unwrap();
+    write_str(&mut out, "BlockStored").unwrap();
+    write_str(&mut out, "block_hashes").unwrap();
+    write_array_len(&mut out, 1).unwrap();
+    write_uint(&mut out, 7).unwrap();
+    write_str(&mut out, "block_size").unwrap();
+    write_uint(&mut out, u64::from(n)).unwrap();
+    write_str(&mut out, "token_ids").unwrap();
+    write_array_len(&mut out, n).unwrap();
+    out.extend_from_slice(ids);
+    out
+}
+
+#[test]
+fn token_ids_decode_from_every_integer_encoding() {
+    let ids: &[(&[u8], u32)] = &[
+        (&[0x00], 0),
+        (&[0x7f], 127),
+        (&[0xcc, 0x80], 128),
+        (&[0xcc, 0x05], 5),
+        (&[0xcd, 0x01, 0x00], 256),
+        (&[0xce, 0x00, 0x01, 0x00, 0x00], 65_536),
+        (&[0xce, 0xff, 0xff, 0xff, 0xff], u32::MAX),
+        // Encodings no msgpack writer picks for these values, still integers.
+        (&[0xcf, 0, 0, 0, 0, 0, 0, 0, 9], 9),
+        (&[0xd0, 0x0b], 11),
+        (&[0xd1, 0x00, 0x0c], 12),
+        (&[0xd2, 0x00, 0x00, 0x01, 0x00], 256),
+    ];
+    let raw: Vec<u8> = ids.iter().flat_map(|(b, _)| b.iter().copied()).collect();
+    let n = u32::try_from(ids.len()).unwrap();
+    let batch = decode_batch(&stored_with_raw_tokens(n, &raw), &Limits::default()).unwrap();
+    let want: Vec<u32> = ids.iter().map(|(_, v)| *v).collect();
+    assert_eq!(stored(&batch.events[0]).token_ids, want);
+}
+
+#[test]
+fn token_ids_that_are_not_u32_are_errors() {
+    let cases: &[(&[u8], DecodeError)] = &[
+        (&[0xff], DecodeError::UnexpectedType("token_ids")),
+        (&[0xd0, 0xff], DecodeError::UnexpectedType("token_ids")),
+        (
+            &[0xcf, 0, 0, 0, 1, 0, 0, 0, 0],
+            DecodeError::UnexpectedType("token_ids"),
+        ),
+        (&[0xa1, b'x'], DecodeError::UnexpectedType("token_ids")),
+        (&[0xc0], DecodeError::UnexpectedType("token_ids")),
+        (&[0xce, 0x00, 0x01], DecodeError::Truncated),
+        (&[0xcd, 0x01], DecodeError::Truncated),
+        (&[0xcc], DecodeError::Truncated),
+    ];
+    for (raw, want) in cases {
+        // Two tokens: a good one, then the bad one, which ends the frame.
+        let mut ids = vec![0x01];
+        ids.extend_from_slice(raw);
+        let got = decode_batch(&stored_with_raw_tokens(2, &ids), &Limits::default());
+        assert_eq!(got.as_ref().err(), Some(want), "token bytes {raw:02x?}");
+    }
+}
