@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use kvroute_proto::v1::{
     Api as WireApi, DecisionKind, Mode as WireMode, PickRequest, PickResponse,
 };
-use kvroute_proto::{block_keys, grpc_path};
+use kvroute_proto::{SCHEME_VERSION, block_keys, grpc_path};
 use prost::Message;
 
 use crate::approximate;
@@ -63,6 +63,8 @@ const STRIPPED_PREFIX: &str = "x-kvroute-";
 const MAX_HOSTS: usize = 16;
 /// Whether a block-size mismatch was already logged as a warning.
 static MISMATCH_WARNED: AtomicBool = AtomicBool::new(false);
+/// Whether a key-scheme mismatch was already logged as a warning.
+static SCHEME_WARNED: AtomicBool = AtomicBool::new(false);
 /// Largest Pick answer read.
 const MAX_PICK_BYTES: usize = 64 * 1024;
 /// The longest client `x-request-id` passed on (to the tokenizer, in logs).
@@ -428,6 +430,7 @@ impl Flow {
             request_id: self.id.clone(),
             max_candidates: self.cfg.max_candidates,
             completed_request_ids: completed::take(host),
+            key_scheme: SCHEME_VERSION.to_owned(),
             ..PickRequest::default()
         }
     }
@@ -565,6 +568,19 @@ impl Flow {
                 "block_size {} differs from indexd's {}",
                 self.cfg.block_size.get(),
                 answer.index_block_size
+            );
+        }
+        if answer.key_scheme_mismatch {
+            host.count(Counter::KeySchemeMismatch);
+            let level = if SCHEME_WARNED.swap(true, Ordering::Relaxed) {
+                log::Level::Debug
+            } else {
+                log::Level::Warn
+            };
+            log::log!(
+                level,
+                "indexd keys blocks with another scheme than this filter's {SCHEME_VERSION}: \
+                 upgrade the filter and indexd together"
             );
         }
         let reason = match DecisionKind::try_from(answer.decision) {

@@ -106,6 +106,9 @@ pub enum Counter {
     ObserveFailed,
     /// `kvroute.index.block_size_mismatch`: indexd sees another block size.
     BlockSizeMismatch,
+    /// `kvroute.index.key_scheme_mismatch`: indexd keys blocks with another
+    /// scheme than this filter.
+    KeySchemeMismatch,
 }
 
 impl Counter {
@@ -118,6 +121,7 @@ impl Counter {
             Self::ObserveSent,
             Self::ObserveFailed,
             Self::BlockSizeMismatch,
+            Self::KeySchemeMismatch,
         ]);
         all
     }
@@ -131,6 +135,7 @@ impl Counter {
             Self::ObserveSent => "kvroute.observe.sent".to_owned(),
             Self::ObserveFailed => "kvroute.observe.failed".to_owned(),
             Self::BlockSizeMismatch => "kvroute.index.block_size_mismatch".to_owned(),
+            Self::KeySchemeMismatch => "kvroute.index.key_scheme_mismatch".to_owned(),
         }
     }
 }

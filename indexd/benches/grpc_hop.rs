@@ -115,6 +115,7 @@ fn main() {
         block_size: 16,
         mode: Mode::Precise as i32,
         prompt_tokens: tokens.len() as u32,
+        key_scheme: kvroute_proto::SCHEME_VERSION.into(),
         ..PickRequest::default()
     };
     let per_round = args.picks.div_ceil(args.rounds.max(1));

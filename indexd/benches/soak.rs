@@ -265,6 +265,7 @@ fn picker(
                 prompt_tokens: tokens.len() as u32,
                 mode: Mode::Precise as i32,
                 request_id: format!("soak-{n}"),
+                key_scheme: kvroute_proto::SCHEME_VERSION.into(),
                 ..PickRequest::default()
             };
             let started = Instant::now();

@@ -34,7 +34,7 @@ const MAX_CONVERSATIONS: usize = 65_536;
 const LOOKBACK: usize = 1_024;
 /// Bits of the filter in front of the tips (128 KiB): a new conversation's
 /// prompt looks up to [`LOOKBACK`] keys, nearly all of them no tip, and a
-/// bit test costs a fraction of a map lookup. Keys are SHA-256 prefixes
+/// bit test costs a fraction of a map lookup. Keys are XXH3-128 digests
 /// (uniform), so their low bits index it.
 const FILTER_BITS: usize = 1 << 20;
 

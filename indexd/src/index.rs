@@ -43,7 +43,7 @@
 //! - A batch is queued by [`Index::apply_unpublished`] and applied at its
 //!   publish, event by event: nothing of it shows before, and a writer
 //!   stalled mid-batch holds back no Pick.
-//! - Per event, what costs (SHA-256 of each block's tokens, room in the
+//! - Per event, what costs (XXH3 of each block's tokens, room in the
 //!   replica's table) is done under the read lock, beside the Picks; the
 //!   write lock covers the slab and table updates, tens of nanoseconds per
 //!   block.
@@ -79,7 +79,7 @@ use store::{Entry, Store, table_bytes};
 use crate::event::{EngineHash, KvEvent, Tier};
 use crate::ids::{PartitionId, ReplicaSlot};
 
-/// The index's hash maps: keys are SHA-256 prefixes and engine hashes, so a
+/// The index's hash maps: keys are XXH3 digests and engine hashes, so a
 /// fast hasher (foldhash, seeded per process) does; SipHash cost a third of
 /// a Pick's walk.
 pub(crate) type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;

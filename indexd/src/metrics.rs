@@ -260,6 +260,8 @@ pub struct Metrics {
     pub scrapes: CounterVec<1>,
     /// Batches whose data_parallel_rank differs from the endpoint's.
     pub rank_mismatch: Counter,
+    /// Picks whose block keys use another key scheme than indexd's.
+    pub key_scheme_mismatch: Counter,
     /// Observe calls by result: recorded, or why not (refused ones too:
     /// rate_limited, unknown_endpoint, model_not_served, invalid).
     pub observes: CounterVec<1>,
@@ -362,6 +364,10 @@ impl Metrics {
                 "indexd_rank_mismatch_total",
                 "Batches whose data_parallel_rank differs from the endpoint's.",
             ),
+            key_scheme_mismatch: Counter::new(
+                "indexd_key_scheme_mismatch_total",
+                "Picks whose block keys use another key scheme than indexd's (ranked by load only): upgrade the filter and indexd together.",
+            ),
             observes: CounterVec::new(
                 "indexd_observes_total",
                 "Observe calls by result.",
@@ -456,6 +462,7 @@ impl Metrics {
         self.conversation_turns.render(out);
         self.scrapes.render(out);
         self.rank_mismatch.render(out);
+        self.key_scheme_mismatch.render(out);
         self.observes.render(out);
         self.auth_failures.render(out);
         self.discovery.render(out);

@@ -8,12 +8,14 @@
 //!   holding the id). Any other case takes the paths below.
 //! - `PRECISE` / `APPROXIMATE`: some candidate holds a prefix of the keys.
 //! - `LOAD`: nobody holds anything (or the block size differs, reason
-//!   `block_size_mismatch`): ranked by load alone.
+//!   `block_size_mismatch`, or the keys use another key scheme, reason
+//!   `key_scheme_mismatch`): ranked by load alone.
 //! - `STALE`: no healthy, fresh replica serves the model; no candidates.
 
 use std::sync::Arc;
 use std::time::Instant;
 
+use kvroute_proto::SCHEME_VERSION;
 use kvroute_proto::keys::BlockKey;
 use kvroute_proto::v1::{
     Candidate, DecisionKind, Mode, ObserveRequest, Outcome, PickRequest, PickResponse,
@@ -230,9 +232,27 @@ struct Snapshot {
     /// Matches and loads, in `eligible`'s order (filled by [`place`]).
     inputs: Vec<Input>,
     approximate: bool,
-    /// The request's block size differs from the index's.
-    mismatch: bool,
+    /// Why the request's keys cannot be matched, if they cannot.
+    mismatch: Option<Mismatch>,
     index_block_size: u32,
+}
+
+/// Keys indexd cannot match against its index.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mismatch {
+    /// Computed with another block size than the index's.
+    BlockSize,
+    /// Computed with another block-key scheme (`PickRequest.key_scheme`).
+    KeyScheme,
+}
+
+impl Mismatch {
+    const fn reason(self) -> &'static str {
+        match self {
+            Self::BlockSize => "block_size_mismatch",
+            Self::KeyScheme => "key_scheme_mismatch",
+        }
+    }
 }
 
 /// Phase 2: what the eligible replicas hold of the request's keys.
@@ -251,10 +271,12 @@ fn snapshot(
         .map(|r| r.block_size_seen())
         .find(|b| *b != 0)
         .unwrap_or(0);
-    let mismatch = !approximate
+    let mut mismatch = None;
+    if !approximate
         && (req.block_size != cfg.block_size.get()
-            || (index_block_size != 0 && index_block_size != req.block_size));
-    if mismatch {
+            || (index_block_size != 0 && index_block_size != req.block_size))
+    {
+        mismatch = Some(Mismatch::BlockSize);
         shared.metrics.block_size_mismatch.inc(["pick"]);
         tracing::warn!(
             request_block_size = req.block_size,
@@ -262,8 +284,21 @@ fn snapshot(
             configured = cfg.block_size.get(),
             "Pick block size differs from the index's: ranking by load only"
         );
+    } else if !approximate && !keys.is_empty() && req.key_scheme != SCHEME_VERSION {
+        mismatch = Some(Mismatch::KeyScheme);
+        shared.metrics.key_scheme_mismatch.inc();
+        let request_scheme = match req.key_scheme.as_str() {
+            "" => "kvroute/v1",
+            s => s,
+        };
+        tracing::warn!(
+            request_scheme,
+            index_scheme = SCHEME_VERSION,
+            "Pick block keys use another key scheme than indexd's (upgrade the filter and \
+             indexd together): ranking by load only"
+        );
     }
-    let matches = if mismatch || keys.is_empty() {
+    let matches = if mismatch.is_some() || keys.is_empty() {
         vec![PrefixMatch::default(); slots.len()]
     } else if approximate {
         lock(&shared.approximate).match_prefix(&req.model, &keys, &slots, now)
@@ -416,7 +451,7 @@ fn credit(shared: &Shared, req: &PickRequest, snap: &Snapshot, ranking: &Ranking
     let Some((_, chosen, held)) = chosen(snap, ranking) else {
         return;
     };
-    if snap.mismatch || held >= snap.keys.len() {
+    if snap.mismatch.is_some() || held >= snap.keys.len() {
         return;
     }
     if snap.approximate {
@@ -460,14 +495,15 @@ fn classify(
         Move::Moved => shared.metrics.moves.inc(["moved"]),
     }
     let (decision, reason) = match (snap.mismatch, any_match, snap.approximate) {
-        (true, ..) => (DecisionKind::Load, "block_size_mismatch"),
-        (false, true, false) => (DecisionKind::Precise, "prefix_match"),
-        (false, true, true) => (DecisionKind::Approximate, "prefix_match"),
-        (false, false, _) => (DecisionKind::Load, "no_match"),
+        (Some(why), ..) => (DecisionKind::Load, why.reason()),
+        (None, true, false) => (DecisionKind::Precise, "prefix_match"),
+        (None, true, true) => (DecisionKind::Approximate, "prefix_match"),
+        (None, false, _) => (DecisionKind::Load, "no_match"),
     };
     let mut resp = answer(shared, decision, reason, candidates);
     resp.index_block_size = snap.index_block_size;
-    resp.block_size_mismatch = snap.mismatch;
+    resp.block_size_mismatch = snap.mismatch == Some(Mismatch::BlockSize);
+    resp.key_scheme_mismatch = snap.mismatch == Some(Mismatch::KeyScheme);
     resp
 }
 

@@ -28,6 +28,7 @@ fn req(keys: &[u64]) -> PickRequest {
         block_keys: keys.to_vec(),
         block_size: 4,
         mode: Mode::Precise as i32,
+        key_scheme: kvroute_proto::SCHEME_VERSION.into(),
         ..PickRequest::default()
     }
 }
@@ -183,6 +184,36 @@ fn block_size_mismatch_is_reported_and_ranks_by_load() {
     assert!(r.block_size_mismatch);
     assert!(r.candidates.iter().all(|c| c.matched_blocks == 0));
     assert_eq!(s.metrics.block_size_mismatch.get(["pick"]), 1);
+}
+
+#[test]
+fn keys_of_another_scheme_are_reported_and_rank_by_load() {
+    let (s, rs) = shared(2, |_| {});
+    let t: Vec<u32> = (0..16).collect();
+    store(&s, &rs[0], &t);
+    let matched = pick(&s, &req(&keys(&t)), Instant::now()).unwrap();
+    assert_eq!(matched.decision, DecisionKind::Precise as i32);
+    // A filter older than the field sends none; a newer one another name.
+    for scheme in ["", "kvroute/v1", "kvroute/v3"] {
+        let mut other = req(&keys(&t));
+        other.key_scheme = scheme.into();
+        let r = pick(&s, &other, Instant::now()).unwrap();
+        assert_eq!(
+            (r.decision, r.reason.as_str()),
+            (DecisionKind::Load as i32, "key_scheme_mismatch"),
+            "{scheme:?}"
+        );
+        assert!(r.key_scheme_mismatch && !r.block_size_mismatch);
+        assert!(r.candidates.iter().all(|c| c.matched_blocks == 0));
+    }
+    assert_eq!(s.metrics.key_scheme_mismatch.get(), 3);
+    // Approximate keys are indexd's own learning: no scheme to agree on.
+    let mut approximate = req(&keys(&t));
+    approximate.mode = Mode::Approximate as i32;
+    approximate.key_scheme.clear();
+    let r = pick(&s, &approximate, Instant::now()).unwrap();
+    assert!(!r.key_scheme_mismatch);
+    assert_eq!(s.metrics.key_scheme_mismatch.get(), 3);
 }
 
 #[test]

@@ -10,7 +10,7 @@ use kvroute_proto::v1::{
     Api as WireApi, DecisionKind, ObserveRequest, ObserveResponse, PickRequest, PickResponse,
     TokenizerSource,
 };
-use kvroute_proto::{BlockSize, block_keys};
+use kvroute_proto::{BlockSize, SCHEME_VERSION, block_keys};
 use tonic::service::interceptor::InterceptedService;
 use tonic::{Request, Response, Status};
 
@@ -113,6 +113,7 @@ impl IndexService {
         let keys = block_keys(&t.ids, block_size, t.salt.as_deref());
         let cap = self.shared.config.max_pick_keys;
         req.block_keys = keys.iter().take(cap).map(|k| k.as_u64()).collect();
+        req.key_scheme = SCHEME_VERSION.to_owned();
         req.block_size = block_size.get();
         req.prompt_tokens = u32::try_from(t.ids.len()).unwrap_or(u32::MAX);
         let started = Instant::now();

@@ -235,9 +235,15 @@ fn corrupt_truncated_foreign_and_other_version_files_are_refused() {
         let err = parse_now(&good[..len]).unwrap_err();
         assert!(matches!(err, SnapshotError::Corrupt(_)), "{len}: {err}");
     }
-    let mut other = good.clone();
-    other[8..12].copy_from_slice(&2u32.to_le_bytes());
-    assert!(matches!(parse_now(&other), Err(SnapshotError::Version(2))));
+    // The next version, and version 1 (chains of the kvroute/v1 key scheme).
+    for version in [VERSION + 1, 1] {
+        let mut other = good.clone();
+        other[8..12].copy_from_slice(&version.to_le_bytes());
+        assert!(
+            matches!(parse_now(&other), Err(SnapshotError::Version(v)) if v == version),
+            "{version}"
+        );
+    }
     assert!(matches!(
         parse_now(b"GARBAGE!and more bytes"),
         Err(SnapshotError::Foreign("magic"))

@@ -250,6 +250,7 @@ impl Daemon {
             block_keys: keys.to_vec(),
             block_size,
             mode: Mode::Precise as i32,
+            key_scheme: kvroute_proto::SCHEME_VERSION.into(),
             ..PickRequest::default()
         })
         .await
@@ -511,6 +512,7 @@ async fn gap_healed(legacy_replies: bool, port: u16) {
                     model: "m".into(),
                     block_keys: keys,
                     block_size: 16,
+                    key_scheme: kvroute_proto::SCHEME_VERSION.into(),
                     ..PickRequest::default()
                 })
                 .await
@@ -668,6 +670,7 @@ async fn picks_only_fresh_replicas_and_prefers_the_holder() {
             model: "nope".into(),
             block_keys: vec![1],
             block_size: 16,
+            key_scheme: kvroute_proto::SCHEME_VERSION.into(),
             ..PickRequest::default()
         })
         .await;
@@ -698,6 +701,7 @@ async fn observe_then_previous_response_id_gives_affinity() {
             block_keys: vec![1, 2],
             block_size: 16,
             previous_response_id: "resp_123".into(),
+            key_scheme: kvroute_proto::SCHEME_VERSION.into(),
             ..PickRequest::default()
         })
         .await;
@@ -711,6 +715,7 @@ async fn observe_then_previous_response_id_gives_affinity() {
             block_keys: vec![1],
             block_size: 16,
             previous_response_id: "resp_unknown".into(),
+            key_scheme: kvroute_proto::SCHEME_VERSION.into(),
             ..PickRequest::default()
         })
         .await;
@@ -986,6 +991,7 @@ async fn the_binary_prints_its_addresses_and_serves() {
             model: "m".into(),
             block_keys: vec![1],
             block_size: 64,
+            key_scheme: kvroute_proto::SCHEME_VERSION.into(),
             ..PickRequest::default()
         })
         .await

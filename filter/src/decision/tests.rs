@@ -655,6 +655,27 @@ fn block_size_mismatch_is_counted_and_the_pick_still_used() {
 }
 
 #[test]
+fn picks_name_their_key_scheme_and_a_mismatch_is_counted() {
+    let mut h = Harness::new("");
+    h.post("/v1/chat/completions", CHAT);
+    h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+    assert_eq!(h.pick_request().key_scheme, kvroute_proto::SCHEME_VERSION);
+    let mut a = PickResponse::decode(answer(DecisionKind::Load, &["10.0.0.1:80"], None).as_slice())
+        .unwrap();
+    a.key_scheme_mismatch = true;
+    a.reason = "key_scheme_mismatch".into();
+    h.index_answers(0, &a.encode_to_vec());
+    assert_eq!(h.host.count_of(Counter::KeySchemeMismatch), 1);
+    assert_eq!(h.host.count_of(Counter::BlockSizeMismatch), 0);
+    assert_eq!(h.flow.reason(), Some(Reason::Load));
+    assert_eq!(
+        h.override_header().as_deref(),
+        Some("10.0.0.1:80"),
+        "the load ranking is still followed"
+    );
+}
+
+#[test]
 fn a_callout_without_headers_is_a_failed_tokenization() {
     // Envoy reports a callout that broke after it started (reset, stall,
     // broken framing) with no headers, whatever arrived of the body.

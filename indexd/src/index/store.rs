@@ -226,7 +226,7 @@ impl Default for Store {
 }
 
 fn shard_of(key: u64) -> usize {
-    // Keys are SHA-256 prefixes: their low bits are uniform.
+    // Keys are XXH3-128 digests: their low bits are uniform.
     (key % KEY_SHARDS as u64) as usize
 }
 
@@ -240,11 +240,11 @@ fn key_of(entries: &Slab<Entry>, groups: &Slab<Group>, r: u32) -> Option<Key> {
 }
 
 /// A key's hash in its shard's table: one multiply of the key, its
-/// partition and the process's seed. Keys are SHA-256 prefixes computed by
-/// indexd itself from events (no caller chooses them), so a mix this cheap
-/// spreads them; the rotation feeds the table's bucket bits from the
-/// product's well-mixed high half, not from the low bits the shard was
-/// chosen by.
+/// partition and the process's seed. Keys are XXH3-128 digests of block
+/// chains, uniform for any content, and the seed is the process's own, so a
+/// mix this cheap spreads them; the rotation feeds the table's bucket bits
+/// from the product's well-mixed high half, not from the low bits the shard
+/// was chosen by.
 #[inline]
 fn hash_key(seed: &u64, key: Key) -> u64 {
     let (partition, key) = key;

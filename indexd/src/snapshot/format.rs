@@ -20,8 +20,11 @@ use crate::index::{Applied, SavedBlock};
 
 /// The first bytes of every snapshot file.
 pub const MAGIC: &[u8; 8] = b"KVRTSNAP";
-/// The format version this build writes and reads.
-pub const VERSION: u32 = 1;
+/// The format version this build writes and reads. Saved blocks carry their
+/// chain values, so a new block-key scheme is a new version: 2 is the first
+/// with `kvroute/v2` chains (a version-1 file is refused and every replica
+/// resyncs from seq 0).
+pub const VERSION: u32 = 2;
 
 #[derive(Debug, Serialize, Deserialize)]
 pub(super) struct Header {

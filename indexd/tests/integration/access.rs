@@ -17,6 +17,7 @@ fn pick_req() -> PickRequest {
         model: "m".into(),
         block_keys: vec![1, 2],
         block_size: 16,
+        key_scheme: kvroute_proto::SCHEME_VERSION.into(),
         ..PickRequest::default()
     }
 }

@@ -112,6 +112,7 @@ async fn promtool_accepts_the_metrics_page() {
         block_keys: keys,
         block_size: 16,
         mode: Mode::Precise as i32,
+        key_scheme: kvroute_proto::SCHEME_VERSION.into(),
         ..PickRequest::default()
     })
     .await;

@@ -44,6 +44,7 @@ async fn until_matched(d: &Daemon, keys: &[u64], blocks: u32) {
                     model: "m".into(),
                     block_keys: keys,
                     block_size: 16,
+                    key_scheme: kvroute_proto::SCHEME_VERSION.into(),
                     ..PickRequest::default()
                 })
                 .await

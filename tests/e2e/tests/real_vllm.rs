@@ -77,6 +77,7 @@ fn matched_blocks(stack: &Stack, tokens: &[u32], salt: Option<&str>, replica: &s
                 block_size: BLOCK,
                 prompt_tokens: u32::try_from(tokens.len()).unwrap(),
                 mode: Mode::Precise.into(),
+                key_scheme: kvroute_proto::SCHEME_VERSION.into(),
                 ..PickRequest::default()
             })
             .await

@@ -190,6 +190,7 @@ fn a_token_keeps_foreign_callers_out_and_the_filter_in() {
         model: stack.options().model.clone(),
         block_keys: vec![1, 2, 3],
         block_size: stack.options().block_size,
+        key_scheme: kvroute_proto::SCHEME_VERSION.into(),
         ..PickRequest::default()
     };
     let err = stack.block_on(client.pick(pick)).unwrap_err();

@@ -1,23 +1,30 @@
 #!/usr/bin/env python3
-"""Writes block_keys_v1.json: golden vectors for the kvroute/v1 block-key scheme.
+"""Writes block_keys_v2.json: golden vectors for the kvroute/v2 block-key scheme.
 
-An implementation independent of the Rust one (Python's hashlib), so that the
-vectors pin the scheme rather than echo the code under test. Regenerate only
-together with a new scheme version:
+An implementation independent of the Rust one (PyPI's `xxhash`, which wraps
+the reference C library), so that the vectors pin the scheme rather than echo
+the code under test. Regenerate only together with a new scheme version:
 
-    python3 proto/testdata/gen_block_keys_v1.py > proto/testdata/block_keys_v1.json
+    pip install xxhash
+    python3 proto/testdata/gen_block_keys_v2.py > proto/testdata/block_keys_v2.json
 """
-import hashlib
 import json
 import struct
 
-PREFIX = b"kvroute/v1"
+import xxhash
+
+PREFIX = b"kvroute/v2"
+
+
+def h(data):
+    # The canonical (big-endian) 16 bytes of XXH3-128, seed 0.
+    return xxhash.xxh3_128_digest(data)
 
 
 def root(salt):
     if salt is None:
-        return hashlib.sha256(PREFIX + b"\x01").digest()[:16]
-    return hashlib.sha256(PREFIX + b"\x00" + salt.encode("utf-8")).digest()[:16]
+        return h(PREFIX + b"\x01")
+    return h(PREFIX + b"\x00" + salt.encode("utf-8"))
 
 
 def keys(tokens, block_size, salt):
@@ -25,7 +32,7 @@ def keys(tokens, block_size, salt):
     out = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
         block = tokens[start:start + block_size]
-        chain = hashlib.sha256(chain + b"".join(struct.pack("<I", t) for t in block)).digest()[:16]
+        chain = h(chain + b"".join(struct.pack("<I", t) for t in block))
         out.append("%016x" % struct.unpack("<Q", chain[:8])[0])
     return out
 
@@ -54,6 +61,8 @@ CASES = [
     ("bs32 unicode salt", tokens(7, 32 * 3), 32, "租户-ü-🚀"),
     ("bs16 max token ids", [0, 1, 2**32 - 1, 31999] * 4 * 2, 16, None),
     ("bs128 salt long", tokens(8, 128 * 3 + 1), 128, "s" * 128),
+    # Past the 128 tokens the Rust side serialises on the stack.
+    ("bs256 salt", tokens(9, 256 * 2 + 3), 256, "tenant-c"),
 ]
 
 
@@ -69,8 +78,8 @@ def main():
             "keys": keys(toks, bs, salt),
         })
     doc = {
-        "scheme": "kvroute/v1",
-        "generator": "proto/testdata/gen_block_keys_v1.py",
+        "scheme": "kvroute/v2",
+        "generator": "proto/testdata/gen_block_keys_v2.py",
         "vectors": vectors,
     }
     print(json.dumps(doc, indent=1, ensure_ascii=False))
