@@ -553,3 +553,42 @@ fn token_ids_that_are_not_u32_are_errors() {
         assert_eq!(got.as_ref().err(), Some(want), "token bytes {raw:02x?}");
     }
 }
+
+proptest::proptest! {
+    /// Runs of ids of one width, of any length, back to back (where the
+    /// eight-at-once read starts and stops), as msgpack writes them; and the
+    /// same frame cut anywhere in its ids.
+    #[test]
+    fn token_id_runs_of_every_width_decode(
+        runs in proptest::collection::vec((0u8..4, 1usize..20, proptest::prelude::any::<u32>()), 0..24),
+        cut in proptest::prelude::any::<proptest::sample::Index>(),
+    ) {
+        let mut want = Vec::new();
+        for (width, len, seed) in runs {
+            for i in 0..len as u32 {
+                let v = seed.wrapping_add(i.wrapping_mul(2_654_435_761));
+                want.push(match width {
+                    0 => v % 128,
+                    1 => 128 + v % 128,
+                    2 => 256 + v % (65_536 - 256),
+                    _ => 65_536 + v % (u32::MAX - 65_536),
+                });
+            }
+        }
+        let mut raw = Vec::new();
+        for id in &want {
+            rmp::encode::write_uint(&mut raw, u64::from(*id)).unwrap();
+        }
+        let n = u32::try_from(want.len()).unwrap();
+        let frame = stored_with_raw_tokens(n, &raw);
+        let batch = decode_batch(&frame, &Limits::default()).unwrap();
+        proptest::prop_assert_eq!(&stored(&batch.events[0]).token_ids, &want);
+        if !raw.is_empty() {
+            let short = frame.len() - raw.len() + cut.index(raw.len());
+            proptest::prop_assert_eq!(
+                decode_batch(&frame[..short], &Limits::default()).unwrap_err(),
+                DecodeError::Truncated
+            );
+        }
+    }
+}
