@@ -137,6 +137,31 @@ impl IngestRuntime {
     }
 }
 
+/// Turns transparent huge pages off for this process, unless
+/// `MIMALLOC_ALLOW_THP` is set (then mimalloc's own option decides). mimalloc
+/// asks the kernel for huge pages on its arenas (`madvise`), and the index is
+/// read and written at random across them: at 1 M entries RSS grew by 95 B
+/// per entry with them and 73.5 B without, at the same ingest and Pick speed
+/// (indexd/BENCHMARKS.md). Call it first thing in `main`, before the index
+/// allocates; an error (not Linux, or a kernel without the setting) is
+/// returned for the caller to log, and the process runs on as it was.
+pub fn without_huge_pages() -> std::io::Result<()> {
+    if std::env::var_os("MIMALLOC_ALLOW_THP").is_some() {
+        return Ok(());
+    }
+    #[cfg(target_os = "linux")]
+    {
+        rustix::thread::disable_transparent_huge_pages(true).map_err(std::io::Error::from)
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::Unsupported,
+            "transparent huge pages are a Linux setting",
+        ))
+    }
+}
+
 /// Makes the calling thread `by` steps nicer (Linux keeps a nice value per
 /// thread). Raising one's own nice value needs no privilege; a failure is
 /// logged and the thread runs on as it was.

@@ -72,7 +72,7 @@ pub mod wire;
 pub mod zmtp;
 
 pub use config::{AccessConfig, Config, EndpointConfig, EndpointId, HttpUrl, KubernetesConfig};
-pub use daemon::{Bound, Handle, ReplicaStatus, Server, run};
+pub use daemon::{Bound, Handle, ReplicaStatus, Server, run, without_huge_pages};
 pub use error::{ConfigError, StartError};
 pub use event::Tier;
 pub use ids::{PartitionId, ReplicaSlot};

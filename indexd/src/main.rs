@@ -233,6 +233,7 @@ async fn wait_for_signal() {
 }
 
 fn main() -> ExitCode {
+    let pages = indexd::without_huge_pages();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -240,6 +241,9 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    if let Err(e) = pages {
+        tracing::debug!(error = %e, "transparent huge pages left as they were");
+    }
     let args = Args::parse();
     let result =
         start(&args).and_then(|(config, rt)| rt.block_on(run(config, args.print_addresses)));

@@ -940,9 +940,17 @@ async fn load_from_metrics_and_failing_scrapes_mark_unhealthy() {
 /// The indexd binary started with `args` and `--print-addresses` (killed
 /// when dropped), and the addresses it printed.
 async fn start_binary(args: &[&str]) -> (tokio::process::Child, serde_json::Value) {
+    start_binary_with(args, &[]).await
+}
+
+async fn start_binary_with(
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (tokio::process::Child, serde_json::Value) {
     use tokio::io::AsyncBufReadExt;
     let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_indexd"))
         .args(args)
+        .envs(env.iter().copied())
         .arg("--print-addresses")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
@@ -956,6 +964,40 @@ async fn start_binary(args: &[&str]) -> (tokio::process::Child, serde_json::Valu
         .unwrap()
         .unwrap();
     (child, serde_json::from_str(&line).unwrap())
+}
+
+/// `THP_enabled` of a process (Linux ≥ 5.0): 0 once it disabled transparent
+/// huge pages for itself.
+#[cfg(target_os = "linux")]
+fn thp_enabled(pid: &str) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("THP_enabled:"))
+        .unwrap_or_else(|| panic!("no THP_enabled in /proc/{pid}/status"))
+        .trim()
+        .to_owned()
+}
+
+/// The daemon turns transparent huge pages off for itself (they cost RSS per
+/// index entry and bought no speed: BENCHMARKS.md); with `MIMALLOC_ALLOW_THP`
+/// set it leaves them as it found them.
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_runs_without_huge_pages_unless_told() {
+    let ours = thp_enabled("self");
+    let args = [
+        "--grpc-listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "127.0.0.1:0",
+    ];
+    for (env, want) in [(&[][..], "0"), (&[("MIMALLOC_ALLOW_THP", "1")][..], &*ours)] {
+        let (mut child, _) = start_binary_with(&args, env).await;
+        let pid = child.id().unwrap().to_string();
+        assert_eq!(thp_enabled(&pid), want, "env {env:?}");
+        child.kill().await.unwrap();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
