@@ -88,7 +88,7 @@ fn pick_setup_with(replicas: u16, speculative: bool) -> (Shared, PickRequest) {
             )],
             data_parallel_rank: None,
         };
-        shared.ingest(&replica, &batch);
+        shared.ingest(&replica, batch);
     }
     let keys = block_keys(&prompt, BlockSize::new(BS).unwrap(), None);
     let req = PickRequest {
@@ -246,10 +246,10 @@ fn bench_ingest(c: &mut Criterion) {
     g.bench_function(BenchmarkId::new("decode_and_apply", "64_blocks"), |b| {
         b.iter(|| {
             fresh[first_at..first_at + 4].copy_from_slice(&first_token(next).to_be_bytes());
-            let mut batch = wire::decode_batch(black_box(&fresh), &Limits::default()).unwrap();
+            let batch = wire::decode_batch(black_box(&fresh), &Limits::default()).unwrap();
             let slot = ReplicaSlot((next / 4096 % 8) as u32);
-            for ev in &mut batch.events {
-                if let KvEvent::BlockStored(s) = ev {
+            for mut ev in batch.events {
+                if let KvEvent::BlockStored(s) = &mut ev {
                     for h in &mut s.block_hashes {
                         *h = EngineHash(next);
                         next += 1;
@@ -338,6 +338,11 @@ fn memory_report() {
 criterion_group!(benches, bench_pick, bench_ingest);
 
 fn main() {
+    // As the daemon does (`indexd::without_huge_pages`): the RSS figure is
+    // the daemon's.
+    if let Err(e) = indexd::without_huge_pages() {
+        eprintln!("transparent huge pages left as they were: {e}");
+    }
     memory_report();
     pick_latency_report();
     benches();

@@ -482,7 +482,7 @@ proptest! {
                 }
                 _ => {
                     if let Some((slot, ev)) = event(op) {
-                        ix.apply_unpublished(ReplicaSlot(slot), "m", &ev);
+                        ix.apply_unpublished(ReplicaSlot(slot), "m", ev.clone());
                         naive.apply(slot, "m", &ev);
                         queued += 1;
                         if queued >= batch {

@@ -47,7 +47,7 @@ fn store(s: &Shared, r: &Replica, tokens: &[u32]) {
     });
     s.ingest(
         r,
-        &EventBatch {
+        EventBatch {
             ts: 0.0,
             events: vec![ev],
             data_parallel_rank: None,
@@ -114,7 +114,7 @@ fn picks_do_not_wait_for_a_writer_holding_the_index() {
         extra_keys: Some(vec![ExtraKeys::None; 4]),
         group_idx: 0,
     });
-    index.apply_unpublished(rs[1].slot, "m", &ev);
+    index.apply_unpublished(rs[1].slot, "m", ev);
     let (tx, rx) = std::sync::mpsc::channel();
     let picker = {
         let s = Arc::clone(&s);

@@ -100,7 +100,7 @@ fn store(shared: &Shared, replica: &Replica, seq: u64, blocks: u32, salt: &str) 
         seq,
         digest: 0xd1 + seq,
     };
-    shared.ingest_applied(replica, &batch, Some(applied));
+    shared.ingest_applied(replica, batch, Some(applied));
     block_keys(&t, BlockSize::new(BS).unwrap(), Some(salt))
         .iter()
         .map(|k| k.as_u64())

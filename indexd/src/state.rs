@@ -608,7 +608,7 @@ impl Shared {
     }
 
     /// Applies one decoded batch from `replica`.
-    pub fn ingest(&self, replica: &Replica, batch: &EventBatch) {
+    pub fn ingest(&self, replica: &Replica, batch: EventBatch) {
         self.ingest_applied(replica, batch, None);
     }
 
@@ -617,7 +617,7 @@ impl Shared {
     pub(crate) fn ingest_applied(
         &self,
         replica: &Replica,
-        batch: &EventBatch,
+        batch: EventBatch,
         applied: Option<Applied>,
     ) {
         let m = &self.metrics;
@@ -648,7 +648,7 @@ impl Shared {
         let mut stats = ApplyStats::default();
         {
             let mut index = lock(&self.index);
-            for ev in &batch.events {
+            for ev in batch.events {
                 index.apply_unpublished(replica.slot, &replica.config.model, ev);
             }
             if let Some(applied) = applied {

@@ -121,11 +121,11 @@ impl Index {
 
     /// Queues one event: readers see it, and its stats are counted, at the
     /// next [`Index::publish`] (ingest publishes once per batch).
-    pub fn apply_unpublished(&mut self, slot: ReplicaSlot, model: &str, event: &KvEvent) {
+    pub fn apply_unpublished(&mut self, slot: ReplicaSlot, model: &str, event: KvEvent) {
         self.pending.push(Pending::Event {
             slot,
             model: model.to_owned(),
-            event: event.clone(),
+            event,
         });
     }
 }

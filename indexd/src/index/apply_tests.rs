@@ -321,7 +321,7 @@ fn disk_tier_events_without_extra_keys_are_counted_not_indexed() {
         ("group_idx", 0.into()),
     ]);
     let batch = decode_batch(&payload(vec![ev]), &Limits::default()).unwrap();
-    shared.ingest(&replica, &batch);
+    shared.ingest(&replica, batch);
     assert_eq!(shared.metrics.blocks.get(["skipped_salt_unknown"]), 2);
     assert_eq!(shared.metrics.blocks.get(["stored"]), 0);
     assert_eq!(crate::state::lock(&shared.index).entries(), 0);

@@ -274,7 +274,7 @@ impl<'a, R: Replay> Stream<'a, R> {
         match decoded {
             Ok(batch) => self
                 .shared
-                .ingest_applied(self.replica, &batch, Some(applied)),
+                .ingest_applied(self.replica, batch, Some(applied)),
             Err(e) => {
                 self.shared.metrics.decode_errors.inc([e.label()]);
                 if self.replica.may_warn() {
