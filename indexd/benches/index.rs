@@ -213,29 +213,10 @@ fn bench_ingest(c: &mut Criterion) {
     // so every chain value and key is new), fresh engine hashes, into an
     // index at its memory bound (evicting as it goes). What a replica
     // publishes under load: content it already holds it does not store again.
-    let mut index = Index::new(1 << 20, 0);
-    let KvEvent::BlockStored(mut template) = stored(0..blocks, None, toks) else {
+    let KvEvent::BlockStored(template) = stored(0..blocks, None, toks) else {
         unreachable!()
     };
-    let same = template.clone();
-    let mut next = 0u64;
-    let mut stats = ApplyStats::default();
-    g.bench_function(BenchmarkId::new("apply", "64_blocks"), |b| {
-        b.iter(|| {
-            template.token_ids[0] = first_token(next);
-            for h in &mut template.block_hashes {
-                *h = EngineHash(next);
-                next += 1;
-            }
-            let ev = KvEvent::BlockStored(template.clone());
-            index.apply(
-                ReplicaSlot((next / 4096 % 8) as u32),
-                "m",
-                black_box(&ev),
-                &mut stats,
-            );
-        })
-    });
+    bench_apply(&mut g, "apply", template.clone(), true);
     // Decode and apply as ingest does (`Shared::ingest`): the batch decoded,
     // its event queued, the batch published; new content and fresh engine
     // hashes each time.
@@ -264,12 +245,27 @@ fn bench_ingest(c: &mut Criterion) {
     // pattern of the figures before 2026-12-03): every key's group holds up
     // to thousands of entries of each replica. No vLLM replica does this; it
     // stays as a stress figure for the group paths.
+    bench_apply(&mut g, "apply_same_blocks", template, false);
+    g.finish();
+}
+
+/// `Index::apply` of `template` under fresh engine hashes every iteration,
+/// spread over 8 replicas, into an index bounded at 1 M entries; with
+/// `new_content` its first token changes too, so that every key is new.
+fn bench_apply(
+    g: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: &str,
+    mut template: BlockStored,
+    new_content: bool,
+) {
     let mut index = Index::new(1 << 20, 0);
-    let mut template = same;
     let mut next = 0u64;
     let mut stats = ApplyStats::default();
-    g.bench_function(BenchmarkId::new("apply_same_blocks", "64_blocks"), |b| {
+    g.bench_function(BenchmarkId::new(name, "64_blocks"), |b| {
         b.iter(|| {
+            if new_content {
+                template.token_ids[0] = first_token(next);
+            }
             for h in &mut template.block_hashes {
                 *h = EngineHash(next);
                 next += 1;
@@ -283,7 +279,6 @@ fn bench_ingest(c: &mut Criterion) {
             );
         })
     });
-    g.finish();
 }
 
 fn rss_bytes() -> Option<usize> {
