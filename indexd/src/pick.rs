@@ -278,12 +278,15 @@ fn snapshot(
     {
         mismatch = Some(Mismatch::BlockSize);
         shared.metrics.block_size_mismatch.inc(["pick"]);
-        tracing::warn!(
-            request_block_size = req.block_size,
-            index_block_size,
-            configured = cfg.block_size.get(),
-            "Pick block size differs from the index's: ranking by load only"
-        );
+        if shared.pick_warning.open() {
+            tracing::warn!(
+                request_block_size = req.block_size,
+                index_block_size,
+                configured = cfg.block_size.get(),
+                "Pick block size differs from the index's: ranking by load only (further \
+                 warnings for 10 s suppressed; see indexd_block_size_mismatch_total)"
+            );
+        }
     } else if !approximate && !keys.is_empty() && req.key_scheme != SCHEME_VERSION {
         mismatch = Some(Mismatch::KeyScheme);
         shared.metrics.key_scheme_mismatch.inc();
@@ -291,12 +294,15 @@ fn snapshot(
             "" => "kvroute/v1",
             s => s,
         };
-        tracing::warn!(
-            request_scheme,
-            index_scheme = SCHEME_VERSION,
-            "Pick block keys use another key scheme than indexd's (upgrade the filter and \
-             indexd together): ranking by load only"
-        );
+        if shared.pick_warning.open() {
+            tracing::warn!(
+                request_scheme,
+                index_scheme = SCHEME_VERSION,
+                "Pick block keys use another key scheme than indexd's (upgrade the filter and \
+                 indexd together): ranking by load only (further warnings for 10 s suppressed; \
+                 see indexd_key_scheme_mismatch_total)"
+            );
+        }
     }
     let matches = if mismatch.is_some() || keys.is_empty() {
         vec![PrefixMatch::default(); slots.len()]

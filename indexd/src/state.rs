@@ -123,7 +123,7 @@ pub struct Replica {
     block_size_seen: AtomicU32,
     block_size_warned: AtomicBool,
     loras: Mutex<BTreeSet<String>>,
-    last_warning: Mutex<Option<Instant>>,
+    last_warning: WarnGate,
     /// Where its event stream resumes, when a snapshot restored its blocks.
     resume: Mutex<Option<Applied>>,
     /// Its prefill speed, fitted from its metrics.
@@ -232,7 +232,7 @@ impl Replica {
             block_size_seen: AtomicU32::new(0),
             block_size_warned: AtomicBool::new(false),
             loras: Mutex::new(BTreeSet::new()),
-            last_warning: Mutex::new(None),
+            last_warning: WarnGate::default(),
             resume: Mutex::new(None),
             calibration: Mutex::new(Fitted::default()),
         }
@@ -275,13 +275,7 @@ impl Replica {
     /// True at most once per 10 s: bad input from one replica is counted
     /// always but logged sparingly.
     pub(crate) fn may_warn(&self) -> bool {
-        let now = Instant::now();
-        let mut last = lock(&self.last_warning);
-        if last.is_some_and(|t| now.saturating_duration_since(t) < Duration::from_secs(10)) {
-            return false;
-        }
-        *last = Some(now);
-        true
+        self.last_warning.open()
     }
 
     /// Takes the point a snapshot says its stream resumes from.
@@ -526,6 +520,27 @@ pub struct Shared {
     pub(crate) token: Option<Token>,
     /// The Observe rate limit.
     pub(crate) observe_bucket: Mutex<TokenBucket>,
+    /// Warnings about Picks the index cannot answer (block size, key
+    /// scheme): each such Pick is counted, the log says so once per 10 s.
+    pub(crate) pick_warning: WarnGate,
+}
+
+/// A warning's gate: open at most once per 10 s. Bad input is counted
+/// always and logged sparingly.
+#[derive(Debug, Default)]
+pub(crate) struct WarnGate(Mutex<Option<Instant>>);
+
+impl WarnGate {
+    /// True if the last opening was 10 s ago or more (or never).
+    pub(crate) fn open(&self) -> bool {
+        let now = Instant::now();
+        let mut last = lock(&self.0);
+        if last.is_some_and(|t| now.saturating_duration_since(t) < Duration::from_secs(10)) {
+            return false;
+        }
+        *last = Some(now);
+        true
+    }
 }
 
 impl Shared {
@@ -556,6 +571,7 @@ impl Shared {
                 config.access.observe_rate,
                 config.access.observe_burst,
             )),
+            pick_warning: WarnGate::default(),
             config,
         }
     }
@@ -717,6 +733,17 @@ mod tests {
     }
 
     const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_warning_gate_opens_once_per_ten_seconds() {
+        let gate = WarnGate::default();
+        assert!(gate.open());
+        assert!(!gate.open(), "again at once");
+        *lock(&gate.0) = Instant::now().checked_sub(Duration::from_millis(9_900));
+        assert!(!gate.open(), "9.9 s later");
+        *lock(&gate.0) = Instant::now().checked_sub(Duration::from_secs(10));
+        assert!(gate.open(), "10 s later");
+    }
 
     #[test]
     fn picks_queue_behind_each_other_and_drain_with_time() {
