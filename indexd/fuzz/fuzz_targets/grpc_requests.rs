@@ -1,5 +1,7 @@
 //! Arbitrary bytes as a gRPC request body, decoded as a PickRequest (byte 0
-//! even) or an ObserveRequest (odd) and answered by indexd's Pick and
+//! even; with bit 1 of byte 0 clear its key scheme is set to indexd's, so
+//! that the index walk is reached, not only the mismatch path) or an
+//! ObserveRequest (odd) and answered by indexd's Pick and
 //! Observe against a small populated state: three replicas of two models
 //! and an adapter, indexed blocks, recorded response ids. Checks: no panic;
 //! a Pick names only known replicas serving its model, best first, at most
@@ -57,7 +59,7 @@ fn state() -> &'static Shared {
             });
             shared.ingest(
                 &replica,
-                &EventBatch {
+                EventBatch {
                     ts: 0.0,
                     events: vec![stored],
                     data_parallel_rank: None,
@@ -88,9 +90,12 @@ fuzz_target!(|data: &[u8]| {
     let shared = state();
     let now = Instant::now();
     if kind % 2 == 0 {
-        let Ok(req) = PickRequest::decode(body) else {
+        let Ok(mut req) = PickRequest::decode(body) else {
             return;
         };
+        if kind & 2 == 0 {
+            req.key_scheme = kvroute_proto::SCHEME_VERSION.into();
+        }
         let Ok(resp) = pick::pick(shared, &req, now) else {
             return;
         };
