@@ -65,6 +65,16 @@ const MAX_HOSTS: usize = 16;
 static MISMATCH_WARNED: AtomicBool = AtomicBool::new(false);
 /// Whether a key-scheme mismatch was already logged as a warning.
 static SCHEME_WARNED: AtomicBool = AtomicBool::new(false);
+
+/// A warning's level: loud the first time per VM (`warned` still clear),
+/// debug after; the counters keep counting.
+fn loud_once(warned: &AtomicBool) -> log::Level {
+    if warned.swap(true, Ordering::Relaxed) {
+        log::Level::Debug
+    } else {
+        log::Level::Warn
+    }
+}
 /// Largest Pick answer read.
 const MAX_PICK_BYTES: usize = 64 * 1024;
 /// The longest client `x-request-id` passed on (to the tokenizer, in logs).
@@ -557,14 +567,8 @@ impl Flow {
     fn apply(&mut self, host: &mut dyn Host, routed: Routed, answer: &PickResponse) {
         if answer.block_size_mismatch {
             host.count(Counter::BlockSizeMismatch);
-            // Loud once per VM; the counter keeps counting.
-            let level = if MISMATCH_WARNED.swap(true, Ordering::Relaxed) {
-                log::Level::Debug
-            } else {
-                log::Level::Warn
-            };
             log::log!(
-                level,
+                loud_once(&MISMATCH_WARNED),
                 "block_size {} differs from indexd's {}",
                 self.cfg.block_size.get(),
                 answer.index_block_size
@@ -572,13 +576,8 @@ impl Flow {
         }
         if answer.key_scheme_mismatch {
             host.count(Counter::KeySchemeMismatch);
-            let level = if SCHEME_WARNED.swap(true, Ordering::Relaxed) {
-                log::Level::Debug
-            } else {
-                log::Level::Warn
-            };
             log::log!(
-                level,
+                loud_once(&SCHEME_WARNED),
                 "indexd keys blocks with another scheme than this filter's {SCHEME_VERSION}: \
                  upgrade the filter and indexd together"
             );

@@ -290,11 +290,11 @@ fn snapshot(
     } else if !approximate && !keys.is_empty() && req.key_scheme != SCHEME_VERSION {
         mismatch = Some(Mismatch::KeyScheme);
         shared.metrics.key_scheme_mismatch.inc();
-        let request_scheme = match req.key_scheme.as_str() {
-            "" => "kvroute/v1",
-            s => s,
-        };
         if shared.pick_warning.open() {
+            let request_scheme = match req.key_scheme.as_str() {
+                "" => "kvroute/v1",
+                s => s,
+            };
             tracing::warn!(
                 request_scheme,
                 index_scheme = SCHEME_VERSION,
