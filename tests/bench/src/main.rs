@@ -35,6 +35,8 @@ Profiles (each on fresh replicas):
   sglang-router-cache-aware  sglang-router 0.3.2 --policy cache_aware   install-peers.sh)
   sticky-oracle              client-side affinity (conversation c on replica c mod n, named in
                              Envoy's override header): the latency reference; not by default
+  sticky-oracle-held         the sticky oracle, each request first held 2.5 ms + an exponential
+                             of mean 1.1 ms (kvroute's hold on real replicas): a diagnostic
 Scales:
   full   the shapes above (make bench)
   smoke  a few requests per workload";

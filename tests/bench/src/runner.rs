@@ -49,6 +49,14 @@ pub enum Profile {
     /// gateway's Envoy without the filter, the host named by the client in
     /// Envoy's override header.
     StickyOracle,
+    /// The sticky oracle with every request held first at the client for a
+    /// random time shaped like kvroute's filter hold on real replicas
+    /// (2.5 ms plus an exponential of mean 1.1 ms: p50 ≈ 3.3 ms, p99 ≈
+    /// 7.6 ms): a diagnostic, not a router. Holding every request a constant
+    /// 3.3 ms changed nothing; this asks whether the hold's spread does,
+    /// by breaking up requests that would reach a replica together (and be
+    /// prefilled in one step).
+    StickyOracleHeld,
 }
 
 impl Profile {
@@ -62,6 +70,7 @@ impl Profile {
             Self::VllmRouterKvAware => "vllm-router-kv-aware",
             Self::SglangRouterCacheAware => "sglang-router-cache-aware",
             Self::StickyOracle => STICKY_ORACLE,
+            Self::StickyOracleHeld => "sticky-oracle-held",
         }
     }
 
@@ -455,6 +464,15 @@ fn run_conversation(ctx: &Ctx<'_>, conversation: &Conversation) -> Vec<Sample> {
     samples
 }
 
+/// How long [`Profile::StickyOracleHeld`] holds turn `turn` of
+/// conversation `id`: 2.5 ms plus an exponential of mean 1.1 ms (drawn from
+/// the run's seed, the same in every round).
+fn held(seed: u64, id: u32, turn: usize) -> Duration {
+    let mut rng = crate::rng::Rng::new(seed ^ 0x6865_6c64, u64::from(id) << 8 | turn as u64);
+    let exp = -(1.0 - rng.unit()).ln() * 1.1;
+    Duration::from_secs_f64((2.5 + exp.min(50.0)) / 1000.0)
+}
+
 fn send(
     ctx: &Ctx<'_>,
     conversation: &Conversation,
@@ -484,7 +502,7 @@ fn send(
     let url = ctx.urls.get(gateway).or(ctx.urls.first());
     // The sticky oracle names the conversation's replica itself.
     let pin: Vec<(&str, String)> = match ctx.profile {
-        Profile::StickyOracle => ctx
+        Profile::StickyOracle | Profile::StickyOracleHeld => ctx
             .replicas
             .get(conversation.id as usize % ctx.replicas.len().max(1))
             .map(|r| (OVERRIDE_HEADER, r.http.clone()))
@@ -493,6 +511,13 @@ fn send(
         _ => Vec::new(),
     };
     let start = ctx.started.elapsed();
+    // The hold counts in the held oracle's latency, as the filter's does in
+    // kvroute's.
+    let hold = match ctx.profile {
+        Profile::StickyOracleHeld => held(ctx.seed, conversation.id, turn),
+        _ => Duration::ZERO,
+    };
+    std::thread::sleep(hold);
     let reply = match url {
         Some(url) => client::stream(&ctx.agent, url, conversation.api, &body, &pin),
         None => Reply {
@@ -527,8 +552,8 @@ fn send(
         prompt_tokens: reply.prompt_tokens,
         cached_tokens: reply.cached_tokens,
         oracle_cached_tokens: oracle,
-        ttft_ms: millis(reply.ttft.unwrap_or(reply.latency)),
-        latency_ms: millis(reply.latency),
+        ttft_ms: millis(hold + reply.ttft.unwrap_or(reply.latency)),
+        latency_ms: millis(hold + reply.latency),
         start_ms: millis(start),
         decision: reply.decision.clone().unwrap_or_default(),
         status: reply.status,
@@ -634,4 +659,29 @@ fn oracle(
         }
     }
     Ok((best.0, best.1, Some(ids)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_held_oracle_holds_like_the_filter() {
+        let draws: Vec<f64> = (0..2_000u32)
+            .flat_map(|c| (0..6).map(move |t| held(42, c, t).as_secs_f64() * 1000.0))
+            .collect();
+        let mean = draws.iter().sum::<f64>() / draws.len() as f64;
+        let mut sorted = draws.clone();
+        sorted.sort_by(f64::total_cmp);
+        let p50 = sorted[sorted.len() / 2];
+        let p99 = sorted[sorted.len() * 99 / 100];
+        assert!(sorted[0] >= 2.5, "never under its base: {}", sorted[0]);
+        assert!((3.45..3.75).contains(&mean), "mean {mean}");
+        assert!((3.1..3.5).contains(&p50), "p50 {p50}");
+        assert!((6.5..9.0).contains(&p99), "p99 {p99}");
+        // The same turn of the same conversation holds the same in every
+        // run of a seed; another turn, another hold.
+        assert_eq!(held(42, 7, 3), held(42, 7, 3));
+        assert_ne!(held(42, 7, 3), held(42, 7, 4));
+    }
 }

@@ -104,7 +104,8 @@ pub(crate) fn profile_rank(profile: &str) -> u8 {
         "vllm-router-kv-aware" => 4,
         "sglang-router-cache-aware" => 5,
         "sticky-oracle" => 6,
-        _ => 7,
+        "sticky-oracle-held" => 7,
+        _ => 8,
     }
 }
 
