@@ -1,6 +1,11 @@
 //! Endpoints: the static list plus a watched discovery file (polled for
 //! changes; endpoints are added and removed without a restart). Each
 //! endpoint runs two tasks: its subscription and its scrape.
+//!
+//! The file should be replaced whole (written beside it, then renamed over
+//! it, as Kubernetes does for a ConfigMap volume). An empty file is taken
+//! for one being written and changes nothing; a file that does not parse
+//! keeps the previous endpoints.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -58,6 +63,17 @@ pub async fn watch(shared: Arc<Shared>, path: PathBuf) {
                 continue;
             }
         };
+        if text.trim().is_empty() {
+            // Most likely a write in progress (truncated, not yet written):
+            // read as an empty list it would drop every endpoint, each
+            // coming back on the next poll to a fresh replay. `endpoints: []`
+            // removes them all.
+            shared.metrics.discovery.inc(["empty"]);
+            tracing::debug!(path = %path.display(), "discovery file empty; keeping the previous endpoints");
+            // Read again once it changes (its length will).
+            last_seen = stamp;
+            continue;
+        }
         let endpoints = match parse_discovery(&text) {
             Ok(e) => e,
             Err(e) => {

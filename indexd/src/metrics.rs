@@ -380,7 +380,7 @@ impl Metrics {
             ),
             discovery: CounterVec::new(
                 "indexd_discovery_reloads_total",
-                "Discovery file reloads by result.",
+                "Discovery file reloads by result: ok, error (did not parse: the previous endpoints stay), empty (taken for a write in progress: nothing changes).",
                 ["result"],
             ),
             moves: CounterVec::new(

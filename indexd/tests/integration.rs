@@ -1083,6 +1083,18 @@ async fn the_discovery_file_adds_and_removes_endpoints() {
         d.handle.replica(&replica(18020)).is_none() && d.handle.replica(&replica(18023)).is_some()
     })
     .await;
+    // An empty file is one being written: nothing changes (read as an
+    // empty list it would drop every endpoint until the next poll).
+    let tmp = dir.join("endpoints.yaml.tmp");
+    std::fs::write(&tmp, "").unwrap();
+    std::fs::rename(&tmp, &path).unwrap();
+    eventually("the empty file to be read", || async {
+        d.counter("indexd_discovery_reloads_total{result=\"empty\"}") >= 1.0
+    })
+    .await;
+    assert!(
+        d.handle.replica(&replica(18021)).is_some() && d.handle.replica(&replica(18023)).is_some()
+    );
     // A broken file keeps the previous endpoints; static ones are never removed.
     std::fs::write(&path, "endpoints: [ {address: nope} ]").unwrap();
     eventually("the broken file to be read", || async {
