@@ -465,8 +465,9 @@ fn run_conversation(ctx: &Ctx<'_>, conversation: &Conversation) -> Vec<Sample> {
 }
 
 /// How long [`Profile::StickyOracleHeld`] holds turn `turn` of
-/// conversation `id`: 2.5 ms plus an exponential of mean 1.1 ms (drawn from
-/// the run's seed, the same in every round).
+/// conversation `id`: 2.5 ms plus an exponential of mean 1.1 ms, drawn from
+/// the run's seed (a round numbers its conversations apart, so each round
+/// draws its own holds; a rerun with the seed draws the same).
 fn held(seed: u64, id: u32, turn: usize) -> Duration {
     let mut rng = crate::rng::Rng::new(seed ^ 0x6865_6c64, u64::from(id) << 8 | turn as u64);
     let exp = -(1.0 - rng.unit()).ln() * 1.1;
