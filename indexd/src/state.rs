@@ -123,7 +123,7 @@ pub struct Replica {
     block_size_seen: AtomicU32,
     block_size_warned: AtomicBool,
     loras: Mutex<BTreeSet<String>>,
-    last_warning: WarnGate,
+    warning: WarnGate,
     /// Where its event stream resumes, when a snapshot restored its blocks.
     resume: Mutex<Option<Applied>>,
     /// Its prefill speed, fitted from its metrics.
@@ -232,7 +232,7 @@ impl Replica {
             block_size_seen: AtomicU32::new(0),
             block_size_warned: AtomicBool::new(false),
             loras: Mutex::new(BTreeSet::new()),
-            last_warning: WarnGate::default(),
+            warning: WarnGate::default(),
             resume: Mutex::new(None),
             calibration: Mutex::new(Fitted::default()),
         }
@@ -275,7 +275,7 @@ impl Replica {
     /// True at most once per 10 s: bad input from one replica is counted
     /// always but logged sparingly.
     pub(crate) fn may_warn(&self) -> bool {
-        self.last_warning.open()
+        self.warning.open()
     }
 
     /// Takes the point a snapshot says its stream resumes from.

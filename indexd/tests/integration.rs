@@ -1056,14 +1056,18 @@ async fn the_discovery_file_adds_and_removes_endpoints() {
     let dir = std::env::temp_dir().join(format!("indexd-discovery-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("endpoints.yaml");
+    // The file replaced whole (written beside it, renamed over it).
+    let replace = |text: &str| {
+        let tmp = dir.join("endpoints.yaml.tmp");
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+    };
     let write = |ports: &[u16]| {
         let mut text = String::from("endpoints:\n");
         for port in ports {
             text.push_str(&format!("  - address: 127.0.0.1:{port}\n    model: m\n"));
         }
-        let tmp = dir.join("endpoints.yaml.tmp");
-        std::fs::write(&tmp, text).unwrap();
-        std::fs::rename(&tmp, &path).unwrap();
+        replace(&text);
     };
     write(&[18020]);
     let p = path.clone();
@@ -1085,9 +1089,7 @@ async fn the_discovery_file_adds_and_removes_endpoints() {
     .await;
     // An empty file is one being written: nothing changes (read as an
     // empty list it would drop every endpoint until the next poll).
-    let tmp = dir.join("endpoints.yaml.tmp");
-    std::fs::write(&tmp, "").unwrap();
-    std::fs::rename(&tmp, &path).unwrap();
+    replace("");
     eventually("the empty file to be read", || async {
         d.counter("indexd_discovery_reloads_total{result=\"empty\"}") >= 1.0
     })
