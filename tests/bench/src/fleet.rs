@@ -214,6 +214,11 @@ impl Fleet {
         &self.external
     }
 
+    /// The vLLM servers' process ids (each the root of its process tree).
+    pub fn server_pids(&self) -> Vec<u32> {
+        self.servers.iter().map(RealVllm::pid).collect()
+    }
+
     /// Fails if a replica has exited.
     pub fn check_alive(&mut self) -> Result<(), BenchError> {
         for (i, server) in self.servers.iter_mut().enumerate() {

@@ -37,6 +37,7 @@ mod error;
 pub mod fleet;
 pub mod history;
 pub mod lite;
+pub mod load_cpu;
 pub mod output;
 pub mod overhead;
 pub mod peers;

@@ -54,7 +54,7 @@ pub struct Worker {
 /// A running peer router; killed (with its process group) on drop.
 #[derive(Debug)]
 pub struct PeerRouter {
-    _process: Spawned,
+    process: Spawned,
     url: String,
 }
 
@@ -62,6 +62,11 @@ impl PeerRouter {
     /// `http://127.0.0.1:port` of the router.
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// The router's process id.
+    pub fn pid(&self) -> u32 {
+        self.process.pid()
     }
 }
 
@@ -153,8 +158,5 @@ pub fn start(
         }
         std::thread::sleep(Duration::from_millis(200));
     }
-    Ok(PeerRouter {
-        _process: process,
-        url,
-    })
+    Ok(PeerRouter { process, url })
 }

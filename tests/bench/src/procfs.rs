@@ -59,6 +59,12 @@ pub fn cpu_ms(pid: Pid) -> Option<u64> {
     stat_cpu_ms(&stat)
 }
 
+/// CPU time the calling thread has used so far (user + system), in ms.
+pub fn this_thread_cpu_ms() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/thread-self/stat").ok()?;
+    stat_cpu_ms(&stat)
+}
+
 /// `utime + stime` of a `/proc/<pid>/stat` (or task stat) line, in ms.
 pub fn stat_cpu_ms(stat: &str) -> Option<u64> {
     // `pid (comm) state ppid …`: comm may hold spaces and parentheses; after
@@ -171,6 +177,7 @@ mod tests {
     fn this_process_is_readable() {
         assert!(rss_kib(Pid::This).is_some_and(|kib| kib > 0));
         assert!(cpu_ms(Pid::This).is_some());
+        assert!(this_thread_cpu_ms().is_some());
         let threads = own_threads_cpu_ms(&["", "nothing-named-so"]);
         assert_eq!(threads.get("nothing-named-so"), Some(&0));
     }

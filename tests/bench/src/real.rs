@@ -161,6 +161,7 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
     };
     let mut samples = Vec::new();
     let mut added = Vec::new();
+    let mut cpu = Vec::new();
     let mut failure = None;
     let mut nonce = 0u32;
     // Runs on the same fleet options share a fleet, in order of first use.
@@ -244,6 +245,10 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
                         for a in &mut o.added {
                             a.round = round;
                         }
+                        if let Some(mut c) = o.cpu.take() {
+                            c.round = round;
+                            cpu.push(c);
+                        }
                         samples.append(&mut o.samples);
                         added.append(&mut o.added);
                     }
@@ -262,9 +267,13 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
     progress.finish_and_clear();
     let summary = output::write_run(&args.out, &mut samples)?;
     crate::added::write(&args.out, &added)?;
+    crate::load_cpu::write(&args.out, &cpu)?;
     print!("{}", summary.to_markdown());
     if !added.is_empty() {
         print!("\n{}", crate::added::markdown(&added));
+    }
+    if !cpu.is_empty() {
+        print!("\n{}", crate::load_cpu::markdown(&cpu));
     }
     println!(
         "\n{} requests in {:.0} s; results in {}",

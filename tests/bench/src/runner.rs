@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::ValueEnum;
@@ -27,7 +27,7 @@ use crate::overhead::histogram::{PICK_LATENCY, TOKENIZE_LOCAL, parse_prometheus_
 use crate::peers::{self, Peer, Worker};
 use crate::sample::{Sample, millis};
 use crate::workload::{Api, Conversation, Fault, FaultKind, Step, Workload};
-use crate::{BenchError, overhead};
+use crate::{BenchError, load_cpu, overhead, procfs};
 
 /// A routing profile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -230,6 +230,7 @@ fn fleet_stack(
             seed: options.seed,
             gateways: workload.gateways.max(1),
             tokenizers: fleet::tokenizers(),
+            thread_label: Some(load_cpu::THREAD_LABEL.to_owned()),
             scrape_interval: options.scrape_interval.unwrap_or(defaults.scrape_interval),
             ..defaults
         },
@@ -284,7 +285,20 @@ pub fn run(
     } else {
         routers.iter().map(|r| r.url().to_owned()).collect()
     };
+    // On the fleet, the CPU of the run's load is read (see [`load_cpu`]).
+    let probe = match target {
+        Target::Vllm { fleet, .. } => Some(load_cpu::Probe {
+            gateways: if routers.is_empty() {
+                stack.gateway_envoys().iter().map(|e| e.pid()).collect()
+            } else {
+                routers.iter().map(peers::PeerRouter::pid).collect()
+            },
+            replicas: fleet.server_pids(),
+        }),
+        Target::Mock => None,
+    };
     let stack = Mutex::new(stack);
+    let cpu_start = probe.as_ref().map(load_cpu::Probe::mark);
     let started = Instant::now();
     let ctx = Ctx {
         workload,
@@ -309,6 +323,7 @@ pub fn run(
     progress.set_message(format!("{} / {}", workload.name, profile.name()));
     let next = Mutex::new(0usize);
     let samples = Mutex::new(Vec::with_capacity(workload.requests()));
+    let clients_ms = AtomicU64::new(0);
     std::thread::scope(|scope| {
         for _ in 0..workload.concurrency.max(1) {
             scope.spawn(|| {
@@ -319,10 +334,10 @@ pub fn run(
                             *n += 1;
                             i
                         }
-                        Err(_) => return,
+                        Err(_) => break,
                     };
                     let Some(conversation) = workload.conversations.get(index) else {
-                        return;
+                        break;
                     };
                     if Instant::now() >= ctx.deadline {
                         progress.inc(conversation.requests() as u64);
@@ -333,11 +348,25 @@ pub fn run(
                         all.append(&mut done);
                     }
                 }
+                // Its whole life falls within the run's load.
+                clients_ms.fetch_add(procfs::this_thread_cpu_ms().unwrap_or(0), Ordering::Relaxed);
             });
         }
     });
+    let cpu_end = probe.as_ref().map(load_cpu::Probe::mark);
     let fault_errors = ctx.fault_errors.into_inner().unwrap_or_default();
     let samples = samples.into_inner().unwrap_or_default();
+    let cpu = cpu_start.zip(cpu_end).map(|(start, end)| {
+        let answered = samples.iter().filter(|s| s.ok()).count() as u64;
+        load_cpu::CpuRow::between(
+            &workload.name,
+            profile.name(),
+            answered,
+            clients_ms.load(Ordering::Relaxed),
+            &start,
+            &end,
+        )
+    });
     let added = match (target, profile) {
         (Target::Vllm { .. }, Profile::Precise | Profile::Approximate) => {
             let stack = stack
@@ -367,7 +396,11 @@ pub fn run(
             options.budget
         ));
     }
-    Ok(Outcome { samples, added })
+    Ok(Outcome {
+        samples,
+        added,
+        cpu,
+    })
 }
 
 /// What one workload × profile produced.
@@ -377,6 +410,8 @@ pub struct Outcome {
     pub samples: Vec<Sample>,
     /// kvroute on real replicas: each gateway's filter histograms.
     pub added: Vec<AddedRow>,
+    /// On real replicas: the CPU of the load.
+    pub cpu: Option<load_cpu::CpuRow>,
 }
 
 /// Each gateway's filter histograms once its Envoy has merged the requests

@@ -130,8 +130,9 @@ fn read_tail(path: &Path, max: u64) -> String {
     String::from_utf8_lossy(&buf).into_owned()
 }
 
-/// Every process whose parent chain leads to `root` (from `/proc`).
-fn descendants(root: u32) -> Vec<u32> {
+/// Every process whose parent chain leads to `root` (from `/proc`), `root`
+/// excluded.
+pub fn descendants(root: u32) -> Vec<u32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
