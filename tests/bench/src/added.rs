@@ -15,7 +15,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::overhead::histogram::{
-    FILTER_DURATION, Hist, INDEX_DURATION, PICK_LATENCY, TOKENIZE_LOCAL, TOKENIZER_DURATION,
+    FILTER_DURATION, Hist, INDEX_DURATION, PICK_LATENCY, REQUEST_WORK, TOKENIZE_LOCAL,
+    TOKENIZER_DURATION,
 };
 use crate::{BenchError, sample};
 
@@ -26,8 +27,9 @@ pub const ADDED_MD: &str = "added.md";
 
 /// The histograms read (the filter's in Envoy, then indexd's), and their
 /// names in the files.
-const METRICS: [(&str, &str); 5] = [
+const METRICS: [(&str, &str); 6] = [
     (FILTER_DURATION, "hold"),
+    (REQUEST_WORK, "filter_work"),
     (TOKENIZER_DURATION, "tokenizer_call"),
     (INDEX_DURATION, "pick_call"),
     (TOKENIZE_LOCAL, "indexd_tokenize"),
@@ -46,8 +48,8 @@ pub struct AddedRow {
     /// The round of the workload × profile (`kvroute-bench vllm --rounds`),
     /// from 1.
     pub round: u32,
-    /// `hold`, `tokenizer_call`, `pick_call`, `indexd_tokenize` or
-    /// `indexd_pick`.
+    /// `hold`, `filter_work`, `tokenizer_call`, `pick_call`,
+    /// `indexd_tokenize` or `indexd_pick`.
     pub metric: String,
     /// Observations.
     pub count: u64,
@@ -96,15 +98,17 @@ pub fn markdown(rows: &[AddedRow]) -> String {
         "# What kvroute's filter added per request\n\n\
          Per gateway, from its Envoy's filter histograms after the run (every request of the run, \
          first turns included), in ms: mean / p50 / p99. Hold: from the request's headers until \
-         the filter lets it go on (the body buffered, tokens and the Pick). Pick call: the \
+         the filter lets it go on (the body buffered, tokens and the Pick). Filter work: the \
+         filter's own work on the buffered body (JSON parse, fingerprints, the Pick's \
+         encoding). Pick call: the \
          callout to indexd, which here also tokenizes the body (one-call path); tokenizer call: \
          the replica's `/tokenize` when the filter calls it itself (`–`: not used). From the \
          gateway's indexd: tokenize, its own tokenizer on a body (the wait for a blocking \
          thread included), and pick, the Pick on the index. The pick call less these two is \
          the gRPC hop, both ends' scheduling on the busy machine included. indexd's quantiles \
          come from its coarse fixed buckets; its means are exact.\n\n\
-         | workload | profile | round | gateway | requests | hold | pick call | tokenizer call | indexd tokenize | indexd pick |\n\
-         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         | workload | profile | round | gateway | requests | hold | filter work | pick call | tokenizer call | indexd tokenize | indexd pick |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     let mut keys: Vec<(&str, &str, u32, u32)> = rows
         .iter()
@@ -130,8 +134,9 @@ pub fn markdown(rows: &[AddedRow]) -> String {
         let requests = of("hold").map_or(0, |r| r.count);
         let _ = writeln!(
             out,
-            "| {workload} | {profile} | {round} | {gateway} | {requests} | {} | {} | {} | {} | {} |",
+            "| {workload} | {profile} | {round} | {gateway} | {requests} | {} | {} | {} | {} | {} | {} |",
             cell("hold"),
+            cell("filter_work"),
             cell("pick_call"),
             cell("tokenizer_call"),
             cell("indexd_tokenize"),
@@ -184,11 +189,11 @@ mod tests {
             r.count = 0;
         }
         all.extend(second);
-        assert_eq!(all.len(), 15);
+        assert_eq!(all.len(), 18);
         let md = markdown(&all);
         assert!(
             md.contains(
-                "| w2-lite | kvroute-precise | 1 | 0 | 4 | 2.0 / 1.1 / 5.1 | 0.9 / 0.9 / 1.0 | – | – | 0.3 / 0.3 / 0.4 |"
+                "| w2-lite | kvroute-precise | 1 | 0 | 4 | 2.0 / 1.1 / 5.1 | – | 0.9 / 0.9 / 1.0 | – | – | 0.3 / 0.3 / 0.4 |"
             ),
             "{md}"
         );
@@ -197,7 +202,7 @@ mod tests {
             "{md}"
         );
         assert!(
-            md.contains("| w2-lite | kvroute-precise | 2 | 0 | 0 | – | – | – | – | – |"),
+            md.contains("| w2-lite | kvroute-precise | 2 | 0 | 0 | – | – | – | – | – | – |"),
             "each round its own line: {md}"
         );
     }

@@ -144,6 +144,7 @@ fn main() -> ExitCode {
                 budget: Duration::from_secs(budget_secs),
                 seed,
                 scrape_interval: None,
+                indexd_unix_socket: false,
             },
             &out,
         ),

@@ -91,9 +91,23 @@ pub struct Args {
     /// every profile takes about 40 s).
     #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u32).range(1..=20))]
     pub one_gateway_rounds: u32,
+    /// How each gateway's Envoy reaches its indexd: a Unix socket, as the
+    /// deploy files do (envoy/envoy.yaml, the DaemonSet's socket), or TCP on
+    /// loopback.
+    #[arg(long, value_enum, default_value_t = IndexdLink::Unix)]
+    pub indexd: IndexdLink,
     /// Output directory.
     #[arg(long, default_value = "tests/bench/results-vllm")]
     pub out: PathBuf,
+}
+
+/// The link between a gateway's Envoy and its indexd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum IndexdLink {
+    /// A Unix socket.
+    Unix,
+    /// TCP on 127.0.0.1.
+    Tcp,
 }
 
 impl Args {
@@ -158,6 +172,7 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
         budget: Duration::from_secs(args.budget_secs),
         seed: args.seed,
         scrape_interval: Some(Duration::from_millis(args.scrape_interval_ms)),
+        indexd_unix_socket: args.indexd == IndexdLink::Unix,
     };
     let mut samples = Vec::new();
     let mut added = Vec::new();

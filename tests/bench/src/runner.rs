@@ -108,6 +108,9 @@ pub struct RunOptions {
     pub seed: u64,
     /// indexd's `scrape_interval` on real replicas (None: the test stack's).
     pub scrape_interval: Option<Duration>,
+    /// Envoy reaches indexd on a Unix socket (as the deploy files do)
+    /// instead of TCP on loopback.
+    pub indexd_unix_socket: bool,
 }
 
 /// What the profiles run against.
@@ -231,6 +234,7 @@ fn fleet_stack(
             gateways: workload.gateways.max(1),
             tokenizers: fleet::tokenizers(),
             thread_label: Some(load_cpu::THREAD_LABEL.to_owned()),
+            indexd_unix_socket: options.indexd_unix_socket,
             scrape_interval: options.scrape_interval.unwrap_or(defaults.scrape_interval),
             ..defaults
         },

@@ -22,6 +22,9 @@ use serde_json::Value;
 pub const FILTER_DURATION: &str = "wasmcustom.kvroute.filter_duration_us";
 /// The filter's tokenizer callout.
 pub const TOKENIZER_DURATION: &str = "wasmcustom.kvroute.tokenizer_duration_us";
+/// The filter's own work on a buffered body, from its bytes to the callout
+/// (the JSON parse, the fingerprints, the Pick's encoding).
+pub const REQUEST_WORK: &str = "wasmcustom.kvroute.request_work_us";
 /// The filter's Pick callout to indexd.
 pub const INDEX_DURATION: &str = "wasmcustom.kvroute.index_duration_us";
 /// indexd's time to answer a Pick (indexd/src/metrics.rs), in seconds.
