@@ -14,11 +14,11 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::BenchError;
 use crate::overhead::histogram::{
     FILTER_DURATION, Hist, INDEX_DURATION, PICK_LATENCY, REQUEST_WORK, TOKENIZE_LOCAL,
     TOKENIZER_DURATION,
 };
-use crate::{BenchError, sample};
 
 /// The CSV of [`AddedRow`]s.
 pub const ADDED_CSV: &str = "added.csv";
@@ -148,12 +148,7 @@ pub fn markdown(rows: &[AddedRow]) -> String {
 
 /// Writes `added.csv` and `added.md` into `dir` (nothing when `rows` is empty).
 pub fn write(dir: &Path, rows: &[AddedRow]) -> Result<(), BenchError> {
-    if rows.is_empty() {
-        return Ok(());
-    }
-    sample::write_csv(&dir.join(ADDED_CSV), rows)?;
-    let path = dir.join(ADDED_MD);
-    std::fs::write(&path, markdown(rows)).map_err(|e| BenchError::io(&path, e))
+    crate::output::write_table(dir, ADDED_CSV, ADDED_MD, rows, markdown)
 }
 
 #[cfg(test)]

@@ -26,8 +26,8 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
+use crate::BenchError;
 use crate::procfs::{self, Pid};
-use crate::{BenchError, sample};
 
 /// The CSV of [`CpuRow`]s.
 pub const CPU_CSV: &str = "cpu.csv";
@@ -210,12 +210,7 @@ pub fn markdown(rows: &[CpuRow]) -> String {
 
 /// Writes `cpu.csv` and `cpu.md` into `dir` (nothing when `rows` is empty).
 pub fn write(dir: &Path, rows: &[CpuRow]) -> Result<(), BenchError> {
-    if rows.is_empty() {
-        return Ok(());
-    }
-    sample::write_csv(&dir.join(CPU_CSV), rows)?;
-    let path = dir.join(CPU_MD);
-    std::fs::write(&path, markdown(rows)).map_err(|e| BenchError::io(&path, e))
+    crate::output::write_table(dir, CPU_CSV, CPU_MD, rows, markdown)
 }
 
 #[cfg(test)]
