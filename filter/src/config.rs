@@ -138,6 +138,10 @@ pub struct Config {
     /// Whether to remember where conversations went, for when indexd cannot
     /// answer.
     pub remember: bool,
+    /// Turns in a row a continuation may be sent where its previous turn
+    /// went, from the memory alone, before one asks indexd again (0: every
+    /// request asks indexd). Needs `remember`.
+    pub local_continuations: u32,
     /// How much of a Responses answer is scanned for its id.
     pub response_scan_bytes: usize,
     /// The shared token indexd requires, if it requires one.
@@ -195,6 +199,7 @@ struct RawConfig {
     max_candidates: Option<u32>,
     observe: Option<bool>,
     remember: Option<bool>,
+    local_continuations: Option<u32>,
     response_scan_bytes: Option<u64>,
     index_token: Option<String>,
 }
@@ -331,6 +336,14 @@ impl Config {
             raw.response_scan_bytes,
             defaults::RESPONSE_SCAN_BYTES,
         )?;
+        let remember = raw.remember.unwrap_or(true);
+        let local_continuations = raw.local_continuations.unwrap_or(0);
+        if local_continuations > 0 && !remember {
+            return Err(ConfigError::new(
+                "local_continuations",
+                "needs \"remember\": the memory is where a continuation's previous turn went",
+            ));
+        }
         let override_header = header_name(
             "override_header",
             raw.override_header,
@@ -387,7 +400,8 @@ impl Config {
             model_fallback,
             max_candidates: raw.max_candidates.unwrap_or(0),
             observe: raw.observe.unwrap_or(true),
-            remember: raw.remember.unwrap_or(true),
+            remember,
+            local_continuations,
             response_scan_bytes,
             index_token: raw.index_token.map(token::parse).transpose()?,
         })

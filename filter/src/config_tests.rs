@@ -144,3 +144,16 @@ fn index_token_is_checked_and_never_printed() {
         assert_eq!(err_field(&json), "index_token", "{bad}");
     }
 }
+
+#[test]
+fn local_continuations_are_off_by_default_and_need_the_memory() {
+    let c = parse(r#"{"index_cluster":"indexd"}"#).unwrap();
+    assert_eq!(c.local_continuations, 0);
+    let c = parse(r#"{"index_cluster":"indexd","local_continuations":4}"#).unwrap();
+    assert_eq!(c.local_continuations, 4);
+    assert_eq!(
+        err_field(r#"{"index_cluster":"indexd","local_continuations":4,"remember":false}"#),
+        "local_continuations"
+    );
+    assert!(parse(r#"{"index_cluster":"indexd","local_continuations":-1}"#).is_err());
+}

@@ -112,6 +112,9 @@ struct Decision {
     routed: Option<Routed>,
     /// The first candidate's data-parallel rank.
     rank: Option<u32>,
+    /// Turns in a row routed from the memory alone, this one included (0:
+    /// not [`Reason::Continued`]).
+    local_turns: u32,
 }
 
 /// Where the request side of a stream stands.
@@ -273,6 +276,10 @@ impl Flow {
             model,
             started_us,
             prints,
+        };
+        let routed = match self.continue_locally(host, &req, routed) {
+            Ok(action) => return action,
+            Err(routed) => routed,
         };
         // While indexd's breaker is open, only its probes reach it; the
         // others go where their conversation went before, if known.
@@ -653,6 +660,52 @@ impl Flow {
         self.unrouted(host, routed, Reason::IndexUnavailable, via)
     }
 
+    /// A continuation whose previous turn this gateway saw answered goes
+    /// where that turn went, without a Pick, unless the memory has already
+    /// sent `local_continuations` turns in a row there (then indexd checks
+    /// the replica's load and the conversation's blocks again). `Err` hands
+    /// the request back for a Pick.
+    fn continue_locally(
+        &mut self,
+        host: &mut dyn Host,
+        req: &request::ParsedRequest<'_>,
+        routed: Routed,
+    ) -> Result<Action, Routed> {
+        let limit = self.cfg.local_continuations;
+        if limit == 0 || req.previous_response_id.is_some() {
+            return Err(routed);
+        }
+        let recalled = memo::previous_turn(req)
+            .and_then(|n| routed.prints.get(n.wrapping_sub(1)))
+            .and_then(|print| memo::recall_turn(host, *print))
+            .filter(|r| r.local_turns < limit && valid_address(&r.host));
+        let Some(recalled) = recalled else {
+            return Err(routed);
+        };
+        log::debug!(
+            "{} ({}) -> {} (continued, turn {} in a row)",
+            self.id,
+            self.client_id,
+            recalled.host,
+            recalled.local_turns.saturating_add(1)
+        );
+        host.set_request_header(&self.cfg.override_header, Some(&recalled.host));
+        if let Some(rank) = recalled.rank {
+            host.set_request_header(&self.cfg.rank_header, Some(&rank.to_string()));
+        }
+        let action = self.finish(
+            host,
+            Reason::Continued,
+            Some(routed),
+            recalled.rank,
+            Via::Callback,
+        );
+        if let Stage::Done(decision) = &mut self.stage {
+            decision.local_turns = recalled.local_turns.saturating_add(1);
+        }
+        Ok(action)
+    }
+
     /// indexd could not route this request (`reason`): send it where its
     /// conversation went before, if the memory knows ([`memo`]), else let
     /// Envoy choose.
@@ -709,6 +762,7 @@ impl Flow {
             reason,
             routed,
             rank,
+            local_turns: 0,
         });
         host.count(Counter::Decision(reason));
         if let Some(started_us) = started_us {

@@ -16,9 +16,17 @@
 //! the last fingerprint that landed in it and its replica. Bounded, no
 //! eviction pass; a write is one shared-data call, a lookup one per item,
 //! and lookups happen only when indexd is not answering.
+//!
+//! With `local_continuations`, the memory also routes continuations while
+//! indexd answers: a request whose previous turn (its items up to the
+//! model's last answer, [`previous_turn`]) this gateway saw answered goes
+//! to that turn's replica without a Pick ([`recall_turn`]: one lookup, of
+//! that exact turn, so a turn that another gateway routed since is never
+//! taken for it), up to that many turns in a row.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
+use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::config::Api;
@@ -39,15 +47,7 @@ fn slot_key(fingerprint: u64) -> String {
 /// The fingerprints of every prefix of a request's items, shortest first
 /// (empty for a request with no items to follow, e.g. completions).
 pub fn fingerprints(req: &ParsedRequest<'_>, model: &str) -> Vec<u64> {
-    let items: Vec<&RawValue> = match req.api {
-        Api::Chat => raw_items(req.raw("messages")),
-        Api::Responses => match req.raw("input") {
-            Some(input) if input.get().trim_start().starts_with('[') => raw_items(Some(input)),
-            Some(input) => vec![input],
-            None => Vec::new(),
-        },
-        Api::Completions => Vec::new(),
-    };
+    let items = items(req);
     if items.is_empty() {
         return Vec::new();
     }
@@ -65,6 +65,58 @@ pub fn fingerprints(req: &ParsedRequest<'_>, model: &str) -> Vec<u64> {
         .collect()
 }
 
+/// A request's conversation items: chat `messages`, Responses `input`.
+fn items<'a>(req: &ParsedRequest<'a>) -> Vec<&'a RawValue> {
+    match req.api {
+        Api::Chat => raw_items(req.raw("messages")),
+        Api::Responses => match req.raw("input") {
+            Some(input) if input.get().trim_start().starts_with('[') => raw_items(Some(input)),
+            Some(input) => vec![input],
+            None => Vec::new(),
+        },
+        Api::Completions => Vec::new(),
+    }
+}
+
+/// What tells an item's author: chat `role`, Responses `type` and `role`.
+#[derive(Deserialize)]
+struct Author<'a> {
+    #[serde(borrow, default)]
+    role: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow, default, rename = "type")]
+    kind: Option<std::borrow::Cow<'a, str>>,
+}
+
+/// Whether the model wrote the item: an assistant message, or a Responses
+/// output item (`reasoning`, `function_call` and the other `*_call` items;
+/// their `*_output` answers are the client's). Unreadable items count as
+/// the client's.
+fn from_model(item: &RawValue) -> bool {
+    let Ok(author) = serde_json::from_str::<Author<'_>>(item.get()) else {
+        return false;
+    };
+    author.role.as_deref() == Some("assistant")
+        || author
+            .kind
+            .as_deref()
+            .is_some_and(|k| k == "reasoning" || k.ends_with("_call"))
+}
+
+/// How many leading items the previous turn's request had: the items before
+/// the model's last answer (its last run of items), if the request holds
+/// one and something precedes it. A continuation repeats the previous
+/// request, adds the answer, then the client's new items.
+pub fn previous_turn(req: &ParsedRequest<'_>) -> Option<usize> {
+    let items = items(req);
+    let last = items.iter().rposition(|i| from_model(i))?;
+    let first = items
+        .get(..last)?
+        .iter()
+        .rposition(|i| !from_model(i))
+        .map_or(0, |i| i.saturating_add(1));
+    (first > 0).then_some(first)
+}
+
 fn raw_items(list: Option<&RawValue>) -> Vec<&RawValue> {
     list.and_then(|l| serde_json::from_str::<Vec<&RawValue>>(l.get()).ok())
         .unwrap_or_default()
@@ -77,26 +129,59 @@ fn digest(bytes: &[u8], h: &mut DefaultHasher) {
     bytes.get(bytes.len().saturating_sub(EDGE)..).hash(h);
 }
 
+/// Where a remembered request went.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Recalled {
+    /// The replica that answered it.
+    pub host: String,
+    /// Its data-parallel rank, if indexd named one.
+    pub rank: Option<u32>,
+    /// How many turns in a row, this one included, went there from the
+    /// memory alone (0: indexd or Envoy chose it).
+    pub local_turns: u32,
+}
+
 /// Remembers that the request whose fingerprints end with `last` was served
-/// by `host` (and `rank`).
-pub fn remember(store: &mut dyn SharedData, last: u64, host: &str, rank: Option<u32>) {
+/// by `host` (and `rank`), the `local_turns`-th turn in a row routed from
+/// the memory alone.
+pub fn remember(
+    store: &mut dyn SharedData,
+    last: u64,
+    host: &str,
+    rank: Option<u32>,
+    local_turns: u32,
+) {
     let rank = rank.map(|r| r.to_string()).unwrap_or_default();
-    let value = format!("{last:x}|{host}|{rank}");
+    let value = format!("{last:x}|{host}|{rank}|{local_turns}");
     // Last writer wins: a lost race forgets one request.
     let _ = store.set_shared(&slot_key(last), value.as_bytes(), None);
 }
 
+/// The request remembered under `fingerprint`, if its slot still holds it.
+pub fn recall_turn(store: &dyn SharedData, fingerprint: u64) -> Option<Recalled> {
+    let (value, _) = store.get_shared(&slot_key(fingerprint));
+    let text = String::from_utf8(value?).ok()?;
+    let mut parts = text.splitn(4, '|');
+    let stored = u64::from_str_radix(parts.next()?, 16).ok()?;
+    let host = parts.next()?.to_owned();
+    let rank = parts.next().and_then(|r| r.parse().ok());
+    // Written before the count existed: not a local turn.
+    let local_turns = parts.next().and_then(|n| n.parse().ok()).unwrap_or(0);
+    (stored == fingerprint && !host.is_empty()).then_some(Recalled {
+        host,
+        rank,
+        local_turns,
+    })
+}
+
 /// The replica (and rank) that served the longest remembered prefix.
 pub fn recall(store: &dyn SharedData, fingerprints: &[u64]) -> Option<(String, Option<u32>)> {
-    fingerprints.iter().rev().take(MAX_LOOKUPS).find_map(|f| {
-        let (value, _) = store.get_shared(&slot_key(*f));
-        let text = String::from_utf8(value?).ok()?;
-        let mut parts = text.splitn(3, '|');
-        let stored = u64::from_str_radix(parts.next()?, 16).ok()?;
-        let host = parts.next()?.to_owned();
-        let rank = parts.next().and_then(|r| r.parse().ok());
-        (stored == *f && !host.is_empty()).then_some((host, rank))
-    })
+    fingerprints
+        .iter()
+        .rev()
+        .take(MAX_LOOKUPS)
+        .find_map(|f| recall_turn(store, *f))
+        .map(|r| (r.host, r.rank))
 }
 
 #[cfg(test)]
@@ -117,7 +202,7 @@ mod tests {
         let other = r#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"three"}]}"#;
         let mut h = FakeHost::default();
         let a = prints(Api::Chat, first);
-        remember(&mut h, *a.last().unwrap(), "10.0.0.1:8000", Some(2));
+        remember(&mut h, *a.last().unwrap(), "10.0.0.1:8000", Some(2), 0);
         let b = prints(Api::Chat, next);
         assert_eq!(&b[..2], &a[..], "a prefix has the prefix's fingerprints");
         assert_eq!(recall(&h, &b), Some(("10.0.0.1:8000".to_owned(), Some(2))));
@@ -175,5 +260,97 @@ mod tests {
         h.set_shared(&slot_key(p[0]), format!("{:x}||", p[0]).as_bytes(), None)
             .unwrap();
         assert_eq!(recall(&h, &p), None, "no host");
+    }
+
+    fn turn_of(api: Api, body: &str) -> Option<usize> {
+        previous_turn(&parse(api, body.as_bytes()).unwrap())
+    }
+
+    #[test]
+    fn the_previous_turn_ends_before_the_models_last_answer() {
+        let chat = |items: &[&str]| {
+            let items: Vec<String> = items
+                .iter()
+                .map(|r| format!(r#"{{"role":"{r}","content":"x"}}"#))
+                .collect();
+            format!(r#"{{"model":"m","messages":[{}]}}"#, items.join(","))
+        };
+        assert_eq!(turn_of(Api::Chat, &chat(&["system", "user"])), None);
+        assert_eq!(
+            turn_of(Api::Chat, &chat(&["system", "user", "assistant", "user"])),
+            Some(2)
+        );
+        assert_eq!(
+            turn_of(
+                Api::Chat,
+                &chat(&[
+                    "system",
+                    "user",
+                    "assistant",
+                    "tool",
+                    "tool",
+                    "assistant",
+                    "tool"
+                ])
+            ),
+            Some(5)
+        );
+        // An answer with nothing before it has no previous request.
+        assert_eq!(turn_of(Api::Chat, &chat(&["assistant", "user"])), None);
+        // Responses: the model's items are its last run (reasoning, calls,
+        // messages); the calls' outputs and user items are the client's.
+        let r = r#"{"model":"m","input":[
+            {"role":"user","content":"q"},
+            {"type":"reasoning","summary":[]},
+            {"type":"function_call","call_id":"a","name":"f","arguments":"{}"},
+            {"type":"function_call_output","call_id":"a","output":"y"},
+            {"type":"reasoning","summary":[]},
+            {"type":"web_search_call","id":"w","status":"completed"},
+            {"type":"message","role":"assistant","content":[]},
+            {"role":"user","content":"more"}]}"#;
+        assert_eq!(turn_of(Api::Responses, r), Some(4));
+        assert_eq!(
+            turn_of(Api::Responses, r#"{"model":"m","input":"text"}"#),
+            None
+        );
+        assert_eq!(
+            turn_of(Api::Completions, r#"{"model":"m","prompt":"x"}"#),
+            None
+        );
+        // An item without a role or type is the client's.
+        assert_eq!(
+            turn_of(
+                Api::Responses,
+                r#"{"model":"m","input":[{"content":"x"},{"role":"assistant","content":"a"},{"content":"y"}]}"#
+            ),
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn recall_turn_reads_the_count_and_older_values() {
+        let mut h = FakeHost::default();
+        remember(&mut h, 7, "10.0.0.1:8000", None, 3);
+        assert_eq!(
+            recall_turn(&h, 7),
+            Some(Recalled {
+                host: "10.0.0.1:8000".into(),
+                rank: None,
+                local_turns: 3
+            })
+        );
+        assert_eq!(recall_turn(&h, 7 + SLOTS), None, "same slot, other print");
+        // A value written before the count existed: not a local turn.
+        h.set_shared(&slot_key(9), b"9|10.0.0.2:8000|4", None)
+            .unwrap();
+        assert_eq!(
+            recall_turn(&h, 9),
+            Some(Recalled {
+                host: "10.0.0.2:8000".into(),
+                rank: Some(4),
+                local_turns: 0
+            })
+        );
+        assert_eq!(recall(&h, &[9]), Some(("10.0.0.2:8000".into(), Some(4))));
     }
 }

@@ -18,6 +18,9 @@ pub enum Reason {
     /// indexd could not route it (down, breaker open, stale): sent where its
     /// conversation's previous turn went.
     Remembered,
+    /// A continuation sent where its previous turn went, from the memory,
+    /// without asking indexd (`local_continuations`).
+    Continued,
     /// Body over `max_body_bytes`.
     BodyTooLarge,
     /// Bad JSON, missing fields, no model.
@@ -43,12 +46,13 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, in metric-definition order.
-    pub const ALL: [Self; 15] = [
+    pub const ALL: [Self; 16] = [
         Self::Precise,
         Self::Affinity,
         Self::Approximate,
         Self::Load,
         Self::Remembered,
+        Self::Continued,
         Self::BodyTooLarge,
         Self::Unparseable,
         Self::IncompleteIdentity,
@@ -69,6 +73,7 @@ impl Reason {
             Self::Approximate => "approximate",
             Self::Load => "load",
             Self::Remembered => "remembered",
+            Self::Continued => "continued",
             Self::BodyTooLarge => "body_too_large",
             Self::Unparseable => "unparseable",
             Self::IncompleteIdentity => "incomplete_identity",
@@ -86,7 +91,12 @@ impl Reason {
     pub const fn routed(self) -> bool {
         matches!(
             self,
-            Self::Precise | Self::Affinity | Self::Approximate | Self::Load | Self::Remembered
+            Self::Precise
+                | Self::Affinity
+                | Self::Approximate
+                | Self::Load
+                | Self::Remembered
+                | Self::Continued
         )
     }
 }

@@ -24,7 +24,7 @@ use crate::completed;
 use crate::config::Api;
 use crate::host::Host;
 use crate::memo;
-use crate::metrics::Counter;
+use crate::metrics::{Counter, Reason};
 use crate::observe::{IdScanner, Scan};
 
 /// Where the response side stands.
@@ -67,7 +67,8 @@ impl Flow {
             return Action::Continue;
         }
         self.response = ResponseStage::Done;
-        let picked = reason.routed();
+        // A continuation routed from the memory was never a Pick.
+        let picked = reason.routed() && reason != Reason::Continued;
         let status = header_string(host.response_header(":status"))
             .and_then(|s| s.parse::<u32>().ok())
             .unwrap_or(0);
@@ -176,13 +177,16 @@ impl Flow {
         if let (true, Some(served)) = (ok, served) {
             // The rank only if the replica is the one indexd named.
             let rank = decision.rank;
-            memo::remember(host, *last, &served, rank);
+            memo::remember(host, *last, &served, rank, decision.local_turns);
         }
     }
 
     /// Queues this request's pick as completed, if it was picked.
     fn complete_pick(&self, host: &mut dyn Host) {
-        if self.decision().is_some_and(|d| d.reason.routed()) {
+        if self
+            .decision()
+            .is_some_and(|d| d.reason.routed() && d.reason != Reason::Continued)
+        {
             completed::push(host, &self.id);
         }
     }

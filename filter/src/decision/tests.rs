@@ -897,3 +897,92 @@ fn while_indexd_cannot_answer_a_conversation_goes_where_its_last_turn_went() {
     f.index_answers(14, b"");
     assert_eq!(f.flow.reason(), Some(Reason::IndexUnavailable));
 }
+
+/// A chat conversation's request at turn `n` (tool loops: the model's answer
+/// then the client's tool result).
+fn tool_turn(n: usize) -> String {
+    let mut messages = vec![
+        r#"{"role":"system","content":"shared"}"#.to_owned(),
+        r#"{"role":"user","content":"task"}"#.to_owned(),
+    ];
+    for i in 0..n {
+        messages.push(format!(
+            r#"{{"role":"assistant","content":null,"tool_calls":[{{"id":"c{i}","type":"function","function":{{"name":"f","arguments":"{{}}"}}}}]}}"#
+        ));
+        messages.push(format!(
+            r#"{{"role":"tool","tool_call_id":"c{i}","content":"r{i}"}}"#
+        ));
+    }
+    format!(r#"{{"model":"m","messages":[{}]}}"#, messages.join(","))
+}
+
+#[test]
+fn local_continuations_skip_the_pick_for_that_many_turns_in_a_row() {
+    let mut h = Harness::new(r#""tokenize_at":"indexd","local_continuations":2"#);
+    // Turn 0: indexd picks 10.0.0.2:8000 (the harness's upstream), rank 1.
+    h.post("/v1/chat/completions", &tool_turn(0));
+    h.index_answers(
+        0,
+        &answer(DecisionKind::Precise, &["10.0.0.2:8000"], Some(1)),
+    );
+    h.respond("200", "application/json", true);
+    assert!(h.host.shared.contains_key(completed::KEY));
+    // Turns 1 and 2 go there from the memory: no call, no pause.
+    for n in 1..=2 {
+        h.next_stream();
+        let action = h.post("/v1/chat/completions", &tool_turn(n));
+        assert_eq!(action, Action::Continue, "turn {n}");
+        assert!(h.host.grpc_calls.is_empty(), "turn {n}");
+        assert_eq!(h.flow.reason(), Some(Reason::Continued), "turn {n}");
+        assert_eq!(h.override_header().as_deref(), Some("10.0.0.2:8000"));
+        assert_eq!(h.host.header("x-data-parallel-rank").as_deref(), Some("1"));
+        let before = h.host.shared.get(completed::KEY).cloned();
+        h.respond("200", "application/json", true);
+        assert_eq!(
+            h.host.shared.get(completed::KEY).cloned(),
+            before,
+            "never a Pick: no completion to report"
+        );
+    }
+    assert_eq!(h.host.count_of(Counter::Decision(Reason::Continued)), 2);
+    // Turn 3: two in a row already, so indexd checks again.
+    h.next_stream();
+    assert_eq!(h.post("/v1/chat/completions", &tool_turn(3)), Action::Pause);
+    assert_eq!(h.host.grpc_calls.len(), 1);
+    h.index_answers(0, &answer(DecisionKind::Precise, &["10.0.0.3:8000"], None));
+    assert_eq!(h.flow.reason(), Some(Reason::Precise));
+    h.respond("200", "application/json", true);
+    // ... and the count starts again.
+    h.next_stream();
+    h.post("/v1/chat/completions", &tool_turn(4));
+    assert_eq!(h.flow.reason(), Some(Reason::Continued));
+}
+
+#[test]
+fn local_continuations_need_this_exact_previous_turn() {
+    let mut h = Harness::new(r#""tokenize_at":"indexd","local_continuations":8"#);
+    h.post("/v1/chat/completions", &tool_turn(0));
+    h.index_answers(0, &answer(DecisionKind::Precise, &["10.0.0.2:8000"], None));
+    h.respond("200", "application/json", true);
+    // Turn 2 skips turn 1 (another gateway routed it): turn 0 is an older
+    // prefix, not the previous turn, so indexd decides.
+    h.next_stream();
+    h.post("/v1/chat/completions", &tool_turn(2));
+    assert_eq!(h.host.grpc_calls.len(), 1);
+    // A failed answer is not remembered: its next turn asks indexd.
+    let mut f = Harness::new(r#""tokenize_at":"indexd","local_continuations":8"#);
+    f.post("/v1/chat/completions", &tool_turn(0));
+    f.index_answers(0, &answer(DecisionKind::Precise, &["10.0.0.2:8000"], None));
+    f.respond("503", "application/json", true);
+    f.next_stream();
+    f.post("/v1/chat/completions", &tool_turn(1));
+    assert_eq!(f.host.grpc_calls.len(), 1);
+    // Off by default.
+    let mut d = Harness::new(r#""tokenize_at":"indexd""#);
+    d.post("/v1/chat/completions", &tool_turn(0));
+    d.index_answers(0, &answer(DecisionKind::Precise, &["10.0.0.2:8000"], None));
+    d.respond("200", "application/json", true);
+    d.next_stream();
+    d.post("/v1/chat/completions", &tool_turn(1));
+    assert_eq!(d.host.grpc_calls.len(), 1);
+}

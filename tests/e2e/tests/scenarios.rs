@@ -115,6 +115,61 @@ fn continuations_land_on_the_warm_replica() {
     }
 }
 
+/// Picks indexd answered, from its metrics (every decision kind).
+fn picks(stack: &Stack) -> u64 {
+    stack
+        .indexd()
+        .unwrap()
+        .metrics_text()
+        .lines()
+        .filter(|l| l.starts_with("indexd_decisions_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+#[test]
+fn local_continuations_skip_the_pick_and_stay_warm() {
+    let mut options = StackOptions::default();
+    options.filter_overrides["local_continuations"] = json!(2);
+    let stack = Stack::start(options).unwrap();
+    let mut messages = opening(31);
+    let first = turn(&stack, &messages, None);
+    let warm = first.replica.clone().unwrap();
+    let before = picks(&stack);
+    assert!(before >= 1, "the first turn was a Pick");
+    let mut last = first;
+    for i in 0..3 {
+        messages.push(message("assistant", &last.text));
+        messages.push(message("user", &filler(300 + i, 40)));
+        last = chat(&stack, &messages, None);
+        assert_eq!(last.replica.as_deref(), Some(warm.as_str()), "turn {i}");
+        assert!(last.cached_tokens > 0, "turn {i} missed its cache");
+        let expected = if i < 2 { "continued" } else { "precise" };
+        assert_eq!(last.decision.as_deref(), Some(expected), "turn {i}");
+    }
+    // Two turns from the memory alone, then one Pick checks again.
+    assert_eq!(picks(&stack), before + 1);
+    // A branch from the first turn continues it (that request was answered
+    // here); a request whose previous turn never passed here asks indexd.
+    let mut branch = messages[..2].to_vec();
+    branch.push(message("assistant", "another answer"));
+    branch.push(message("user", "and then?"));
+    let out = chat(&stack, &branch, None);
+    assert_eq!(out.decision.as_deref(), Some("continued"));
+    let mut unknown = messages[..2].to_vec();
+    for (role, text) in [
+        ("assistant", "an answer"),
+        ("user", "a question"),
+        ("assistant", "an answer given elsewhere"),
+        ("user", "more"),
+    ] {
+        unknown.push(message(role, text));
+    }
+    let out = chat(&stack, &unknown, None);
+    assert_eq!(out.decision.as_deref(), Some("precise"));
+    assert_eq!(picks(&stack), before + 2);
+}
+
 #[test]
 fn salts_never_share_blocks() {
     let stack = Stack::start(StackOptions::default()).unwrap();
