@@ -30,6 +30,8 @@ Profiles (each on fresh replicas):
   least-request              Envoy least-request alone (no filter)
   approximate                kvroute, approximate mode (text-chunk keys)
   precise                    kvroute, precise mode (token-block keys from KV events)
+  precise-local              precise, continuations sent where their previous turn went
+                             without a Pick, 8 turns in a row (local_continuations)
   vllm-router-cache-aware    vllm-router 0.1.17 --policy cache_aware   (peers: a bench venv,
   vllm-router-kv-aware       vllm-router 0.1.17 --policy kv_aware       see tests/bench/
   sglang-router-cache-aware  sglang-router 0.3.2 --policy cache_aware   install-peers.sh)

@@ -38,6 +38,10 @@ pub enum Profile {
     Approximate,
     /// kvroute, precise mode: exact token-block keys from vLLM's KV events.
     Precise,
+    /// kvroute, precise mode, the filter sending up to [`LOCAL_TURNS`]
+    /// continuations in a row where their previous turn went without a Pick
+    /// (`local_continuations`).
+    PreciseLocal,
     /// vllm-router 0.1.17, `cache_aware` (a separate process; bench venv).
     VllmRouterCacheAware,
     /// vllm-router 0.1.17, `kv_aware` subscribed to the replicas' KV events.
@@ -66,6 +70,7 @@ impl Profile {
             Self::LeastRequest => "least-request",
             Self::Approximate => "kvroute-approximate",
             Self::Precise => "kvroute-precise",
+            Self::PreciseLocal => "kvroute-precise-local",
             Self::VllmRouterCacheAware => "vllm-router-cache-aware",
             Self::VllmRouterKvAware => "vllm-router-kv-aware",
             Self::SglangRouterCacheAware => "sglang-router-cache-aware",
@@ -78,9 +83,20 @@ impl Profile {
     fn routing(self) -> Routing {
         match self {
             Self::Approximate => Routing::Approximate,
-            Self::Precise => Routing::Precise,
+            Self::Precise | Self::PreciseLocal => Routing::Precise,
             _ => Routing::LeastRequest,
         }
+    }
+
+    /// The filter's configuration over the stack's (`defaults`).
+    fn filter_overrides(self, defaults: &StackOptions) -> serde_json::Value {
+        let mut overrides = defaults.filter_overrides.clone();
+        if self == Self::PreciseLocal
+            && let Some(map) = overrides.as_object_mut()
+        {
+            map.insert("local_continuations".into(), LOCAL_TURNS.into());
+        }
+        overrides
     }
 
     /// The peer router this profile puts in front of the replicas, if any.
@@ -93,6 +109,9 @@ impl Profile {
         }
     }
 }
+
+/// The filter's `local_continuations` under [`Profile::PreciseLocal`].
+pub const LOCAL_TURNS: u32 = 8;
 
 /// The sticky oracle's profile name.
 pub const STICKY_ORACLE: &str = "sticky-oracle";
@@ -175,6 +194,7 @@ fn mock_stack(
     options: RunOptions,
 ) -> Result<(Stack, Vec<ReplicaRef>, Vec<Worker>), BenchError> {
     let drop_reasoning = workload.reasoning_tokens > 0;
+    let defaults = StackOptions::default();
     let stack = Stack::start(StackOptions {
         replicas: workload.replicas,
         model: MODEL.into(),
@@ -190,7 +210,8 @@ fn mock_stack(
         },
         reasoning_tokens: workload.reasoning_tokens,
         gateways: workload.gateways.max(1),
-        ..StackOptions::default()
+        filter_overrides: profile.filter_overrides(&defaults),
+        ..defaults
     })?;
     let replicas = stack
         .replicas()
@@ -224,6 +245,7 @@ fn fleet_stack(
 ) -> Result<(Stack, Vec<ReplicaRef>, Vec<Worker>), BenchError> {
     let routing = profile.routing();
     let defaults = StackOptions::default();
+    let filter_overrides = profile.filter_overrides(&defaults);
     let stack = Stack::start_external(
         StackOptions {
             replicas: fleet.replicas().len(),
@@ -236,6 +258,7 @@ fn fleet_stack(
             thread_label: Some(load_cpu::THREAD_LABEL.to_owned()),
             indexd_unix_socket: options.indexd_unix_socket,
             scrape_interval: options.scrape_interval.unwrap_or(defaults.scrape_interval),
+            filter_overrides,
             ..defaults
         },
         fleet.external(),
@@ -372,7 +395,7 @@ pub fn run(
         )
     });
     let added = match (target, profile) {
-        (Target::Vllm { .. }, Profile::Precise | Profile::Approximate) => {
+        (Target::Vllm { .. }, Profile::Precise | Profile::PreciseLocal | Profile::Approximate) => {
             let stack = stack
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner);
