@@ -75,6 +75,9 @@ fn loud_once(warned: &AtomicBool) -> log::Level {
         log::Level::Warn
     }
 }
+/// Bytes of request JSON per token, for a continuation's estimate of what
+/// it adds (indexd weighs it as prefill work).
+const BYTES_PER_TOKEN: usize = 4;
 /// Largest Pick answer read.
 const MAX_PICK_BYTES: usize = 64 * 1024;
 /// The longest client `x-request-id` passed on (to the tokenizer, in logs).
@@ -434,19 +437,24 @@ impl Flow {
     }
 
     /// The Pick request every path starts from (it carries the completed
-    /// picks waiting in shared data).
+    /// picks and the continued requests waiting in shared data).
     fn pick_request(&self, host: &mut dyn Host, routed: &Routed) -> PickRequest {
         let (mode, block_size) = match self.cfg.mode {
             Mode::Precise => (WireMode::Precise, self.cfg.block_size),
             Mode::Approximate => (WireMode::Approximate, self.cfg.approximate_chunk_bytes),
         };
+        // Completions first ([`completed`]).
+        let completed_request_ids = completed::take(host);
+        let now = now_ms(host);
+        let continued = completed::take_continued(host, now);
         PickRequest {
             model: routed.model.clone(),
             block_size: block_size.get(),
             mode: mode.into(),
             request_id: self.id.clone(),
             max_candidates: self.cfg.max_candidates,
-            completed_request_ids: completed::take(host),
+            completed_request_ids,
+            continued,
             key_scheme: SCHEME_VERSION.to_owned(),
             ..PickRequest::default()
         }
@@ -675,8 +683,12 @@ impl Flow {
         if limit == 0 || req.previous_response_id.is_some() {
             return Err(routed);
         }
-        let recalled = memo::previous_turn(req)
-            .and_then(|n| routed.prints.get(n.wrapping_sub(1)))
+        let Some(turn) = memo::previous_turn(req) else {
+            return Err(routed);
+        };
+        let recalled = routed
+            .prints
+            .get(turn.items.wrapping_sub(1))
             .and_then(|print| memo::recall_turn(host, *print))
             .filter(|r| r.local_turns < limit && valid_address(&r.host));
         let Some(recalled) = recalled else {
@@ -693,6 +705,18 @@ impl Flow {
         if let Some(rank) = recalled.rank {
             host.set_request_header(&self.cfg.rank_header, Some(&rank.to_string()));
         }
+        // The next Pick tells indexd, so that it counts this request as
+        // queued work there (≈ 4 bytes of JSON per token: an estimate).
+        let new_tokens = u32::try_from(turn.new_bytes / BYTES_PER_TOKEN).unwrap_or(u32::MAX);
+        let now = now_ms(host);
+        completed::push_continued(
+            host,
+            &self.id,
+            &recalled.host,
+            recalled.rank,
+            new_tokens,
+            now,
+        );
         let action = self.finish(
             host,
             Reason::Continued,

@@ -102,11 +102,21 @@ fn from_model(item: &RawValue) -> bool {
             .is_some_and(|k| k == "reasoning" || k.ends_with("_call"))
 }
 
-/// How many leading items the previous turn's request had: the items before
-/// the model's last answer (its last run of items), if the request holds
-/// one and something precedes it. A continuation repeats the previous
-/// request, adds the answer, then the client's new items.
-pub fn previous_turn(req: &ParsedRequest<'_>) -> Option<usize> {
+/// The previous turn of a continuation, as the request shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PreviousTurn {
+    /// Leading items of the previous turn's request.
+    pub items: usize,
+    /// Bytes of the items after them (the model's answer, the client's new
+    /// items): what the replica has not seen yet.
+    pub new_bytes: usize,
+}
+
+/// The previous turn's request: the items before the model's last answer
+/// (its last run of items), if the request holds one and something precedes
+/// it. A continuation repeats the previous request, adds the answer, then
+/// the client's new items.
+pub fn previous_turn(req: &ParsedRequest<'_>) -> Option<PreviousTurn> {
     let items = items(req);
     let last = items.iter().rposition(|i| from_model(i))?;
     let first = items
@@ -114,7 +124,11 @@ pub fn previous_turn(req: &ParsedRequest<'_>) -> Option<usize> {
         .iter()
         .rposition(|i| !from_model(i))
         .map_or(0, |i| i.saturating_add(1));
-    (first > 0).then_some(first)
+    let new_bytes = items.get(first..)?.iter().map(|i| i.get().len()).sum();
+    (first > 0).then_some(PreviousTurn {
+        items: first,
+        new_bytes,
+    })
 }
 
 fn raw_items(list: Option<&RawValue>) -> Vec<&RawValue> {
@@ -263,7 +277,7 @@ mod tests {
     }
 
     fn turn_of(api: Api, body: &str) -> Option<usize> {
-        previous_turn(&parse(api, body.as_bytes()).unwrap())
+        previous_turn(&parse(api, body.as_bytes()).unwrap()).map(|t| t.items)
     }
 
     #[test]
@@ -324,6 +338,17 @@ mod tests {
                 r#"{"model":"m","input":[{"content":"x"},{"role":"assistant","content":"a"},{"content":"y"}]}"#
             ),
             Some(1)
+        );
+    }
+
+    #[test]
+    fn a_turns_new_bytes_are_the_items_after_it() {
+        let body = r#"{"model":"m","messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"},{"role":"user","content":"q2"}]}"#;
+        let turn = previous_turn(&parse(Api::Chat, body.as_bytes()).unwrap()).unwrap();
+        assert_eq!(turn.items, 1);
+        assert_eq!(
+            turn.new_bytes,
+            r#"{"role":"assistant","content":"a"}{"role":"user","content":"q2"}"#.len()
         );
     }
 

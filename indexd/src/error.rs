@@ -113,6 +113,14 @@ pub enum RequestError {
         /// The limit.
         max: usize,
     },
+    /// More `continued` requests than one Pick may carry.
+    #[error("{got} continued requests exceed the limit of {max}")]
+    TooManyContinued {
+        /// Entries in the request.
+        got: usize,
+        /// The limit.
+        max: usize,
+    },
     /// An Observe names a replica indexd does not know.
     #[error("endpoint {0} is not a known replica")]
     UnknownEndpoint(String),
@@ -140,6 +148,7 @@ impl From<RequestError> for tonic::Status {
             | RequestError::BadEndpoint(_)
             | RequestError::IdTooLong { .. }
             | RequestError::TooManyCompleted { .. }
+            | RequestError::TooManyContinued { .. }
             | RequestError::UnknownEndpoint(_)
             | RequestError::ModelNotServed { .. } => tonic::Status::invalid_argument(e.to_string()),
             RequestError::RateLimited => tonic::Status::resource_exhausted(e.to_string()),

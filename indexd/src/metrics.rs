@@ -271,6 +271,7 @@ pub struct Metrics {
     pub discovery: CounterVec<1>,
     /// `previous_response_id` lookups by result (hit, or why not).
     pub affinity_lookups: CounterVec<1>,
+    pub continued: CounterVec<1>,
     /// Picks whose cheapest candidate holds less than another (a move away
     /// from the warm replica): `moved` when it paid, `held` when not.
     pub moves: CounterVec<1>,
@@ -393,6 +394,11 @@ impl Metrics {
                 "previous_response_id lookups by result (hit, unknown, model_mismatch, replica_gone, model_not_served, unhealthy, stale).",
                 ["result"],
             ),
+            continued: CounterVec::new(
+                "indexd_continued_total",
+                "Requests a filter routed without a Pick (local_continuations), as later Picks report them: noted as queued work on their replica, skipped (no such replica, a bad id) or expired (older than pending_pick_ttl).",
+                ["result"],
+            ),
             replay_requests: CounterVec::new(
                 "indexd_replay_requests_total",
                 "Replays asked for, by where they start: start (seq 0), snapshot (a snapshot's saved seq), gap.",
@@ -467,6 +473,7 @@ impl Metrics {
         self.auth_failures.render(out);
         self.discovery.render(out);
         self.affinity_lookups.render(out);
+        self.continued.render(out);
         self.moves.render(out);
         self.replay_requests.render(out);
         self.snapshot_resumes.render(out);

@@ -13,7 +13,7 @@
 //! - `STALE`: no healthy, fresh replica serves the model; no candidates.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvroute_proto::SCHEME_VERSION;
 use kvroute_proto::keys::BlockKey;
@@ -172,7 +172,47 @@ fn validate(shared: &Shared, req: &PickRequest) -> Result<(), RequestError> {
     for id in &req.completed_request_ids {
         bounded("completed_request_ids", id, MAX_REQUEST_ID_BYTES)?;
     }
+    if req.continued.len() > MAX_COMPLETED_IDS {
+        return Err(RequestError::TooManyContinued {
+            got: req.continued.len(),
+            max: MAX_COMPLETED_IDS,
+        });
+    }
     Ok(())
+}
+
+/// The requests the filter routed without a Pick since its last one
+/// (`local_continuations`), each noted on its replica as queued work: the
+/// prefill of what it adds to its conversation, from when it was routed.
+/// Noted before this Pick's completed ids are read, which may hold theirs.
+/// An entry naming no known replica, or an id too long, is skipped, one
+/// older than `pending_pick_ttl` expired; each counted
+/// (`indexd_continued_total{result}`).
+fn note_continued(shared: &Shared, req: &PickRequest, now: Instant) {
+    let metrics = &shared.metrics;
+    for c in &req.continued {
+        let id = c.address.parse().ok().map(|address| EndpointId {
+            address,
+            rank: c.data_parallel_rank,
+        });
+        let replica = id
+            .filter(|_| !c.request_id.is_empty() && c.request_id.len() <= MAX_REQUEST_ID_BYTES)
+            .and_then(|id| read(&shared.registry).observed(&id));
+        let Some(replica) = replica else {
+            metrics.continued.inc(["skipped"]);
+            continue;
+        };
+        let age = Duration::from_millis(u64::from(c.age_ms));
+        if age >= shared.config.pending_pick_ttl {
+            metrics.continued.inc(["expired"]);
+            continue;
+        }
+        let load = replica.load(now, shared.config.pending_pick_ttl, 0);
+        let prefill = score::prefill_time(&load, f64::from(c.new_tokens), &shared.config.weights);
+        let at = now.checked_sub(age).unwrap_or(now);
+        replica.note_continued(at, now, &c.request_id, prefill);
+        metrics.continued.inc(["noted"]);
+    }
 }
 
 /// The request's block keys.
@@ -522,6 +562,7 @@ pub fn pick(
     now: Instant,
 ) -> Result<PickResponse, RequestError> {
     validate(shared, req)?;
+    note_continued(shared, req, now);
     for id in &req.completed_request_ids {
         complete_pick(shared, id, now);
     }

@@ -2,7 +2,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use kvroute_proto::keys::{BlockSize, block_keys};
-use kvroute_proto::v1::{DecisionKind, Mode, ObserveRequest, PickRequest};
+use kvroute_proto::v1::{Continued, DecisionKind, Mode, ObserveRequest, PickRequest};
 use tokio_util::sync::CancellationToken;
 
 use super::*;
@@ -389,6 +389,97 @@ fn completed_ids_carried_by_a_pick_free_their_replicas_first() {
     third.request_id = "r3".into();
     third.completed_request_ids = vec!["r1".into()];
     assert_eq!(pick(&s, &third, now).unwrap().candidates[0].address, busy);
+}
+
+/// A continued request on `address`, routed `age_ms` ago.
+fn continued(id: &str, address: &str, new_tokens: u32, age_ms: u32) -> Continued {
+    Continued {
+        request_id: id.into(),
+        address: address.into(),
+        data_parallel_rank: None,
+        new_tokens,
+        age_ms,
+    }
+}
+
+#[test]
+fn continued_requests_count_as_queued_work_until_completed() {
+    let (s, replicas) = shared(2, |c| c.speculative_ttl = Duration::ZERO);
+    let now = Instant::now();
+    // Two continuations went to the first replica without a Pick: the next
+    // Pick, a new conversation, goes to the other one.
+    let mut first = req(&keys(&(0..16).collect::<Vec<u32>>()));
+    first.continued = vec![
+        continued("c1", "10.0.0.1:8000", 4_000, 10),
+        continued("c2", "10.0.0.1:8000", 4_000, 10),
+    ];
+    first.request_id = "p1".into();
+    let to = pick(&s, &first, now).unwrap().candidates[0].address.clone();
+    assert_eq!(to, "10.0.0.1:8001");
+    let pending = |r: &Replica| r.load(now, Duration::from_secs(5), 0).pending_picks;
+    assert_eq!(pending(&replicas[0]), 2.0);
+    assert_eq!(pending(&replicas[1]), 1.0);
+    // Both answered (this Pick carries their completions and p1's): the
+    // first replica is idle again and takes the next conversation.
+    let mut second = req(&keys(&(100..116).collect::<Vec<u32>>()));
+    second.completed_request_ids = vec!["c1".into(), "c2".into(), "p1".into()];
+    second.request_id = "p2".into();
+    assert_eq!(
+        pick(&s, &second, now).unwrap().candidates[0].address,
+        "10.0.0.1:8000"
+    );
+    // A continuation reported with its own completion in the same Pick
+    // leaves nothing behind.
+    let mut third = req(&keys(&(200..216).collect::<Vec<u32>>()));
+    third.continued = vec![continued("c3", "10.0.0.1:8001", 10, 5)];
+    third.completed_request_ids = vec!["c3".into(), "p2".into()];
+    let to = pick(&s, &third, now).unwrap().candidates[0].address.clone();
+    let own = if to == "10.0.0.1:8001" { 1.0 } else { 0.0 };
+    assert_eq!(pending(&replicas[1]), own, "at most the third Pick itself");
+}
+
+#[test]
+fn continued_entries_are_checked_and_aged() {
+    let (s, replicas) = shared(1, |c| c.speculative_ttl = Duration::ZERO);
+    let now = Instant::now();
+    let mut r = req(&[]);
+    r.continued = vec![
+        continued("a", "10.0.0.9:8000", 10, 0),
+        continued("b", "not an address", 10, 0),
+        continued(
+            &"x".repeat(MAX_REQUEST_ID_BYTES + 1),
+            "10.0.0.1:8000",
+            10,
+            0,
+        ),
+        continued("", "10.0.0.1:8000", 10, 0),
+        // Routed longer ago than pending_pick_ttl: it counts no more.
+        continued("old", "10.0.0.1:8000", 10, 6_000),
+        continued("new", "10.0.0.1:8000", 10, 0),
+    ];
+    pick(&s, &r, now).unwrap();
+    let load = replicas[0].load(now, Duration::from_secs(5), 0);
+    assert_eq!(load.pending_picks, 2.0, "\"new\" and this Pick");
+    let mut text = String::new();
+    s.metrics.render(&mut text);
+    assert!(
+        text.contains("indexd_continued_total{result=\"noted\"} 1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("indexd_continued_total{result=\"skipped\"} 4"),
+        "{text}"
+    );
+    assert!(
+        text.contains("indexd_continued_total{result=\"expired\"} 1"),
+        "{text}"
+    );
+    let mut r = req(&[]);
+    r.continued = vec![continued("a", "10.0.0.1:8000", 1, 0); MAX_COMPLETED_IDS + 1];
+    assert!(matches!(
+        pick(&s, &r, now),
+        Err(RequestError::TooManyContinued { .. })
+    ));
 }
 
 #[test]

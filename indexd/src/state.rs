@@ -175,7 +175,10 @@ struct PendingPick {
 }
 
 impl PickQueue {
-    fn note(&mut self, now: Instant, request_id: &str, prefill: Duration) {
+    /// Queues a pick made at `at` (at most `now`: a request the filter
+    /// reports after the fact) whose prefill starts once the queue ahead of
+    /// it is done, `now` at the earliest.
+    fn note(&mut self, at: Instant, now: Instant, request_id: &str, prefill: Duration) {
         if self.picks.len() >= MAX_PENDING {
             self.picks.pop_front();
         }
@@ -183,7 +186,7 @@ impl PickQueue {
         let end = start + prefill.min(MAX_PICK_PREFILL);
         self.busy_until = Some(end);
         self.picks.push_back(PendingPick {
-            at: now,
+            at: at.min(now),
             request_id: request_id.to_owned(),
             start,
             end,
@@ -370,7 +373,20 @@ impl Replica {
     /// queued ([`PickQueue`]), and counts the pick until a scrape shows it or
     /// the filter reports it answered ([`Self::complete_pick`]).
     pub(crate) fn note_pick(&self, now: Instant, request_id: &str, prefill: Duration) {
-        lock(&self.pending).note(now, request_id, prefill);
+        lock(&self.pending).note(now, now, request_id, prefill);
+    }
+
+    /// [`Self::note_pick`] for a request routed at `at` without a Pick (the
+    /// filter's `local_continuations`), reported by a later Pick: it counts
+    /// for `pending_pick_ttl` from `at`.
+    pub(crate) fn note_continued(
+        &self,
+        at: Instant,
+        now: Instant,
+        request_id: &str,
+        prefill: Duration,
+    ) {
+        lock(&self.pending).note(at, now, request_id, prefill);
     }
 
     /// Forgets the pending pick of `request_id`: the replica has answered
@@ -749,13 +765,13 @@ mod tests {
     fn picks_queue_behind_each_other_and_drain_with_time() {
         let t0 = Instant::now();
         let mut q = PickQueue::default();
-        q.note(t0, "a", 300 * MS);
-        q.note(t0, "b", 200 * MS);
+        q.note(t0, t0, "a", 300 * MS);
+        q.note(t0, t0, "b", 200 * MS);
         assert!((q.queued_seconds(t0) - 0.5).abs() < 1e-9);
         assert!((q.queued_seconds(t0 + 400 * MS) - 0.1).abs() < 1e-9);
         assert_eq!(q.queued_seconds(t0 + 600 * MS), 0.0);
         // A pick after the queue ran dry starts at once.
-        q.note(t0 + 600 * MS, "c", 100 * MS);
+        q.note(t0 + 600 * MS, t0 + 600 * MS, "c", 100 * MS);
         assert!((q.queued_seconds(t0 + 600 * MS) - 0.1).abs() < 1e-9);
     }
 
@@ -763,8 +779,8 @@ mod tests {
     fn an_answer_takes_what_its_pick_had_left_out_of_the_queue() {
         let t0 = Instant::now();
         let mut q = PickQueue::default();
-        q.note(t0, "a", 300 * MS);
-        q.note(t0, "b", 200 * MS);
+        q.note(t0, t0, "a", 300 * MS);
+        q.note(t0, t0, "b", 200 * MS);
         // `b` answered 100 ms in, before its estimated start: all of its
         // 200 ms leave; `a` still has 200 ms.
         assert!(q.complete(t0 + 100 * MS, "b"));

@@ -24,7 +24,7 @@ use crate::completed;
 use crate::config::Api;
 use crate::host::Host;
 use crate::memo;
-use crate::metrics::{Counter, Reason};
+use crate::metrics::Counter;
 use crate::observe::{IdScanner, Scan};
 
 /// Where the response side stands.
@@ -67,8 +67,7 @@ impl Flow {
             return Action::Continue;
         }
         self.response = ResponseStage::Done;
-        // A continuation routed from the memory was never a Pick.
-        let picked = reason.routed() && reason != Reason::Continued;
+        let picked = reason.routed();
         let status = header_string(host.response_header(":status"))
             .and_then(|s| s.parse::<u32>().ok())
             .unwrap_or(0);
@@ -183,10 +182,7 @@ impl Flow {
 
     /// Queues this request's pick as completed, if it was picked.
     fn complete_pick(&self, host: &mut dyn Host) {
-        if self
-            .decision()
-            .is_some_and(|d| d.reason.routed() && d.reason != Reason::Continued)
-        {
+        if self.decision().is_some_and(|d| d.reason.routed()) {
             completed::push(host, &self.id);
         }
     }

@@ -147,8 +147,14 @@ fn local_continuations_skip_the_pick_and_stay_warm() {
         let expected = if i < 2 { "continued" } else { "precise" };
         assert_eq!(last.decision.as_deref(), Some(expected), "turn {i}");
     }
-    // Two turns from the memory alone, then one Pick checks again.
+    // Two turns from the memory alone, then one Pick checks again; it told
+    // indexd of the two (queued work on their replica until answered).
     assert_eq!(picks(&stack), before + 1);
+    let metrics = stack.indexd().unwrap().metrics_text();
+    assert!(
+        metrics.contains("indexd_continued_total{result=\"noted\"} 2"),
+        "{metrics}"
+    );
     // A branch from the first turn continues it (that request was answered
     // here); a request whose previous turn never passed here asks indexd.
     let mut branch = messages[..2].to_vec();
