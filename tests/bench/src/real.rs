@@ -63,6 +63,7 @@ pub struct Args {
         Profile::LeastRequest,
         Profile::Approximate,
         Profile::Precise,
+        Profile::PreciseLocal,
         Profile::VllmRouterCacheAware,
         Profile::SglangRouterCacheAware,
         Profile::StickyOracle,
