@@ -269,18 +269,18 @@ impl Flow {
         else {
             return self.conclude(host, Reason::Unparseable, Via::Callback);
         };
-        let prints = if self.cfg.remember {
-            memo::fingerprints(&req, &model)
+        let items = if self.cfg.remember {
+            memo::items(&req)
         } else {
             Vec::new()
         };
         let routed = Routed {
+            prints: memo::fingerprints(&req, &items, &model),
             route,
             model,
             started_us,
-            prints,
         };
-        let routed = match self.continue_locally(host, &req, routed) {
+        let routed = match self.continue_locally(host, &req, &items, routed) {
             Ok(action) => return action,
             Err(routed) => routed,
         };
@@ -445,8 +445,12 @@ impl Flow {
         };
         // Completions first ([`completed`]).
         let completed_request_ids = completed::take(host);
-        let now = now_ms(host);
-        let continued = completed::take_continued(host, now);
+        let continued = if self.cfg.local_continuations > 0 {
+            let now = now_ms(host);
+            completed::take_continued(host, now)
+        } else {
+            Vec::new()
+        };
         PickRequest {
             model: routed.model.clone(),
             block_size: block_size.get(),
@@ -634,11 +638,8 @@ impl Flow {
         let now = now_ms(host);
         breaker::record_success(host, Breaker::Index, now);
         let list = hosts.join(",");
-        host.set_request_header(&self.cfg.override_header, Some(&list));
         let rank = answer.candidates.first().and_then(|c| c.data_parallel_rank);
-        if let Some(rank) = rank {
-            host.set_request_header(&self.cfg.rank_header, Some(&rank.to_string()));
-        }
+        self.pin(host, &list, rank);
         log::debug!(
             "{} ({}) -> {list} ({})",
             self.id,
@@ -677,13 +678,14 @@ impl Flow {
         &mut self,
         host: &mut dyn Host,
         req: &request::ParsedRequest<'_>,
+        items: &[&serde_json::value::RawValue],
         routed: Routed,
     ) -> Result<Action, Routed> {
         let limit = self.cfg.local_continuations;
         if limit == 0 || req.previous_response_id.is_some() {
             return Err(routed);
         }
-        let Some(turn) = memo::previous_turn(req) else {
+        let Some(turn) = memo::previous_turn(items) else {
             return Err(routed);
         };
         let recalled = routed
@@ -701,10 +703,7 @@ impl Flow {
             recalled.host,
             recalled.local_turns.saturating_add(1)
         );
-        host.set_request_header(&self.cfg.override_header, Some(&recalled.host));
-        if let Some(rank) = recalled.rank {
-            host.set_request_header(&self.cfg.rank_header, Some(&rank.to_string()));
-        }
+        self.pin(host, &recalled.host, recalled.rank);
         // The next Pick tells indexd, so that it counts this request as
         // queued work there (≈ 4 bytes of JSON per token: an estimate).
         let new_tokens = u32::try_from(turn.new_bytes / BYTES_PER_TOKEN).unwrap_or(u32::MAX);
@@ -744,13 +743,18 @@ impl Flow {
             && valid_address(&target)
         {
             log::debug!("{}: {} -> {target} (remembered)", self.id, reason.label());
-            host.set_request_header(&self.cfg.override_header, Some(&target));
-            if let Some(rank) = rank {
-                host.set_request_header(&self.cfg.rank_header, Some(&rank.to_string()));
-            }
+            self.pin(host, &target, rank);
             return self.finish(host, Reason::Remembered, Some(routed), rank, via);
         }
         self.conclude_routed(host, routed, reason, via)
+    }
+
+    /// Sets the override list (`ip:port,…`) and the first host's rank.
+    fn pin(&self, host: &mut dyn Host, list: &str, rank: Option<u32>) {
+        host.set_request_header(&self.cfg.override_header, Some(list));
+        if let Some(rank) = rank {
+            host.set_request_header(&self.cfg.rank_header, Some(&rank.to_string()));
+        }
     }
 
     /// Ends the request side before the body parsed (no model known).

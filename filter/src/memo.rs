@@ -46,8 +46,7 @@ fn slot_key(fingerprint: u64) -> String {
 
 /// The fingerprints of every prefix of a request's items, shortest first
 /// (empty for a request with no items to follow, e.g. completions).
-pub fn fingerprints(req: &ParsedRequest<'_>, model: &str) -> Vec<u64> {
-    let items = items(req);
+pub fn fingerprints(req: &ParsedRequest<'_>, items: &[&RawValue], model: &str) -> Vec<u64> {
     if items.is_empty() {
         return Vec::new();
     }
@@ -65,8 +64,9 @@ pub fn fingerprints(req: &ParsedRequest<'_>, model: &str) -> Vec<u64> {
         .collect()
 }
 
-/// A request's conversation items: chat `messages`, Responses `input`.
-fn items<'a>(req: &ParsedRequest<'a>) -> Vec<&'a RawValue> {
+/// A request's conversation items: chat `messages`, Responses `input`
+/// (read once per request, for [`fingerprints`] and [`previous_turn`]).
+pub fn items<'a>(req: &ParsedRequest<'a>) -> Vec<&'a RawValue> {
     match req.api {
         Api::Chat => raw_items(req.raw("messages")),
         Api::Responses => match req.raw("input") {
@@ -116,8 +116,7 @@ pub struct PreviousTurn {
 /// (its last run of items), if the request holds one and something precedes
 /// it. A continuation repeats the previous request, adds the answer, then
 /// the client's new items.
-pub fn previous_turn(req: &ParsedRequest<'_>) -> Option<PreviousTurn> {
-    let items = items(req);
+pub fn previous_turn(items: &[&RawValue]) -> Option<PreviousTurn> {
     let last = items.iter().rposition(|i| from_model(i))?;
     let first = items
         .get(..last)?
@@ -206,7 +205,7 @@ mod tests {
 
     fn prints(api: Api, body: &str) -> Vec<u64> {
         let req = parse(api, body.as_bytes()).unwrap();
-        fingerprints(&req, "m")
+        fingerprints(&req, &items(&req), "m")
     }
 
     #[test]
@@ -233,7 +232,11 @@ mod tests {
         assert_ne!(prints(Api::Chat, &body("a")), prints(Api::Chat, &body("b")));
         let a = body("a");
         let req = parse(Api::Chat, a.as_bytes()).unwrap();
-        assert_ne!(fingerprints(&req, "m"), fingerprints(&req, "n"));
+        let list = items(&req);
+        assert_ne!(
+            fingerprints(&req, &list, "m"),
+            fingerprints(&req, &list, "n")
+        );
         assert!(prints(Api::Completions, r#"{"prompt":"x"}"#).is_empty());
         let r = prints(
             Api::Responses,
@@ -277,7 +280,7 @@ mod tests {
     }
 
     fn turn_of(api: Api, body: &str) -> Option<usize> {
-        previous_turn(&parse(api, body.as_bytes()).unwrap()).map(|t| t.items)
+        previous_turn(&items(&parse(api, body.as_bytes()).unwrap())).map(|t| t.items)
     }
 
     #[test]
@@ -344,7 +347,7 @@ mod tests {
     #[test]
     fn a_turns_new_bytes_are_the_items_after_it() {
         let body = r#"{"model":"m","messages":[{"role":"user","content":"q"},{"role":"assistant","content":"a"},{"role":"user","content":"q2"}]}"#;
-        let turn = previous_turn(&parse(Api::Chat, body.as_bytes()).unwrap()).unwrap();
+        let turn = previous_turn(&items(&parse(Api::Chat, body.as_bytes()).unwrap())).unwrap();
         assert_eq!(turn.items, 1);
         assert_eq!(
             turn.new_bytes,
