@@ -8,7 +8,9 @@
 //! - **gateway**: the gateways' Envoys (with the Wasm filter for kvroute's
 //!   profiles, plain for least-request and the sticky oracles), or the peer
 //!   router processes;
-//! - **indexd**: the gateways' indexd runtimes (threads `gw-indexd`);
+//! - **indexd**: the gateways' indexd runtimes (threads `gw-indexd`, those
+//!   that exited during the load included: tokio's blocking threads, and
+//!   those `block_in_place` hands a worker's core to, come and go);
 //! - **ingest**: every indexd's KV-event ingest threads, the oracle's
 //!   included (the same for every profile) — the gateways' share is the
 //!   excess over the sticky oracle's;
@@ -18,7 +20,10 @@
 //! - **bench**: the rest of the bench process (the oracle's Picks, the event
 //!   relays), the same work for every profile.
 //!
-//! `cpu.csv` holds every round, `cpu.md` the pooled figures per request.
+//! Threads are read from the scheduler's `schedstat` (ns): `/proc`'s
+//! 10 ms ticks, truncated per thread, made short-lived threads' work
+//! vanish into **bench**. `cpu.csv` holds every round, `cpu.md` the pooled
+//! figures per request.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -150,11 +155,12 @@ impl CpuRow {
 pub fn markdown(rows: &[CpuRow]) -> String {
     let mut out = String::from(
         "# Where the CPU went during the load\n\n\
-         CPU time (user + system, `/proc`, 10 ms ticks) from each run's first request to its \
-         last answer, summed over its rounds and divided by the requests answered, in ms per \
+         CPU time from each run's first request to its last answer (processes: user + system \
+         of `/proc/<pid>/stat`, 10 ms ticks; the bench's threads: their `schedstat`, in ns, \
+         exited ones included), summed over its rounds and divided by the requests answered, in ms per \
          request. Gateway: the gateways' Envoys (the Wasm filter in kvroute's, none in \
          least-request's and the sticky oracles') or the peer routers. indexd: the gateways' \
-         indexd runtimes (tokenizing, Picks, scrapes). Ingest: every indexd's KV-event ingest, \
+         indexd runtimes (tokenizing, Picks, scrapes; threads that exited included). Ingest: every indexd's KV-event ingest, \
          the oracle's included. Replicas: the vLLM processes. Clients: the bench's client \
          threads (sending, reading the streamed answers). Bench: the rest of the bench process \
          (the oracle's Picks, event relays), alike for every profile. Cores \

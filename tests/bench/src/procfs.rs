@@ -7,9 +7,9 @@
 
 use std::collections::BTreeMap;
 
-/// The kernel's `USER_HZ`: the unit of `utime` and `stime` (100 on every
-/// Linux architecture this runs on; `sysconf(_SC_CLK_TCK)` reports it).
-pub const TICKS_PER_SEC: u64 = 100;
+pub use kvroute_e2e::threads::{
+    TICKS_PER_SEC, stat_cpu_ms, this_thread_cpu_ms, this_thread_cpu_ns,
+};
 
 /// Which process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,23 +59,6 @@ pub fn cpu_ms(pid: Pid) -> Option<u64> {
     stat_cpu_ms(&stat)
 }
 
-/// CPU time the calling thread has used so far (user + system), in ms.
-pub fn this_thread_cpu_ms() -> Option<u64> {
-    let stat = std::fs::read_to_string("/proc/thread-self/stat").ok()?;
-    stat_cpu_ms(&stat)
-}
-
-/// `utime + stime` of a `/proc/<pid>/stat` (or task stat) line, in ms.
-pub fn stat_cpu_ms(stat: &str) -> Option<u64> {
-    // `pid (comm) state ppid …`: comm may hold spaces and parentheses; after
-    // it, utime and stime are the 12th and 13th fields.
-    let after = stat.rsplit_once(')')?.1;
-    let mut fields = after.split_whitespace().skip(11);
-    let utime: u64 = fields.next()?.parse().ok()?;
-    let stime: u64 = fields.next()?.parse().ok()?;
-    Some((utime + stime) * 1_000 / TICKS_PER_SEC)
-}
-
 /// The thread name (`comm`) of a stat line.
 pub fn stat_comm(stat: &str) -> Option<&str> {
     let start = stat.find('(')?;
@@ -83,30 +66,38 @@ pub fn stat_comm(stat: &str) -> Option<&str> {
     stat.get(start + 1..end)
 }
 
-/// CPU time (ms) of the bench's live threads whose name starts with each
-/// of `prefixes` (the longest matching prefix wins). Threads that have
-/// exited are not counted: use it for long-lived runtimes' threads only.
+/// CPU time (ms; summed in ns, from `schedstat`) of the bench's threads
+/// whose name starts with each of
+/// `prefixes` (the longest matching prefix wins): the live ones, and those
+/// of the harness's labelled runtimes that have exited
+/// ([`kvroute_e2e::threads`]; tokio's blocking threads exit after idling).
 pub fn own_threads_cpu_ms(prefixes: &[&str]) -> BTreeMap<String, u64> {
     let mut out: BTreeMap<String, u64> = prefixes.iter().map(|p| ((*p).to_owned(), 0)).collect();
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
-        return out;
-    };
-    for task in tasks.filter_map(Result::ok) {
-        let Ok(stat) = std::fs::read_to_string(task.path().join("stat")) else {
-            continue;
-        };
-        let (Some(comm), Some(ms)) = (stat_comm(&stat), stat_cpu_ms(&stat)) else {
-            continue;
-        };
+    let mut ns: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut add = |name: &str, cpu_ns: u64| {
         let best = prefixes
             .iter()
-            .filter(|p| comm.starts_with(**p))
+            .filter(|p| name.starts_with(**p))
             .max_by_key(|p| p.len());
-        if let Some(p) = best
-            && let Some(total) = out.get_mut(*p)
-        {
-            *total += ms;
+        if let Some(p) = best {
+            *ns.entry(*p).or_default() += cpu_ns;
         }
+    };
+    for (name, cpu_ns) in kvroute_e2e::threads::exited_cpu_ns() {
+        add(&name, cpu_ns);
+    }
+    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+        for task in tasks.filter_map(Result::ok) {
+            let Ok(comm) = std::fs::read_to_string(task.path().join("comm")) else {
+                continue;
+            };
+            if let Some(cpu_ns) = kvroute_e2e::threads::task_cpu_ns(&task.path()) {
+                add(comm.trim_end_matches('\n'), cpu_ns);
+            }
+        }
+    }
+    for (p, cpu_ns) in ns {
+        out.insert(p.to_owned(), cpu_ns / 1_000_000);
     }
     out
 }

@@ -350,7 +350,7 @@ pub fn run(
     progress.set_message(format!("{} / {}", workload.name, profile.name()));
     let next = Mutex::new(0usize);
     let samples = Mutex::new(Vec::with_capacity(workload.requests()));
-    let clients_ms = AtomicU64::new(0);
+    let clients_ns = AtomicU64::new(0);
     std::thread::scope(|scope| {
         for _ in 0..workload.concurrency.max(1) {
             scope.spawn(|| {
@@ -376,7 +376,7 @@ pub fn run(
                     }
                 }
                 // Its whole life falls within the run's load.
-                clients_ms.fetch_add(procfs::this_thread_cpu_ms().unwrap_or(0), Ordering::Relaxed);
+                clients_ns.fetch_add(procfs::this_thread_cpu_ns().unwrap_or(0), Ordering::Relaxed);
             });
         }
     });
@@ -389,7 +389,7 @@ pub fn run(
             &workload.name,
             profile.name(),
             answered,
-            clients_ms.load(Ordering::Relaxed),
+            clients_ns.load(Ordering::Relaxed) / 1_000_000,
             &start,
             &end,
         )

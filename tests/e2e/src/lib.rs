@@ -12,6 +12,7 @@
 //! - [`client`]: OpenAI-style requests and their usage.
 //! - [`proxy`]: a TCP relay that can slow a link down (indexd made slow).
 //! - [`stack`]: a whole deployment (mock replicas, indexd, Envoy + filter).
+//! - [`threads`]: CPU time of the harness's runtime threads, exited ones too.
 //! - [`vllm`]: real vLLM on CPU for the slow tier.
 //! - [`workload`]: the demo's multi-turn agentic workload and its summary.
 //!
@@ -25,6 +26,7 @@ pub mod http;
 pub mod process;
 pub mod proxy;
 pub mod stack;
+pub mod threads;
 pub mod vllm;
 pub mod workload;
 

@@ -93,7 +93,8 @@ pub struct StackOptions {
     pub buffer_limit_bytes: u32,
     /// When set, the stack's tokio threads are named after it and indexd runs
     /// on a runtime of its own, threads named `<label>-indexd` (a thread name
-    /// keeps 15 bytes), so `/proc/self/task/*/stat` tells their CPU apart.
+    /// keeps 15 bytes), so `/proc/self/task/*/stat` tells their CPU apart;
+    /// threads that exit leave theirs in [`crate::threads::exited_cpu_ns`].
     pub thread_label: Option<String>,
     /// Local tokenizers of every indexd (none: the replicas' `/tokenize`).
     pub tokenizers: Vec<indexd::tokenize::TokenizerSpec>,

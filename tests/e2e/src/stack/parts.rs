@@ -45,7 +45,8 @@ pub(super) fn mock_config(options: &StackOptions) -> mock_vllm::Config {
     config
 }
 
-/// A 2-thread runtime, its threads named `label` when given.
+/// A 2-thread runtime, its threads named `label` when given (their CPU time
+/// recorded as they exit: [`crate::threads`]).
 pub(super) fn runtime(label: Option<&str>) -> Result<Runtime, HarnessError> {
     // KVROUTE_E2E_LOG=indexd=debug,mock_vllm=info shows the in-process
     // components' logs on stderr.
@@ -57,7 +58,10 @@ pub(super) fn runtime(label: Option<&str>) -> Result<Runtime, HarnessError> {
     }
     let mut builder = tokio::runtime::Builder::new_multi_thread();
     if let Some(label) = label {
-        builder.thread_name(label);
+        let name = label.to_owned();
+        builder
+            .thread_name(label)
+            .on_thread_stop(move || crate::threads::record_exit(&name));
     }
     builder
         .worker_threads(2)
@@ -178,4 +182,37 @@ pub(super) fn envoy_config(
     let mut listener = http_listener(LISTENER, filters, vec![route]);
     listener["per_connection_buffer_limit_bytes"] = json!(options.buffer_limit_bytes);
     Ok(EnvoyConfig::new(vec![listener], clusters))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_labelled_runtime_counts_its_exited_threads() {
+        let label = "parts-exit";
+        let before = crate::threads::exited_cpu_ns()
+            .get(label)
+            .copied()
+            .unwrap_or(0);
+        let rt = runtime(Some(label)).unwrap();
+        rt.block_on(async {
+            tokio::task::spawn_blocking(|| {
+                let start = std::time::Instant::now();
+                while crate::threads::this_thread_cpu_ms().unwrap_or(0) < 30
+                    && start.elapsed() < std::time::Duration::from_secs(10)
+                {
+                    std::hint::black_box((0..1_000u64).sum::<u64>());
+                }
+            })
+            .await
+            .unwrap();
+        });
+        drop(rt);
+        let after = crate::threads::exited_cpu_ns()
+            .get(label)
+            .copied()
+            .unwrap_or(0);
+        assert!(after >= before + 30_000_000, "{before} → {after}");
+    }
 }
