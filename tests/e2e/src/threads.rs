@@ -10,6 +10,9 @@
 //! A thread's CPU time is read from `/proc/thread-self/schedstat` (the
 //! scheduler's own sum, in ns) where the kernel has it: `utime + stime`
 //! come in 10 ms ticks, and a thread that worked 9 ms would count as 0.
+//!
+//! A thread read in the instant between its stop hook and its end is counted
+//! twice (live and exited): the window is the thread's last instructions.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, PoisonError};
