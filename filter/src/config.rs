@@ -142,6 +142,11 @@ pub struct Config {
     /// went, from the memory alone, before one asks indexd again (0: every
     /// request asks indexd). Needs `remember`.
     pub local_continuations: u32,
+    /// How old indexd's latest answer on the replicas' load may be for a
+    /// continuation to follow its previous turn without a Pick ([`busy`]).
+    ///
+    /// [`busy`]: crate::busy
+    pub continuation_load: Duration,
     /// How much of a Responses answer is scanned for its id.
     pub response_scan_bytes: usize,
     /// The shared token indexd requires, if it requires one.
@@ -200,6 +205,7 @@ struct RawConfig {
     observe: Option<bool>,
     remember: Option<bool>,
     local_continuations: Option<u32>,
+    continuation_load_ms: Option<u64>,
     response_scan_bytes: Option<u64>,
     index_token: Option<String>,
 }
@@ -251,6 +257,9 @@ pub mod defaults {
     pub const APPROXIMATE_CHUNK_BYTES: u32 = 256;
     /// `response_scan_bytes`.
     pub const RESPONSE_SCAN_BYTES: u64 = 64 * 1024;
+    /// `continuation_load_ms`: indexd's default scrape interval (the load it
+    /// saw cannot be more current than that).
+    pub const CONTINUATION_LOAD_MS: u64 = 1_000;
     /// `max_pick_keys`: indexd's default.
     pub const MAX_PICK_KEYS: u64 = 65_536;
 }
@@ -344,6 +353,11 @@ impl Config {
                 "needs \"remember\": the memory is where a continuation's previous turn went",
             ));
         }
+        let continuation_load = timeout(
+            "continuation_load_ms",
+            raw.continuation_load_ms,
+            defaults::CONTINUATION_LOAD_MS,
+        )?;
         let override_header = header_name(
             "override_header",
             raw.override_header,
@@ -402,6 +416,7 @@ impl Config {
             observe: raw.observe.unwrap_or(true),
             remember,
             local_continuations,
+            continuation_load,
             response_scan_bytes,
             index_token: raw.index_token.map(token::parse).transpose()?,
         })

@@ -156,4 +156,12 @@ fn local_continuations_are_off_by_default_and_need_the_memory() {
         "local_continuations"
     );
     assert!(parse(r#"{"index_cluster":"indexd","local_continuations":-1}"#).is_err());
+    // How fresh indexd's load must be: 1 s unless set, 1 ms to 60 s.
+    assert_eq!(c.continuation_load, std::time::Duration::from_secs(1));
+    let c = parse(r#"{"index_cluster":"indexd","continuation_load_ms":5000}"#).unwrap();
+    assert_eq!(c.continuation_load, std::time::Duration::from_secs(5));
+    for bad in ["0", "60001"] {
+        let json = format!(r#"{{"index_cluster":"indexd","continuation_load_ms":{bad}}}"#);
+        assert_eq!(err_field(&json), "continuation_load_ms", "{bad}");
+    }
 }

@@ -39,6 +39,7 @@ use prost::Message;
 
 use crate::approximate;
 use crate::breaker::{self, Breaker};
+use crate::busy;
 use crate::completed;
 use crate::config::{Api, Config, Mode, Route, TokenizeAt};
 use crate::host::Host;
@@ -637,6 +638,9 @@ impl Flow {
         }
         let now = now_ms(host);
         breaker::record_success(host, Breaker::Index, now);
+        if answer.busy_known && self.cfg.local_continuations > 0 {
+            busy::record(host, &answer.busy, now);
+        }
         let list = hosts.join(",");
         let rank = answer.candidates.first().and_then(|c| c.data_parallel_rank);
         self.pin(host, &list, rank);
@@ -696,6 +700,21 @@ impl Flow {
         let Some(recalled) = recalled else {
             return Err(routed);
         };
+        // Its replica's load: a Pick when indexd's latest answer called it
+        // busy, or when no answer is recent enough to say
+        // (`continuation_load_ms`).
+        let fresh_ms = u64::try_from(self.cfg.continuation_load.as_millis()).unwrap_or(u64::MAX);
+        match busy::load_of(host, &recalled.host, recalled.rank, now_ms(host), fresh_ms) {
+            busy::Load::Free => {}
+            busy::Load::Busy => {
+                host.count(Counter::ContinuationBusy);
+                return Err(routed);
+            }
+            busy::Load::Unknown => {
+                host.count(Counter::ContinuationUnknownLoad);
+                return Err(routed);
+            }
+        }
         log::debug!(
             "{} ({}) -> {} (continued, turn {} in a row)",
             self.id,

@@ -12,6 +12,8 @@
 //! - [`memo`]: where conversations went, to keep them there while indexd
 //!   cannot answer.
 //! - [`breaker`]: the index and tokenizer circuit breakers in shared data.
+//! - [`busy`]: the replicas indexd's latest answer called busy, which
+//!   continuations ask about again.
 //! - [`completed`]: completed picks waiting in shared data for a Pick to
 //!   carry them.
 //! - [`metrics`]: reason labels and metric names.
@@ -23,6 +25,7 @@
 pub mod abi;
 pub mod approximate;
 pub mod breaker;
+pub mod busy;
 pub mod completed;
 pub mod config;
 pub mod decision;

@@ -119,6 +119,14 @@ pub enum Counter {
     /// `kvroute.index.key_scheme_mismatch`: indexd keys blocks with another
     /// scheme than this filter.
     KeySchemeMismatch,
+    /// `kvroute.continuations.busy`: a continuation asked for a Pick rather
+    /// than follow its previous turn, whose replica indexd's latest answer
+    /// called busy (`local_continuations`).
+    ContinuationBusy,
+    /// `kvroute.continuations.unknown_load`: a continuation asked for a Pick
+    /// because no answer of indexd's in the last second said which replicas
+    /// are busy (`local_continuations`).
+    ContinuationUnknownLoad,
 }
 
 impl Counter {
@@ -132,6 +140,8 @@ impl Counter {
             Self::ObserveFailed,
             Self::BlockSizeMismatch,
             Self::KeySchemeMismatch,
+            Self::ContinuationBusy,
+            Self::ContinuationUnknownLoad,
         ]);
         all
     }
@@ -146,6 +156,8 @@ impl Counter {
             Self::ObserveFailed => "kvroute.observe.failed".to_owned(),
             Self::BlockSizeMismatch => "kvroute.index.block_size_mismatch".to_owned(),
             Self::KeySchemeMismatch => "kvroute.index.key_scheme_mismatch".to_owned(),
+            Self::ContinuationBusy => "kvroute.continuations.busy".to_owned(),
+            Self::ContinuationUnknownLoad => "kvroute.continuations.unknown_load".to_owned(),
         }
     }
 }

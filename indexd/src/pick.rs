@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use kvroute_proto::SCHEME_VERSION;
 use kvroute_proto::keys::BlockKey;
 use kvroute_proto::v1::{
-    Candidate, DecisionKind, Mode, ObserveRequest, Outcome, PickRequest, PickResponse,
+    BusyReplica, Candidate, DecisionKind, Mode, ObserveRequest, Outcome, PickRequest, PickResponse,
 };
 
 use crate::config::EndpointId;
@@ -547,6 +547,15 @@ fn classify(
         (None, false, _) => (DecisionKind::Load, "no_match"),
     };
     let mut resp = answer(shared, decision, reason, candidates);
+    resp.busy = score::busy(&snap.inputs, &shared.config.weights)
+        .into_iter()
+        .filter_map(|i| snap.eligible.get(i))
+        .map(|r| BusyReplica {
+            address: r.address().to_owned(),
+            data_parallel_rank: r.id().rank,
+        })
+        .collect();
+    resp.busy_known = true;
     resp.index_block_size = snap.index_block_size;
     resp.block_size_mismatch = snap.mismatch == Some(Mismatch::BlockSize);
     resp.key_scheme_mismatch = snap.mismatch == Some(Mismatch::KeyScheme);

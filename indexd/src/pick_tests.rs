@@ -757,3 +757,22 @@ fn picks_count_each_conversation_where_its_latest_turn_went() {
     assert_eq!(turns("new"), 2);
     assert_eq!(turns("stayed") + turns("moved"), 3);
 }
+
+#[test]
+fn ranked_answers_name_the_replicas_a_continuation_should_ask_about() {
+    let (s, reps) = shared(2, |c| c.speculative_ttl = Duration::ZERO);
+    let now = Instant::now();
+    let answer = pick(&s, &req(&[1]), now).unwrap();
+    assert!(answer.busy_known);
+    assert!(answer.busy.is_empty(), "idle replicas: none busy");
+    // vLLM reports requests waiting on one replica in two scrapes in a row.
+    reps[1].scrape_ok(2.0, 3.0, 0.1, now);
+    reps[1].scrape_ok(2.0, 1.0, 0.1, now);
+    let answer = pick(&s, &req(&[2]), now).unwrap();
+    let busy: Vec<_> = answer.busy.iter().map(|b| b.address.as_str()).collect();
+    assert_eq!(busy, [reps[1].address()]);
+    assert_eq!(answer.busy[0].data_parallel_rank, reps[1].id().rank);
+    // Gone from the latest scrape: not busy any more.
+    reps[1].scrape_ok(2.0, 0.0, 0.1, now);
+    assert!(pick(&s, &req(&[3]), now).unwrap().busy.is_empty());
+}

@@ -397,18 +397,71 @@ fn apply_move_rule(
     // several gateways route it (each sees the turns sent through it): the
     // replicas' own counts, every gateway's requests, must show more in
     // flight on the warm replica too.
-    let (warm_held, target_held) = (warm_input.load.conversations, cheapest.load.conversations);
-    let lasting = warm_input.load.waiting.min(warm_input.load.waiting_before) > 0.0
-        || (warm_held > target_held * (1.0 + w.move_imbalance)
-            && warm_held - target_held >= MIN_CONVERSATION_GAP
-            && warm_input.load.in_flight() > cheapest.load.in_flight());
-    if saving > w.move_margin * reprefill_seconds && lasting {
+    if saving > w.move_margin * reprefill_seconds && lasting(&warm_input.load, &cheapest.load, w) {
         return Move::Moved;
     }
     if let Some(head) = ranked.get_mut(..=at) {
         head.rotate_right(1);
     }
     Move::Held
+}
+
+/// Whether the load on a conversation's `warm` replica is a lasting reason
+/// to move it to `target` (the move rule's second condition, module docs):
+/// vLLM reported requests waiting on `warm` in two scrapes in a row, or this
+/// indexd holds a lasting imbalance of conversations there against
+/// `target`, which the replicas' own in-flight counts confirm.
+fn lasting(warm: &Load, target: &Load, w: &Weights) -> bool {
+    queued(warm) || (outnumbers(warm, target, w) && warm.in_flight() > target.in_flight())
+}
+
+/// vLLM reported requests waiting in two scrapes in a row.
+fn queued(load: &Load) -> bool {
+    load.waiting.min(load.waiting_before) > 0.0
+}
+
+/// This indexd has more than `1 + move_imbalance` times as many
+/// conversations on `warm` as on `target`, and two more.
+fn outnumbers(warm: &Load, target: &Load, w: &Weights) -> bool {
+    warm.conversations > target.conversations * (1.0 + w.move_imbalance)
+        && warm.conversations - target.conversations >= MIN_CONVERSATION_GAP
+}
+
+/// The inputs (indices) whose load is a lasting reason to move a
+/// conversation off them to some other input ([`lasting`]): where a
+/// continuation should be ranked again rather than follow its previous turn
+/// (the filter's `local_continuations`). Whether a move then pays is the
+/// Pick's to say. O(n log n) in the inputs.
+pub fn busy(inputs: &[Input], w: &Weights) -> Vec<usize> {
+    if inputs.len() < 2 {
+        return Vec::new();
+    }
+    // The targets by conversations, fewest first, and the fewest in flight
+    // among each prefix: those a replica outnumbers are a prefix, and it
+    // is busy if any of them has fewer requests in flight.
+    let mut targets: Vec<&Load> = inputs.iter().map(|i| &i.load).collect();
+    targets.sort_by(|a, b| a.conversations.total_cmp(&b.conversations));
+    let fewest_in_flight: Vec<f64> = targets
+        .iter()
+        .scan(f64::INFINITY, |m, l| {
+            *m = m.min(l.in_flight());
+            Some(*m)
+        })
+        .collect();
+    inputs
+        .iter()
+        .enumerate()
+        .filter(|(_, input)| {
+            let warm = &input.load;
+            let outnumbered = targets.partition_point(|t| outnumbers(warm, t, w));
+            queued(warm)
+                || outnumbered
+                    .checked_sub(1)
+                    .and_then(|k| fewest_in_flight.get(k))
+                    .is_some_and(|fewest| warm.in_flight() > *fewest)
+        })
+        .map(|(i, _)| i)
+        .collect()
 }
 
 /// Orders `inputs` by cost, then more matched blocks, fewer in flight, and
@@ -739,6 +792,66 @@ mod tests {
         // Gone from the latest scrape: held again.
         warm.load.waiting = 0.0;
         assert_eq!(verdict(&[warm, cold], 64 * 52), (Move::Held, 0));
+    }
+
+    #[test]
+    fn busy_replicas_are_those_the_move_rule_could_leave() {
+        let w = Weights::default();
+        let mut a = input(0, 0, 4.0, 0.0);
+        let mut b = input(0, 0, 4.0, 0.0);
+        let mut c = input(0, 0, 2.0, 0.0);
+        a.load.conversations = 4.0;
+        b.load.conversations = 4.0;
+        c.load.conversations = 4.0;
+        assert!(busy(&[a, b], &w).is_empty(), "even: none");
+        // A queue in one scrape: a burst of the moment.
+        a.load.waiting = 2.0;
+        assert!(busy(&[a, b], &w).is_empty());
+        // In two scrapes in a row: busy, whatever the others.
+        a.load.waiting_before = 1.0;
+        assert_eq!(busy(&[a, b], &w), vec![0]);
+        // A lasting imbalance against any one replica, confirmed by the
+        // replicas' own counts.
+        (a.load.waiting, a.load.waiting_before) = (0.0, 0.0);
+        b.load.conversations = 7.0;
+        assert!(
+            busy(&[a, b], &w).is_empty(),
+            "7 against 4, as many in flight"
+        );
+        b.load.running = 5.0;
+        assert_eq!(busy(&[a, b, c], &w), vec![1], "more in flight than both");
+        b.load.running = 3.0;
+        assert_eq!(busy(&[a, b, c], &w), vec![1], "more than the idle one");
+        // A lone replica has nowhere to move to.
+        (a.load.waiting, a.load.waiting_before) = (3.0, 3.0);
+        assert!(busy(&[a], &w).is_empty());
+    }
+
+    proptest::proptest! {
+        /// [`busy`]'s sorted prefix search says what the pairwise rule says.
+        #[test]
+        fn busy_agrees_with_the_pairwise_rule(
+            loads in proptest::collection::vec((0u8..9, 0u8..5, 0u8..3, 0u8..3), 0..10),
+            imbalance in proptest::sample::select(vec![0.0, 0.25, 1.0]),
+        ) {
+            let w = Weights { move_imbalance: imbalance, ..Weights::default() };
+            let inputs: Vec<Input> = loads
+                .iter()
+                .map(|&(conversations, running, waiting, before)| {
+                    let mut i = input(0, 0, f64::from(running), f64::from(waiting));
+                    i.load.waiting_before = f64::from(before);
+                    i.load.conversations = f64::from(conversations);
+                    i
+                })
+                .collect();
+            let pairwise: Vec<usize> = (0..inputs.len())
+                .filter(|&i| {
+                    (0..inputs.len())
+                        .any(|j| j != i && lasting(&inputs[i].load, &inputs[j].load, &w))
+                })
+                .collect();
+            proptest::prop_assert_eq!(busy(&inputs, &w), pairwise);
+        }
     }
 
     #[test]

@@ -4,7 +4,8 @@
 use std::rc::Rc;
 
 use kvroute_proto::v1::{
-    Api as WireApi, Candidate, DecisionKind, Mode as WireMode, PickRequest, PickResponse,
+    Api as WireApi, BusyReplica, Candidate, DecisionKind, Mode as WireMode, PickRequest,
+    PickResponse,
 };
 use kvroute_proto::{BlockSize, block_keys};
 use prost::Message;
@@ -182,6 +183,11 @@ pub(crate) fn answer(kind: DecisionKind, addrs: &[&str], rank: Option<u32>) -> V
             })
             .collect(),
         decision: kind.into(),
+        // As indexd answers: ranked answers say which replicas are busy.
+        busy_known: matches!(
+            kind,
+            DecisionKind::Precise | DecisionKind::Approximate | DecisionKind::Load
+        ),
         ..PickResponse::default()
     }
     .encode_to_vec()
@@ -960,6 +966,57 @@ fn local_continuations_skip_the_pick_for_that_many_turns_in_a_row() {
     h.next_stream();
     h.post("/v1/chat/completions", &tool_turn(4));
     assert_eq!(h.flow.reason(), Some(Reason::Continued));
+}
+
+#[test]
+fn local_continuations_ask_again_where_indexd_saw_a_lasting_queue_or_saw_nothing_lately() {
+    let mut h = Harness::new(r#""tokenize_at":"indexd","local_continuations":8"#);
+    // Turn 0 goes to 10.0.0.2:8000 (rank 1), which the answer calls busy.
+    h.post("/v1/chat/completions", &tool_turn(0));
+    let mut a =
+        PickResponse::decode(answer(DecisionKind::Precise, &["10.0.0.2:8000"], Some(1)).as_slice())
+            .unwrap();
+    a.busy = vec![BusyReplica {
+        address: "10.0.0.2:8000".into(),
+        data_parallel_rank: Some(1),
+    }];
+    h.index_answers(0, &a.encode_to_vec());
+    h.respond("200", "application/json", true);
+    // Turn 1: a Pick, which may move it.
+    h.next_stream();
+    assert_eq!(h.post("/v1/chat/completions", &tool_turn(1)), Action::Pause);
+    assert_eq!(h.host.grpc_calls.len(), 1);
+    assert_eq!(h.host.count_of(Counter::ContinuationBusy), 1);
+    // The answer keeps it there and calls no replica busy.
+    h.index_answers(
+        0,
+        &answer(DecisionKind::Precise, &["10.0.0.2:8000"], Some(1)),
+    );
+    h.respond("200", "application/json", true);
+    // Turn 2 follows turn 1 with no call.
+    h.next_stream();
+    assert_eq!(
+        h.post("/v1/chat/completions", &tool_turn(2)),
+        Action::Continue
+    );
+    assert_eq!(h.flow.reason(), Some(Reason::Continued));
+    assert!(h.host.grpc_calls.is_empty());
+    h.respond("200", "application/json", true);
+    // More than a second without an answer: the load is unknown, so turn 3
+    // asks, and its answer (an affinity answer says nothing of load) ...
+    h.host.now_us += (crate::config::defaults::CONTINUATION_LOAD_MS + 1) * 1_000;
+    h.next_stream();
+    assert_eq!(h.post("/v1/chat/completions", &tool_turn(3)), Action::Pause);
+    assert_eq!(h.host.count_of(Counter::ContinuationUnknownLoad), 1);
+    h.index_answers(
+        0,
+        &answer(DecisionKind::Affinity, &["10.0.0.2:8000"], Some(1)),
+    );
+    h.respond("200", "application/json", true);
+    // ... leaves it unknown for turn 4.
+    h.next_stream();
+    assert_eq!(h.post("/v1/chat/completions", &tool_turn(4)), Action::Pause);
+    assert_eq!(h.host.count_of(Counter::ContinuationUnknownLoad), 2);
 }
 
 #[test]

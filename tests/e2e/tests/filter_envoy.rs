@@ -16,7 +16,8 @@ use kvroute_e2e::{Envoy, http};
 use serde_json::{Value, json};
 use standins::{
     CHAT, DECISION, OVERRIDE, PRECISE, STALE, Script, Stub, TIMEOUT, assert_no_wasm_failure,
-    bridge, contains, decision, gateway_config, pick_answer, plugin_config, replica,
+    bridge, contains, decision, gateway_config, pick_answer, pick_answer_busy, plugin_config,
+    replica,
 };
 
 // ------------------------------------------------------------------ setup
@@ -117,6 +118,69 @@ fn the_pick_is_honoured_and_client_pins_are_not() {
     let stats = f.gateway.prometheus_stats().unwrap();
     assert!(stats.contains("kvroute_decisions_precise"), "{stats}");
     assert!(stats.contains("kvroute_decisions_index_stale"), "{stats}");
+    assert_no_wasm_failure(&f.gateway);
+}
+
+#[test]
+fn continuations_ask_again_where_indexd_saw_a_lasting_queue() {
+    let f = fleet(&json!({"remember": true, "local_continuations": 8}));
+    let (warm, other) = (f.replicas[1], f.replicas[2]);
+    let post = |messages: &Value| {
+        let body = json!({"model": "m", "messages": messages}).to_string();
+        let r = http::post(
+            &format!("{}/v1/chat/completions", f.url),
+            &[],
+            body.as_bytes(),
+            TIMEOUT,
+        )
+        .unwrap();
+        assert_eq!(r.status, 200, "{r:?}\n{}", f.gateway.log());
+        r
+    };
+    let picks = || f.index.seen("/kvroute.v1.Index/Pick").len();
+    // Turn 0: indexd picks the warm replica and calls it busy.
+    f.index.set(Script::Answer(pick_answer_busy(
+        PRECISE,
+        &[warm, other],
+        &[warm],
+    )));
+    let mut messages = json!([{"role": "user", "content": "hello there"}]);
+    let r = post(&messages);
+    assert_eq!(
+        (decision(&r), r.body.as_str()),
+        ("precise", warm.to_string().as_str())
+    );
+    // Turn 1 continues it, but its replica is busy: a Pick.
+    messages.as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": r.body}),
+        json!({"role": "user", "content": "and then?"}),
+    ]);
+    f.index.set(Script::Answer(pick_answer_busy(
+        PRECISE,
+        &[warm, other],
+        &[],
+    )));
+    let r = post(&messages);
+    assert_eq!(decision(&r), "precise");
+    assert_eq!(picks(), 2);
+    // That answer called nothing busy: turn 2 follows turn 1, no Pick.
+    messages.as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": r.body}),
+        json!({"role": "user", "content": "go on"}),
+    ]);
+    let r = post(&messages);
+    assert_eq!(
+        (decision(&r), r.body.as_str()),
+        ("continued", warm.to_string().as_str())
+    );
+    assert_eq!(picks(), 2);
+    let stats = f.gateway.prometheus_stats().unwrap();
+    let busy: Vec<&str> = stats
+        .lines()
+        .filter(|l| l.starts_with("kvroute_continuations_busy"))
+        .filter_map(|l| l.rsplit(' ').next())
+        .collect();
+    assert_eq!(busy, ["1"], "{stats}");
     assert_no_wasm_failure(&f.gateway);
 }
 

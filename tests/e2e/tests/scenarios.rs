@@ -131,6 +131,9 @@ fn picks(stack: &Stack) -> u64 {
 fn local_continuations_skip_the_pick_and_stay_warm() {
     let mut options = StackOptions::default();
     options.filter_overrides["local_continuations"] = json!(2);
+    // A loaded test machine may take seconds between turns: indexd's last
+    // answer on the replicas' load stays good for this test's length.
+    options.filter_overrides["continuation_load_ms"] = json!(60_000);
     let stack = Stack::start(options).unwrap();
     let mut messages = opening(31);
     let first = turn(&stack, &messages, None);

@@ -249,6 +249,20 @@ pub fn pick_answer(decision: u64, addrs: &[SocketAddr]) -> Vec<u8> {
     out
 }
 
+/// [`pick_answer`] from indexd's ranking, with the replicas it calls busy
+/// (`busy`, `busy_known`).
+pub fn pick_answer_busy(decision: u64, addrs: &[SocketAddr], busy: &[SocketAddr]) -> Vec<u8> {
+    let mut out = pick_answer(decision, addrs);
+    for a in busy {
+        let mut replica = Vec::new();
+        bytes_field(1, a.to_string().as_bytes(), &mut replica);
+        bytes_field(9, &replica, &mut out);
+    }
+    varint(10 << 3, &mut out);
+    varint(1, &mut out);
+    out
+}
+
 pub const PRECISE: u64 = 1;
 pub const STALE: u64 = 5;
 
