@@ -735,17 +735,14 @@ impl Flow {
             new_tokens,
             now,
         );
-        let action = self.finish(
+        Ok(self.finish_turn(
             host,
             Reason::Continued,
             Some(routed),
             recalled.rank,
             Via::Callback,
-        );
-        if let Stage::Done(decision) = &mut self.stage {
-            decision.local_turns = recalled.local_turns.saturating_add(1);
-        }
-        Ok(action)
+            recalled.local_turns.saturating_add(1),
+        ))
     }
 
     /// indexd could not route this request (`reason`): send it where its
@@ -800,6 +797,20 @@ impl Flow {
         rank: Option<u32>,
         via: Via,
     ) -> Action {
+        self.finish_turn(host, reason, routed, rank, via, 0)
+    }
+
+    /// [`Self::finish`] for a request that is the `local_turns`-th in a row
+    /// its conversation's memory routed without a Pick.
+    fn finish_turn(
+        &mut self,
+        host: &mut dyn Host,
+        reason: Reason,
+        routed: Option<Routed>,
+        rank: Option<u32>,
+        via: Via,
+        local_turns: u32,
+    ) -> Action {
         let started_us = match (&routed, &self.stage) {
             (Some(r), _) => Some(r.started_us),
             (None, Stage::Buffering { started_us, .. }) => Some(*started_us),
@@ -809,7 +820,7 @@ impl Flow {
             reason,
             routed,
             rank,
-            local_turns: 0,
+            local_turns,
         });
         host.count(Counter::Decision(reason));
         if let Some(started_us) = started_us {

@@ -105,17 +105,12 @@ pub enum RequestError {
         /// The limit.
         max: usize,
     },
-    /// More `completed_request_ids` than one Pick may carry.
-    #[error("{got} completed_request_ids exceed the limit of {max}")]
-    TooManyCompleted {
-        /// Ids in the request.
-        got: usize,
-        /// The limit.
-        max: usize,
-    },
-    /// More `continued` requests than one Pick may carry.
-    #[error("{got} continued requests exceed the limit of {max}")]
-    TooManyContinued {
+    /// More entries in a list (`completed_request_ids`, `continued`) than
+    /// one Pick may carry.
+    #[error("{got} {field} exceed the limit of {max}")]
+    TooManyEntries {
+        /// The list.
+        field: &'static str,
         /// Entries in the request.
         got: usize,
         /// The limit.
@@ -147,8 +142,7 @@ impl From<RequestError> for tonic::Status {
             RequestError::TooManyKeys { .. }
             | RequestError::BadEndpoint(_)
             | RequestError::IdTooLong { .. }
-            | RequestError::TooManyCompleted { .. }
-            | RequestError::TooManyContinued { .. }
+            | RequestError::TooManyEntries { .. }
             | RequestError::UnknownEndpoint(_)
             | RequestError::ModelNotServed { .. } => tonic::Status::invalid_argument(e.to_string()),
             RequestError::RateLimited => tonic::Status::resource_exhausted(e.to_string()),

@@ -163,20 +163,20 @@ fn validate(shared: &Shared, req: &PickRequest) -> Result<(), RequestError> {
         &req.previous_response_id,
         MAX_RESPONSE_ID_BYTES,
     )?;
-    if req.completed_request_ids.len() > MAX_COMPLETED_IDS {
-        return Err(RequestError::TooManyCompleted {
-            got: req.completed_request_ids.len(),
-            max: MAX_COMPLETED_IDS,
-        });
+    for (field, got) in [
+        ("completed_request_ids", req.completed_request_ids.len()),
+        ("continued requests", req.continued.len()),
+    ] {
+        if got > MAX_COMPLETED_IDS {
+            return Err(RequestError::TooManyEntries {
+                field,
+                got,
+                max: MAX_COMPLETED_IDS,
+            });
+        }
     }
     for id in &req.completed_request_ids {
         bounded("completed_request_ids", id, MAX_REQUEST_ID_BYTES)?;
-    }
-    if req.continued.len() > MAX_COMPLETED_IDS {
-        return Err(RequestError::TooManyContinued {
-            got: req.continued.len(),
-            max: MAX_COMPLETED_IDS,
-        });
     }
     Ok(())
 }

@@ -478,7 +478,10 @@ fn continued_entries_are_checked_and_aged() {
     r.continued = vec![continued("a", "10.0.0.1:8000", 1, 0); MAX_COMPLETED_IDS + 1];
     assert!(matches!(
         pick(&s, &r, now),
-        Err(RequestError::TooManyContinued { .. })
+        Err(RequestError::TooManyEntries {
+            field: "continued requests",
+            ..
+        })
     ));
 }
 
@@ -499,7 +502,10 @@ fn ids_are_bounded() {
     r.completed_request_ids = vec!["a".into(); MAX_COMPLETED_IDS + 1];
     assert!(matches!(
         pick(&s, &r, now),
-        Err(RequestError::TooManyCompleted { .. })
+        Err(RequestError::TooManyEntries {
+            field: "completed_request_ids",
+            ..
+        })
     ));
     let mut r = req(&[]);
     r.previous_response_id = "p".repeat(MAX_RESPONSE_ID_BYTES + 1);
