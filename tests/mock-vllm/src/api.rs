@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 
 use crate::engine::Replica;
 use crate::error::{ApiError, parse_json};
-use crate::metrics::metrics;
+use crate::metrics::{metrics, metrics_named};
 use crate::openai::{
     ChatBody, CompletionBody, chat_completions, chat_prompt, completion_prompt, completions,
 };
@@ -72,6 +72,7 @@ pub fn router(replica: Arc<Replica>) -> Router {
         .route("/version", get(version))
         .route("/v1/models", get(models))
         .route("/metrics", get(metrics))
+        .route("/metrics/", get(metrics_named))
         .route("/tokenize", post(tokenize))
         .route("/v1/completions/render", post(render_completion))
         .route("/v1/chat/completions/render", post(render_chat))

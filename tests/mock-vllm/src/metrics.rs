@@ -1,11 +1,15 @@
 //! `GET /metrics`: vLLM's Prometheus text, one series per data-parallel rank labelled
 //! `engine="<rank>"` (as vLLM labels each engine core), plus `model_name`.
+//!
+//! `GET /metrics/` answers as vLLM's `prometheus_client` mount does: with `name[]` query
+//! parameters, only the samples they name (a family's `# HELP`/`# TYPE` with the first of
+//! its samples kept); without, the whole page.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::header;
 use axum::response::IntoResponse;
 
@@ -165,10 +169,81 @@ pub async fn metrics(State(replica): State<Arc<Replica>>) -> impl IntoResponse {
     )
 }
 
+/// GET /metrics/ (see the module docs).
+pub async fn metrics_named(
+    State(replica): State<Arc<Replica>>,
+    Query(params): Query<Vec<(String, String)>>,
+) -> impl IntoResponse {
+    let names: Vec<&str> = params
+        .iter()
+        .filter(|(k, _)| k == "name[]")
+        .map(|(_, v)| v.as_str())
+        .collect();
+    let page = render(&replica);
+    let body = if names.is_empty() {
+        page
+    } else {
+        restrict(&page, &names)
+    };
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        body,
+    )
+}
+
+/// The samples of `page` named in `names`, each family's comment lines before its first.
+fn restrict(page: &str, names: &[&str]) -> String {
+    let mut out = String::new();
+    let mut comments: Vec<&str> = Vec::new();
+    for line in page.lines() {
+        if line.starts_with("# HELP") {
+            comments.clear();
+        }
+        if line.starts_with('#') {
+            comments.push(line);
+            continue;
+        }
+        let name = line.split(['{', ' ']).next().unwrap_or_default();
+        if names.contains(&name) {
+            for c in comments.drain(..) {
+                let _ = writeln!(out, "{c}");
+            }
+            let _ = writeln!(out, "{line}");
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::config::Config;
+
+    #[test]
+    fn named_samples_only_as_prometheus_client_restricts() {
+        let r = Replica::new(Config::default(), "r".to_owned(), Vec::new());
+        let page = render(&r);
+        let some = restrict(
+            &page,
+            &[
+                "vllm:num_requests_waiting",
+                "vllm:request_prefill_time_seconds_sum",
+            ],
+        );
+        assert_eq!(
+            some,
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n\
+             # TYPE vllm:num_requests_waiting gauge\n\
+             vllm:num_requests_waiting{engine=\"0\",model_name=\"mock-model\"} 0.0\n\
+             # HELP vllm:request_prefill_time_seconds Histogram of time spent in PREFILL phase for request.\n\
+             # TYPE vllm:request_prefill_time_seconds histogram\n\
+             vllm:request_prefill_time_seconds_sum{engine=\"0\",model_name=\"mock-model\"} 0.0\n"
+        );
+        assert_eq!(restrict(&page, &["vllm:nothing"]), "");
+    }
 
     #[test]
     fn one_series_per_rank() {
