@@ -556,6 +556,10 @@ fn classify(
         })
         .collect();
     resp.busy_known = true;
+    if !resp.busy.is_empty() && tracing::enabled!(tracing::Level::DEBUG) {
+        let busy: Vec<&str> = resp.busy.iter().map(|b| b.address.as_str()).collect();
+        tracing::debug!(request_id = %req.request_id, ?busy, "pick: busy replicas");
+    }
     resp.index_block_size = snap.index_block_size;
     resp.block_size_mismatch = snap.mismatch == Some(Mismatch::BlockSize);
     resp.key_scheme_mismatch = snap.mismatch == Some(Mismatch::KeyScheme);
