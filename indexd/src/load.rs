@@ -483,6 +483,21 @@ vllm:request_prefill_kv_computed_tokens_count{engine=\"1\",model_name=\"m\"} 1.0
         (addr, calls)
     }
 
+    /// Two scrapes of `addr`'s `/metrics`, the page's form kept between
+    /// them, and the form after each.
+    async fn twice(client: &reqwest::Client, addr: SocketAddr) -> [(ScrapedLoad, Page); 2] {
+        let url = HttpUrl::parse(&format!("http://{addr}/metrics")).unwrap();
+        let mut page = Page::Untried;
+        let t = Duration::from_secs(5);
+        let mut scrape = async || {
+            let load = fetch_metrics(client, &url, &mut page, (&"r0", None), t)
+                .await
+                .unwrap();
+            (load, page)
+        };
+        [scrape().await, scrape().await]
+    }
+
     #[tokio::test]
     async fn only_the_series_read_are_asked_for_and_the_whole_page_is_the_fallback() {
         use axum::http::StatusCode;
@@ -496,12 +511,7 @@ vllm:request_prefill_kv_computed_tokens_count{engine=\"1\",model_name=\"m\"} 1.0
             (StatusCode::OK, "vllm:num_requests_waiting 3\n".into())
         })
         .await;
-        let url = HttpUrl::parse(&format!("http://{addr}/metrics")).unwrap();
-        let mut page = Page::Untried;
-        for _ in 0..2 {
-            let load = fetch_metrics(&client, &url, &mut page, (&id, None), t)
-                .await
-                .unwrap();
+        for (load, page) in twice(&client, addr).await {
             assert_eq!((load.waiting, page), (3.0, Page::Filtered));
         }
         let n = |c: &Arc<[AtomicUsize; 2]>| [0, 1].map(|i| c[i].load(Ordering::SeqCst));
@@ -514,12 +524,7 @@ vllm:request_prefill_kv_computed_tokens_count{engine=\"1\",model_name=\"m\"} 1.0
             |_| (StatusCode::OK, "<html>metrics</html>".into()),
         ] {
             let (addr, calls) = metrics_server(narrow).await;
-            let url = HttpUrl::parse(&format!("http://{addr}/metrics")).unwrap();
-            let mut page = Page::Untried;
-            for _ in 0..2 {
-                let load = fetch_metrics(&client, &url, &mut page, (&id, None), t)
-                    .await
-                    .unwrap();
+            for (load, page) in twice(&client, addr).await {
                 assert_eq!((load.running, page), (2.0, Page::Whole));
             }
             assert_eq!(n(&calls), [2, 1]);

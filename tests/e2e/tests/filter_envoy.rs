@@ -69,14 +69,19 @@ fn fleet(extra: &Value) -> Fleet {
 }
 
 impl Fleet {
-    fn chat(&self, headers: &[(&str, &str)]) -> http::Response {
-        let r = http::post(
+    /// POSTs `body` to the gateway's chat route.
+    fn post(&self, headers: &[(&str, &str)], body: &[u8]) -> http::Response {
+        http::post(
             &format!("{}/v1/chat/completions", self.url),
             headers,
-            CHAT.as_bytes(),
+            body,
             TIMEOUT,
         )
-        .unwrap();
+        .unwrap()
+    }
+
+    fn chat(&self, headers: &[(&str, &str)]) -> http::Response {
+        let r = self.post(headers, CHAT.as_bytes());
         assert_eq!(r.status, 200, "{r:?}\n{}", self.gateway.log());
         r
     }
@@ -127,13 +132,7 @@ fn continuations_ask_again_where_indexd_saw_a_lasting_queue() {
     let (warm, other) = (f.replicas[1], f.replicas[2]);
     let post = |messages: &Value| {
         let body = json!({"model": "m", "messages": messages}).to_string();
-        let r = http::post(
-            &format!("{}/v1/chat/completions", f.url),
-            &[],
-            body.as_bytes(),
-            TIMEOUT,
-        )
-        .unwrap();
+        let r = f.post(&[], body.as_bytes());
         assert_eq!(r.status, 200, "{r:?}\n{}", f.gateway.log());
         r
     };
@@ -250,13 +249,7 @@ fn failures_end_in_200s_through_least_request() {
     f.tokenizer
         .set(Script::Answer(br#"{"tokens":[1,2]}"#.to_vec()));
     assert_eq!(decision(&f.chat(&[])), "short_prompt");
-    let r = http::post(
-        &format!("{}/v1/chat/completions", f.url),
-        &[],
-        b"{not json",
-        TIMEOUT,
-    )
-    .unwrap();
+    let r = f.post(&[], b"{not json");
     assert_eq!((r.status, decision(&r)), (200, "unparseable"));
     // Non-routed paths are untouched.
     let r = http::get(&format!("{}/v1/models", f.url), &[], TIMEOUT).unwrap();
@@ -454,13 +447,7 @@ fn big_bodies_pass_unrouted_and_approximate_mode_needs_no_tokenizer() {
     // 3 MiB: over max_body_bytes (960 KiB) and over Envoy's 1 MiB buffer.
     let text = "x".repeat(3 << 20);
     let body = json!({"model": "m", "messages": [{"role": "user", "content": text}]}).to_string();
-    let r = http::post(
-        &format!("{}/v1/chat/completions", f.url),
-        &[],
-        body.as_bytes(),
-        TIMEOUT,
-    )
-    .unwrap();
+    let r = f.post(&[], body.as_bytes());
     assert_eq!(
         (r.status, decision(&r)),
         (200, "body_too_large"),
@@ -471,13 +458,7 @@ fn big_bodies_pass_unrouted_and_approximate_mode_needs_no_tokenizer() {
     // 600 KiB arrives in several chunks and is buffered whole.
     let text = "y".repeat(600 << 10);
     let body = json!({"model": "m", "messages": [{"role": "user", "content": text}]}).to_string();
-    let r = http::post(
-        &format!("{}/v1/chat/completions", f.url),
-        &[],
-        body.as_bytes(),
-        TIMEOUT,
-    )
-    .unwrap();
+    let r = f.post(&[], body.as_bytes());
     assert_eq!(
         (r.status, decision(&r)),
         (200, "precise"),
