@@ -28,7 +28,7 @@ use std::time::Duration;
 use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::calibrate::PrefillCounters;
-use crate::config::HttpUrl;
+use crate::config::{EndpointId, HttpUrl};
 use crate::error::ScrapeError;
 use crate::state::{Replica, Shared};
 
@@ -49,13 +49,13 @@ pub(crate) async fn run(shared: Arc<Shared>, replica: Arc<Replica>) {
     };
     let mut tick = tokio::time::interval(shared.config.scrape_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut page = Page::Untried;
+    let mut page = replica.config.metrics_url.as_ref().map(MetricsPage::new);
     loop {
         tokio::select! {
             () = replica.cancel.cancelled() => return,
             _ = tick.tick() => {}
         }
-        scrape_once(&shared, &replica, &client, &mut page).await;
+        scrape_once(&shared, &replica, &client, page.as_mut()).await;
     }
 }
 
@@ -103,58 +103,79 @@ pub(crate) fn filtered(url: &HttpUrl) -> Option<HttpUrl> {
     })
 }
 
-/// Fetches the metrics page in `page`'s form, moving to the whole page
-/// when the filtered form answers unusably.
-async fn fetch_metrics(
-    client: &reqwest::Client,
-    url: &HttpUrl,
-    page: &mut Page,
-    (endpoint, rank): (&(dyn std::fmt::Display + Sync), Option<u32>),
-    timeout: Duration,
-) -> Result<ScrapedLoad, ScrapeError> {
-    if *page != Page::Whole
-        && let Some(narrow) = filtered(url)
-    {
-        let why = match get(client, &narrow, timeout).await {
-            Ok(body) => {
-                let load = parse_vllm_metrics(&String::from_utf8_lossy(&body), rank);
-                if load.seen {
-                    *page = Page::Filtered;
-                    return Ok(load);
-                }
-                "its answer has no vllm:num_requests_* series".to_owned()
-            }
-            // Answered, but not as vLLM does: the whole page from now on.
-            // Once it worked, only a client error says so (a replica
-            // replaced by another server); a server error is a failed
-            // scrape like any other.
-            Err(ScrapeError::Status(status))
-                if *page == Page::Untried || (400..500).contains(&status) =>
-            {
-                format!("it answers HTTP {status}")
-            }
-            Err(e) => return Err(e),
-        };
-        tracing::info!(%endpoint, url = %narrow, why, "the filtered metrics page is not served as vLLM serves it: scraping the whole page");
-        *page = Page::Whole;
-    }
-    let body = get(client, url, timeout).await?;
-    Ok(parse_vllm_metrics(&String::from_utf8_lossy(&body), rank))
+/// A replica's metrics page: its URL, the filtered form of it (built once),
+/// and which of the two is asked for.
+pub(crate) struct MetricsPage {
+    whole: HttpUrl,
+    narrow: Option<HttpUrl>,
+    form: Page,
 }
 
-/// One scrape of metrics and capacity; `page` is how this replica's
-/// metrics are asked for, kept between scrapes.
+impl MetricsPage {
+    /// The page at `url`, its filtered form untried ([`Page::Whole`] when
+    /// `url` has a query of its own).
+    pub(crate) fn new(url: &HttpUrl) -> Self {
+        let narrow = filtered(url);
+        Self {
+            whole: url.clone(),
+            form: if narrow.is_some() {
+                Page::Untried
+            } else {
+                Page::Whole
+            },
+            narrow,
+        }
+    }
+
+    /// Fetches the page in its current form for replica `id`, moving to
+    /// the whole page when the filtered form answers unusably.
+    async fn fetch(
+        &mut self,
+        client: &reqwest::Client,
+        id: &EndpointId,
+        timeout: Duration,
+    ) -> Result<ScrapedLoad, ScrapeError> {
+        if let (Some(narrow), Page::Untried | Page::Filtered) = (&self.narrow, self.form) {
+            let why = match get(client, narrow, timeout).await {
+                Ok(body) => {
+                    let load = parse_vllm_metrics(&String::from_utf8_lossy(&body), id.rank);
+                    if load.seen {
+                        self.form = Page::Filtered;
+                        return Ok(load);
+                    }
+                    "its answer has no vllm:num_requests_* series".to_owned()
+                }
+                // Answered, but not as vLLM does: the whole page from now
+                // on. Once it worked, only a client error says so (a
+                // replica replaced by another server); a server error is a
+                // failed scrape like any other.
+                Err(ScrapeError::Status(status))
+                    if self.form == Page::Untried || (400..500).contains(&status) =>
+                {
+                    format!("it answers HTTP {status}")
+                }
+                Err(e) => return Err(e),
+            };
+            tracing::info!(endpoint = %id, url = %narrow, why, "the filtered metrics page is not served as vLLM serves it: scraping the whole page");
+            self.form = Page::Whole;
+        }
+        let body = get(client, &self.whole, timeout).await?;
+        Ok(parse_vllm_metrics(&String::from_utf8_lossy(&body), id.rank))
+    }
+}
+
+/// One scrape of metrics (`page`: the replica's `metrics_url`, kept between
+/// scrapes) and capacity.
 pub(crate) async fn scrape_once(
     shared: &Shared,
     replica: &Replica,
     client: &reqwest::Client,
-    page: &mut Page,
+    page: Option<&mut MetricsPage>,
 ) {
     let timeout = shared.config.scrape_timeout;
-    if let Some(url) = &replica.config.metrics_url {
+    if let Some(page) = page {
         let started = std::time::Instant::now();
-        let id = replica.id();
-        match fetch_metrics(client, url, page, (&id, id.rank), timeout).await {
+        match page.fetch(client, replica.id(), timeout).await {
             Ok(load) => {
                 replica.scrape_ok(load.running, load.waiting, load.kv_usage, started);
                 if let Some(counters) = load.prefill {
@@ -166,7 +187,7 @@ pub(crate) async fn scrape_once(
             Err(e) => {
                 shared.metrics.scrapes.inc(["error"]);
                 if replica.scrape_failed(shared.config.unhealthy_after.get()) {
-                    tracing::warn!(endpoint = %replica.id(), url = %url, error = %e, "replica unhealthy: /metrics scrape failing");
+                    tracing::warn!(endpoint = %replica.id(), url = %page.whole, error = %e, "replica unhealthy: /metrics scrape failing");
                 } else {
                     tracing::debug!(endpoint = %replica.id(), error = %e, "scrape failed");
                 }
@@ -491,16 +512,23 @@ vllm:request_prefill_kv_computed_tokens_count{engine=\"1\",model_name=\"m\"} 1.0
     /// Two scrapes of `addr`'s `/metrics`, the page's form kept between
     /// them, and the form after each.
     async fn twice(client: &reqwest::Client, addr: SocketAddr) -> [(ScrapedLoad, Page); 2] {
-        let url = HttpUrl::parse(&format!("http://{addr}/metrics")).unwrap();
-        let mut page = Page::Untried;
+        let mut page = page_of(addr);
         let t = Duration::from_secs(5);
         let mut scrape = async || {
-            let load = fetch_metrics(client, &url, &mut page, (&"r0", None), t)
-                .await
-                .unwrap();
-            (load, page)
+            let load = page.fetch(client, &ID, t).await.unwrap();
+            (load, page.form)
         };
         [scrape().await, scrape().await]
+    }
+
+    const ID: EndpointId = EndpointId {
+        address: SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 1),
+        rank: None,
+    };
+
+    /// `addr`'s `/metrics`, its filtered form untried.
+    fn page_of(addr: SocketAddr) -> MetricsPage {
+        MetricsPage::new(&HttpUrl::parse(&format!("http://{addr}/metrics")).unwrap())
     }
 
     #[tokio::test]
@@ -508,7 +536,6 @@ vllm:request_prefill_kv_computed_tokens_count{engine=\"1\",model_name=\"m\"} 1.0
         use axum::http::StatusCode;
         let client = client().unwrap();
         let t = Duration::from_secs(5);
-        let id = "r0";
         // vLLM: `/metrics/` renders only the samples named.
         let (addr, calls) = metrics_server(|q| {
             let q = q.unwrap_or_default();
@@ -537,32 +564,27 @@ vllm:request_prefill_kv_computed_tokens_count{engine=\"1\",model_name=\"m\"} 1.0
         // Once it worked, a client error (another server in its place)
         // gives the filtered form up...
         let (addr, _) = metrics_server(|_| (StatusCode::NOT_FOUND, String::new())).await;
-        let url = HttpUrl::parse(&format!("http://{addr}/metrics")).unwrap();
-        let mut page = Page::Filtered;
-        let load = fetch_metrics(&client, &url, &mut page, (&id, None), t).await;
-        assert_eq!((load.unwrap().running, page), (2.0, Page::Whole));
+        let mut page = page_of(addr);
+        page.form = Page::Filtered;
+        let load = page.fetch(&client, &ID, t).await;
+        assert_eq!((load.unwrap().running, page.form), (2.0, Page::Whole));
         // ... a server error is a failed scrape, not a reason to.
         let (addr, _) = metrics_server(|_| (StatusCode::SERVICE_UNAVAILABLE, String::new())).await;
-        let url = HttpUrl::parse(&format!("http://{addr}/metrics")).unwrap();
-        let mut page = Page::Filtered;
-        let r = fetch_metrics(&client, &url, &mut page, (&id, None), t).await;
+        let mut page = page_of(addr);
+        page.form = Page::Filtered;
+        let r = page.fetch(&client, &ID, t).await;
         assert!(matches!(r, Err(ScrapeError::Status(503))), "{r:?}");
-        assert_eq!(page, Page::Filtered);
+        assert_eq!(page.form, Page::Filtered);
         // Nothing listening: not answered, still untried.
         let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url =
-            HttpUrl::parse(&format!("http://{}/metrics", closed.local_addr().unwrap())).unwrap();
+        let mut page = page_of(closed.local_addr().unwrap());
         drop(closed);
-        let mut page = Page::Untried;
-        assert!(
-            fetch_metrics(&client, &url, &mut page, (&id, None), t)
-                .await
-                .is_err()
-        );
-        assert_eq!(page, Page::Untried);
+        assert!(page.fetch(&client, &ID, t).await.is_err());
+        assert_eq!(page.form, Page::Untried);
         // A query of its own: scraped as given.
         let url = HttpUrl::parse("http://h:1/metrics?format=x").unwrap();
         assert_eq!(filtered(&url), None);
+        assert_eq!(MetricsPage::new(&url).form, Page::Whole);
         let url = HttpUrl::parse("http://h:1/stats/").unwrap();
         assert!(
             filtered(&url)
