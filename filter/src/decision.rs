@@ -461,6 +461,8 @@ impl Flow {
             completed_request_ids,
             continued,
             key_scheme: SCHEME_VERSION.to_owned(),
+            // Only continuations routed from the memory need them ([`busy`]).
+            want_busy: self.cfg.local_continuations > 0,
             ..PickRequest::default()
         }
     }

@@ -547,15 +547,17 @@ fn classify(
         (None, false, _) => (DecisionKind::Load, "no_match"),
     };
     let mut resp = answer(shared, decision, reason, candidates);
-    resp.busy = score::busy(&snap.inputs, &shared.config.weights)
-        .into_iter()
-        .filter_map(|i| snap.eligible.get(i))
-        .map(|r| BusyReplica {
-            address: r.address().to_owned(),
-            data_parallel_rank: r.id().rank,
-        })
-        .collect();
-    resp.busy_known = true;
+    if req.want_busy {
+        resp.busy = score::busy(&snap.inputs, &shared.config.weights)
+            .into_iter()
+            .filter_map(|i| snap.eligible.get(i))
+            .map(|r| BusyReplica {
+                address: r.address().to_owned(),
+                data_parallel_rank: r.id().rank,
+            })
+            .collect();
+        resp.busy_known = true;
+    }
     if !resp.busy.is_empty() && tracing::enabled!(tracing::Level::DEBUG) {
         let busy: Vec<&str> = resp.busy.iter().map(|b| b.address.as_str()).collect();
         tracing::debug!(request_id = %req.request_id, ?busy, "pick: busy replicas");

@@ -768,6 +768,10 @@ fn picks_count_each_conversation_where_its_latest_turn_went() {
 fn ranked_answers_name_the_replicas_a_continuation_should_ask_about() {
     let (s, reps) = shared(2, |c| c.speculative_ttl = Duration::ZERO);
     let now = Instant::now();
+    let req = |keys: &[u64]| PickRequest {
+        want_busy: true,
+        ..req(keys)
+    };
     let answer = pick(&s, &req(&[1]), now).unwrap();
     assert!(answer.busy_known);
     assert!(answer.busy.is_empty(), "idle replicas: none busy");
@@ -781,4 +785,20 @@ fn ranked_answers_name_the_replicas_a_continuation_should_ask_about() {
     // Gone from the latest scrape: not busy any more.
     reps[1].scrape_ok(2.0, 0.0, 0.1, now);
     assert!(pick(&s, &req(&[3]), now).unwrap().busy.is_empty());
+}
+
+#[test]
+fn only_a_pick_that_asks_gets_the_busy_replicas() {
+    let (s, reps) = shared(2, |c| c.speculative_ttl = Duration::ZERO);
+    let now = Instant::now();
+    reps[1].scrape_ok(2.0, 3.0, 0.1, now);
+    reps[1].scrape_ok(2.0, 1.0, 0.1, now);
+    let answer = pick(&s, &req(&[1]), now).unwrap();
+    assert!(!answer.busy_known);
+    assert!(answer.busy.is_empty());
+    let asked = PickRequest {
+        want_busy: true,
+        ..req(&[2])
+    };
+    assert_eq!(pick(&s, &asked, now).unwrap().busy.len(), 1);
 }

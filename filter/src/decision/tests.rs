@@ -233,6 +233,10 @@ fn precise_decision_sets_the_ordered_override_list_and_rank() {
         .map(|k| k.as_u64())
         .collect();
     assert_eq!(pick.block_keys, want);
+    assert!(
+        !pick.want_busy,
+        "no local_continuations: no busy list asked for"
+    );
     assert_eq!(pick.block_keys.len(), 3);
     assert_eq!(pick.model, "m");
     assert_eq!(pick.block_size, 64);
@@ -719,6 +723,10 @@ fn keys_are_capped_at_max_pick_keys_keeping_the_prefix() {
     let all = block_keys(&ids, BlockSize::new(4).unwrap(), Some("tenant-a"));
     let want: Vec<u64> = all.iter().take(2).map(|k| k.as_u64()).collect();
     assert_eq!(pick.block_keys, want);
+    assert!(
+        !pick.want_busy,
+        "no local_continuations: no busy list asked for"
+    );
     assert_eq!(pick.prompt_tokens, 40, "the whole prompt still counts");
 }
 
@@ -951,6 +959,10 @@ fn local_continuations_skip_the_pick_for_that_many_turns_in_a_row() {
     // That Pick tells indexd of the two: where they went, when, what they
     // add; and that they (and turn 0) were answered.
     let pick = h.pick_request();
+    assert!(
+        pick.want_busy,
+        "routing from the memory needs the busy list"
+    );
     assert_eq!(pick.continued.len(), 2);
     for (c, turn) in pick.continued.iter().zip(1..) {
         assert_eq!(c.address, "10.0.0.2:8000");
