@@ -46,9 +46,9 @@ sglang-router-cache-aware, sticky-oracle (client-side affinity: the latency refe
 The replicas start once per cache size and are shared by the runs; each run's prompts
 carry a nonce of their own, so no profile finds another's blocks. With --rounds N, every
 workload runs N rounds of every profile (the order rotated each round), pooled in the
-summary, which also gives the ratio to the sticky oracle round by round; w2 and w2-salted
-run --one-gateway-rounds instead; samples.csv numbers round k's conversations from
-(k - 1) x 1000.";
+summary, which also gives the ratio to the sticky oracle (and the hit's difference) round
+by round; w2 and w2-salted run --one-gateway-rounds instead, w3 --pressure-rounds;
+samples.csv numbers round k's conversations from (k - 1) x 1000.";
 
 /// The `vllm` subcommand's flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -92,6 +92,11 @@ pub struct Args {
     /// every profile takes about 40 s).
     #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u32).range(1..=20))]
     pub one_gateway_rounds: u32,
+    /// Rounds of w3-lite instead (a round of one profile takes about 2 s
+    /// there, and which blocks an overfull cache keeps follows the timing:
+    /// one round's hit ratio moves by a point or more whatever the router).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub pressure_rounds: u32,
     /// How each gateway's Envoy reaches its indexd: a Unix socket, as the
     /// deploy files do (envoy/envoy.yaml, the DaemonSet's socket), or TCP on
     /// loopback.
@@ -116,7 +121,8 @@ impl Args {
     fn rounds_of(&self, kind: LiteKind) -> u32 {
         match kind {
             LiteKind::W2 | LiteKind::W2Salted => self.one_gateway_rounds,
-            LiteKind::W1 | LiteKind::W4 | LiteKind::W3 => self.rounds,
+            LiteKind::W3 => self.pressure_rounds,
+            LiteKind::W1 | LiteKind::W4 => self.rounds,
         }
     }
 }

@@ -75,6 +75,12 @@ pub struct Group {
     /// the machine, which the pooled ratio's CI does not show.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub vs_sticky_rounds: Vec<f64>,
+    /// Its hit ratio less the sticky oracle's, round by round, in
+    /// percentage points (two rounds or more): under cache pressure, which
+    /// blocks survive follows the timing, and one round's hit moves by a
+    /// point or more whatever the placement.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hit_vs_sticky_rounds: Vec<f64>,
     /// Continuations served by another replica than the request they continue.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moves: Option<usize>,
@@ -169,14 +175,31 @@ pub fn summarize(samples: &[Sample]) -> Summary {
 /// multi-round run's samples (a workload has far fewer conversations).
 pub const ROUND_CONVERSATIONS: u32 = 1_000;
 
+/// The round a sample belongs to (module docs of `ROUND_CONVERSATIONS`).
+const fn round_of(s: &Sample) -> u32 {
+    s.conversation / ROUND_CONVERSATIONS
+}
+
+/// Hit ratio of the continuations per round, in percent: `(round, hit)`,
+/// ascending (rounds without prompt tokens left out).
+fn round_hits(rows: &[&Sample]) -> BTreeMap<u32, f64> {
+    let mut by_round: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
+    for s in rows.iter().filter(|s| s.ok() && s.is_continuation()) {
+        let e = by_round.entry(round_of(s)).or_default();
+        e.0 += s.cached_tokens;
+        e.1 += s.prompt_tokens;
+    }
+    by_round
+        .into_iter()
+        .filter_map(|(r, (cached, prompt))| ratio(cached, prompt).map(|h| (r, 100.0 * h)))
+        .collect()
+}
+
 /// Mean continuation latency per round: `(round, mean)`, ascending.
 fn round_means(rows: &[&Sample]) -> BTreeMap<u32, f64> {
     let mut by_round: BTreeMap<u32, Vec<f64>> = BTreeMap::new();
     for s in rows.iter().filter(|s| s.ok() && s.is_continuation()) {
-        by_round
-            .entry(s.conversation / ROUND_CONVERSATIONS)
-            .or_default()
-            .push(s.latency_ms);
+        by_round.entry(round_of(s)).or_default().push(s.latency_ms);
     }
     by_round
         .into_iter()
@@ -225,6 +248,11 @@ fn against_sticky(by_profile: &[((String, String), Vec<&Sample>)], groups: &mut 
                     sticky_rounds.get(r).filter(|s| **s > 0.0).map(|s| mean / s)
                 })
                 .collect();
+            let sticky_hits = round_hits(sticky_rows);
+            g.hit_vs_sticky_rounds = round_hits(rows)
+                .iter()
+                .filter_map(|(r, hit)| sticky_hits.get(r).map(|s| hit - s))
+                .collect();
         }
         let moves: Vec<&&Sample> = rows.iter().filter(|s| s.ok() && s.moved()).collect();
         let unpaid = moves
@@ -258,6 +286,19 @@ fn against_sticky(by_profile: &[((String, String), Vec<&Sample>)], groups: &mut 
                 .sum(),
         );
     }
+}
+
+/// `"6: −1.2–+0.8, −0.1 ± 0.6"` (rounds, range, mean ± CI95 of
+/// percentage points), or `–`.
+fn by_round_points(points: &[f64]) -> String {
+    if points.len() < 2 {
+        return "–".to_owned();
+    }
+    let d = Dist::of(points);
+    format!(
+        "{}: {:+.1}–{:+.1}, {:+.2} ± {:.2}",
+        d.n, d.min, d.max, d.mean, d.ci95
+    )
 }
 
 /// `"6: 0.82–1.30, 1.02 ± 0.18"` (rounds, range, mean ± CI95), or `–`.
@@ -303,6 +344,7 @@ fn group(workload: String, profile: String, rows: &[&Sample]) -> Group {
         all_latency_ms: Dist::of(&all),
         vs_sticky: None,
         vs_sticky_rounds: Vec::new(),
+        hit_vs_sticky_rounds: Vec::new(),
         moves: None,
         unpaid_moves: None,
         moves_reprefilled_tokens: None,
@@ -338,7 +380,8 @@ impl Summary {
                  vs sticky: mean continuation latency over the sticky oracle's; by round (runs \
                  with rounds): the same ratio in each round, its range and mean ± CI95 (t): one \
                  round's ratio moves with the shared machine far more than the pooled samples' \
-                 CI shows. Moves: \
+                 CI shows; hit Δ by round: its hit ratio less the sticky oracle's in each \
+                 round, in percentage points (range, mean ± CI95). Moves: \
                  continuations served by another replica than the request they continue; did \
                  not pay: moves that re-prefilled tokens the best replica held (cached < oracle) \
                  and were slower than the same turn under the sticky oracle; re-prefilled: \
@@ -353,8 +396,8 @@ impl Summary {
                 .any(|g| g.workload == w && g.moves.is_some());
             let (extra_head, extra_rule) = if sticky {
                 (
-                    " vs sticky | by round | moves | did not pay | re-prefilled | load split |",
-                    "---:|---:|---:|---:|---:|---:|",
+                    " vs sticky | by round | hit Δ by round | moves | did not pay | re-prefilled | load split |",
+                    "---:|---:|---:|---:|---:|---:|---:|",
                 )
             } else {
                 ("", "")
@@ -368,10 +411,11 @@ impl Summary {
             for g in self.groups.iter().filter(|g| g.workload == w) {
                 let extra = if sticky {
                     format!(
-                        " {} | {} | {} | {} | {} | {} |",
+                        " {} | {} | {} | {} | {} | {} | {} |",
                         g.vs_sticky
                             .map_or_else(|| "n/a".to_owned(), |r| format!("{r:.2}×")),
                         by_round(&g.vs_sticky_rounds),
+                        by_round_points(&g.hit_vs_sticky_rounds),
                         g.moves.map_or_else(|| "n/a".to_owned(), |n| n.to_string()),
                         g.unpaid_moves
                             .map_or_else(|| "n/a".to_owned(), |n| n.to_string()),
@@ -574,7 +618,7 @@ mod tests {
         assert_eq!((sticky.moves, sticky.vs_sticky), (Some(0), Some(1.0)));
         let md = s.to_markdown();
         assert!(
-            md.contains("| 1.75× | – | 2 | 1 | 160 | 2/2 (50%) |"),
+            md.contains("| 1.75× | – | – | 2 | 1 | 160 | 2/2 (50%) |"),
             "{md}"
         );
         assert!(lr.vs_sticky_rounds.is_empty(), "one round: no spread");
@@ -590,11 +634,13 @@ mod tests {
         let mut samples = Vec::new();
         // Two rounds; the sticky oracle 100 then 200 ms, the router 150
         // then 200 ms: 1.5× and 1.0× by round, 350 / 300 pooled.
-        for (round, sticky_ms, lr_ms) in [(0, 100.0, 150.0), (1, 200.0, 200.0)] {
+        // Of 100 prompt tokens, the oracle caches 90 both times, the router
+        // 80 then 95: −10 and +5 points.
+        for (round, sticky_ms, lr_ms, lr_cached) in [(0, 100.0, 150.0, 80), (1, 200.0, 200.0, 95)] {
             let c = round * ROUND_CONVERSATIONS;
             let mut s = pair(STICKY_ORACLE, c, "r0", "r0", 90, 90);
             s[1].latency_ms = sticky_ms;
-            let mut l = pair("lr", c, "r0", "r0", 90, 90);
+            let mut l = pair("lr", c, "r0", "r0", lr_cached, 90);
             l[1].latency_ms = lr_ms;
             samples.extend(s);
             samples.extend(l);
@@ -606,6 +652,10 @@ mod tests {
         assert!((pooled - 350.0 / 300.0).abs() < 1e-9, "{pooled}");
         let md = s.to_markdown();
         assert!(md.contains("| 2: 1.00–1.50, 1.25 ± "), "{md}");
+        assert_eq!(lr.hit_vs_sticky_rounds.len(), 2);
+        assert!((lr.hit_vs_sticky_rounds[0] + 10.0).abs() < 1e-9);
+        assert!((lr.hit_vs_sticky_rounds[1] - 5.0).abs() < 1e-9);
+        assert!(md.contains("| 2: -10.0–+5.0, -2.50 ± "), "{md}");
         let json: serde_json::Value = serde_json::from_str(&s.to_json().unwrap()).unwrap();
         let rounds = json["groups"]
             .as_array()

@@ -109,7 +109,7 @@ fn summarize_reproduces_the_run_exactly() {
     assert_eq!(json, kvroute_bench::summarize(&samples).to_json().unwrap());
     let md = std::fs::read_to_string(run.path().join("summary.md")).unwrap();
     assert!(
-        md.contains("| vs sticky | by round | moves | did not pay |"),
+        md.contains("| vs sticky | by round | hit Δ by round | moves | did not pay |"),
         "{md}"
     );
 }
