@@ -146,6 +146,10 @@ pub fn render(shared: &Shared) -> String {
             "indexd_replica_prefill_overhead_seconds",
             "The replica's fitted fixed prefill time per request (0 until fitted).",
         ),
+        (
+            "indexd_replica_cache_blocks",
+            "The replica's KV cache size in blocks, from vllm:cache_config_info (0 until seen): with its usage, what the cost model expects evicted before a request is admitted.",
+        ),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
         for r in &replicas {
@@ -160,6 +164,7 @@ pub fn render(shared: &Shared) -> String {
                 "indexd_replica_prefill_overhead_seconds" => {
                     speed.map_or(0.0, |s| s.overhead_seconds)
                 }
+                "indexd_replica_cache_blocks" => r.cache_blocks().unwrap_or(0.0),
                 _ => index.replica_entries(r.slot) as f64,
             };
             let _ = writeln!(

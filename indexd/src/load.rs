@@ -6,6 +6,11 @@
 //!   its data-parallel rank, when it has one and such series exist);
 //!   `vllm:kv_cache_usage_perc` (or the older `vllm:gpu_cache_usage_perc`)
 //!   takes the maximum.
+//! - `vllm:cache_config_info`'s `num_gpu_blocks` label is the replica's KV
+//!   cache size in blocks (the largest of its engines'): with the usage, it
+//!   says how many blocks are free or evictable, which the cost model needs
+//!   to tell whether a conversation's blocks will still be there when its
+//!   request is admitted ([`crate::score`]).
 //! - The prefill histograms' `_count` and `_sum` feed the replica's
 //!   [`crate::calibrate`] fit of its prefill speed.
 //! - `unhealthy_after` consecutive failures mark the replica unhealthy; one
@@ -60,7 +65,7 @@ pub(crate) async fn run(shared: Arc<Shared>, replica: Arc<Replica>) {
 }
 
 /// The samples indexd reads from `/metrics` ([`parse_vllm_metrics`]).
-pub(crate) const SAMPLES: [&str; 7] = [
+pub(crate) const SAMPLES: [&str; 8] = [
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc",
@@ -68,6 +73,7 @@ pub(crate) const SAMPLES: [&str; 7] = [
     "vllm:request_prefill_time_seconds_count",
     "vllm:request_prefill_time_seconds_sum",
     "vllm:request_prefill_kv_computed_tokens_sum",
+    "vllm:cache_config_info",
 ];
 
 /// How a replica's metrics page is asked for (module docs).
@@ -178,6 +184,7 @@ pub(crate) async fn scrape_once(
         match page.fetch(client, replica.id(), timeout).await {
             Ok(load) => {
                 replica.scrape_ok(load.running, load.waiting, load.kv_usage, started);
+                replica.set_cache_blocks(load.cache_blocks);
                 if let Some(counters) = load.prefill {
                     let prior = shared.config.weights.prefill_tokens_per_second;
                     replica.calibrate(counters, started, prior);
@@ -224,6 +231,9 @@ pub(crate) struct ScrapedLoad {
     /// Whether the page had a `vllm:num_requests_running` or `_waiting`
     /// series.
     pub seen: bool,
+    /// The KV cache's size in blocks (`vllm:cache_config_info`'s
+    /// `num_gpu_blocks`), if the page says.
+    pub cache_blocks: Option<f64>,
 }
 
 /// Parses vLLM's Prometheus text (see the module docs).
@@ -289,6 +299,14 @@ pub(crate) fn parse_vllm_metrics(text: &str, rank: Option<u32>) -> ScrapedLoad {
             "vllm:request_prefill_time_seconds_count" => add(&mut requests, value),
             "vllm:request_prefill_time_seconds_sum" => add(&mut seconds, value),
             "vllm:request_prefill_kv_computed_tokens_sum" => add(&mut tokens, value),
+            "vllm:cache_config_info" => {
+                if let Some(n) = label(labels, "num_gpu_blocks")
+                    .and_then(|n| n.parse::<f64>().ok())
+                    .filter(|n| n.is_finite() && *n > 0.0)
+                {
+                    out.cache_blocks = Some(out.cache_blocks.map_or(n, |c: f64| c.max(n)));
+                }
+            }
             _ => {}
         }
     }
@@ -438,6 +456,27 @@ vllm:request_prefill_kv_computed_tokens_count{engine=\"1\",model_name=\"m\"} 1.0
             Some(0),
         );
         assert_eq!((plain.waiting, plain.kv_usage), (5.0, 0.9));
+    }
+
+    #[test]
+    fn the_cache_size_comes_from_cache_config_info() {
+        // As vLLM 0.32 renders it: every CacheConfig field a label (the
+        // override's name starts like the size's), one series per engine.
+        let page = "\
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size=\"64\",cache_dtype=\"auto\",engine=\"0\",num_gpu_blocks=\"86\",num_gpu_blocks_override=\"86\",sliding_window=\"None\"} 1.0
+vllm:cache_config_info{block_size=\"64\",cache_dtype=\"auto\",engine=\"1\",num_gpu_blocks=\"120\",num_gpu_blocks_override=\"None\",sliding_window=\"None\"} 1.0
+vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 1.0
+";
+        assert_eq!(parse_vllm_metrics(page, Some(0)).cache_blocks, Some(86.0));
+        assert_eq!(parse_vllm_metrics(page, Some(1)).cache_blocks, Some(120.0));
+        assert_eq!(parse_vllm_metrics(page, None).cache_blocks, Some(120.0));
+        assert_eq!(parse_vllm_metrics(PAGE, None).cache_blocks, None);
+        let bad = "vllm:cache_config_info{num_gpu_blocks=\"None\"} 1.0\n";
+        assert_eq!(parse_vllm_metrics(bad, None).cache_blocks, None);
+        let url = HttpUrl::parse("http://127.0.0.1:8000/metrics").unwrap();
+        let q = filtered(&url).unwrap().path;
+        assert!(q.contains("name%5B%5D=vllm%3Acache_config_info"), "{q}");
     }
 
     #[tokio::test]

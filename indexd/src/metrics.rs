@@ -246,6 +246,9 @@ pub struct Metrics {
     pub decode_errors: CounterVec<1>,
     /// Live batches skipped as already replayed.
     pub duplicates: Counter,
+    /// Candidates whose matched blocks the cost model expects evicted, in
+    /// part or whole, before the request is admitted.
+    pub eviction_discounts: Counter,
     /// Pick latency.
     pub pick_latency: Histogram,
     /// Pick decisions by kind and reason.
@@ -339,6 +342,10 @@ impl Metrics {
             duplicates: Counter::new(
                 "indexd_duplicate_batches_total",
                 "Live batches skipped because a replay already applied them.",
+            ),
+            eviction_discounts: Counter::new(
+                "indexd_eviction_discounts_total",
+                "Pick candidates whose matched blocks the cost model expects evicted (in part or whole) before the request is admitted: the queue ahead needs more than the cache's other free blocks.",
             ),
             pick_latency: Histogram::new("indexd_pick_latency_seconds", "Time to answer a Pick."),
             decisions: CounterVec::new(
@@ -462,6 +469,7 @@ impl Metrics {
         self.purges.render(out);
         self.decode_errors.render(out);
         self.duplicates.render(out);
+        self.eviction_discounts.render(out);
         self.pick_latency.render(out);
         self.decisions.render(out);
         self.block_size_mismatch.render(out);

@@ -210,7 +210,8 @@ fn note_continued(shared: &Shared, req: &PickRequest, now: Instant) {
         let load = replica.load(now, shared.config.pending_pick_ttl, 0);
         let prefill = score::prefill_time(&load, f64::from(c.new_tokens), &shared.config.weights);
         let at = now.checked_sub(age).unwrap_or(now);
-        replica.note_continued(at, now, &c.request_id, prefill);
+        let blocks = c.new_tokens.div_ceil(shared.config.block_size.get());
+        replica.note_continued(at, now, &c.request_id, prefill, blocks);
         metrics.continued.inc(["noted"]);
     }
 }
@@ -239,7 +240,9 @@ fn affinity_shortcut(shared: &Shared, req: &PickRequest, now: Instant) -> Option
             let load = r.load(now, shared.config.pending_pick_ttl, 0);
             let weights = &shared.config.weights;
             let prefill = score::prefill_time(&load, f64::from(req.prompt_tokens), weights);
-            r.note_pick(now, &req.request_id, prefill);
+            // What it adds to the stored response is unknown and usually a
+            // turn's worth: no blocks are counted against the cache there.
+            r.note_pick(now, &req.request_id, prefill, 0);
             // The conversation goes on there: the move rule counts it.
             track(shared, &mut conversations, &block_keys(req), r.slot, now);
             drop(conversations);
@@ -381,7 +384,11 @@ fn place(shared: &Shared, req: &PickRequest, snap: &mut Snapshot, now: Instant) 
         .map(|(r, m)| {
             let on = counts.get(&r.slot).copied().unwrap_or(0);
             let load = r.load(now, cfg.pending_pick_ttl, on);
-            Input { matched: *m, load }
+            let matched = score::surviving(*m, &load, req.block_size, &cfg.weights);
+            if matched.blocks < m.blocks {
+                shared.metrics.eviction_discounts.inc();
+            }
+            Input { matched, load }
         })
         .collect();
     let ranking = rank(shared, req, snap);
@@ -419,8 +426,12 @@ fn explain(req: &PickRequest, snap: &Snapshot, ranking: &Ranking) {
             request_id = %req.request_id,
             place,
             endpoint = %rep.id(),
-            matched_blocks = input.matched.blocks,
+            matched_blocks = snap.matches.get(r.input).map_or(0, |m| m.blocks),
+            surviving_blocks = input.matched.blocks,
             of_blocks = snap.keys.len(),
+            cache_blocks = input.load.cache_blocks,
+            demand_blocks = input.load.demand_blocks,
+            kv_usage = input.load.kv_usage,
             running = input.load.running,
             waiting = input.load.waiting,
             waiting_before = input.load.waiting_before,
@@ -436,11 +447,14 @@ fn explain(req: &PickRequest, snap: &Snapshot, ranking: &Ranking) {
 }
 
 /// The chosen replica: its place in the snapshot, and how many of the keys
-/// it holds.
+/// it will still hold when the request is admitted ([`score::surviving`]).
 fn chosen<'a>(snap: &'a Snapshot, ranking: &Ranking) -> Option<(usize, &'a Arc<Replica>, usize)> {
     let first = ranking.ranked.first()?.input;
     let chosen = snap.eligible.get(first)?;
-    let held = snap.matches.get(first).map_or(0, |m| m.blocks as usize);
+    let held = snap
+        .inputs
+        .get(first)
+        .map_or(0, |i| i.matched.blocks as usize);
     Some((first, chosen, held))
 }
 
@@ -462,11 +476,13 @@ fn note(
     // with these blocks (speculatively) then costs on this replica what a
     // cold replica costs: the overlap is not counted twice, and the tie goes
     // to the replica holding more.
+    let added = snap.keys.len().saturating_sub(held);
     #[allow(clippy::cast_precision_loss)]
-    let queued = (snap.keys.len().saturating_sub(held) as f64) * f64::from(req.block_size);
+    let queued = (added as f64) * f64::from(req.block_size);
     let load = snap.inputs.get(first).map(|i| i.load).unwrap_or_default();
     let prefill = score::prefill_time(&load, queued, &shared.config.weights);
-    chosen.note_pick(now, &req.request_id, prefill);
+    let blocks = u32::try_from(added).unwrap_or(u32::MAX);
+    chosen.note_pick(now, &req.request_id, prefill, blocks);
     track(shared, conversations, &snap.keys, chosen.slot, now);
 }
 

@@ -802,3 +802,49 @@ fn only_a_pick_that_asks_gets_the_busy_replicas() {
     };
     assert_eq!(pick(&s, &asked, now).unwrap().busy.len(), 1);
 }
+
+/// Under cache pressure a conversation is not held on its replica by blocks
+/// the queue ahead of it there will evict first: it goes where it starts
+/// soonest, and its pick stands for every block it allocates there.
+#[test]
+fn a_pick_credits_only_the_blocks_that_survive_the_queue_ahead() {
+    let run = |predict: bool| {
+        let (s, rs) = shared(2, |c| {
+            c.speculative_ttl = Duration::ZERO;
+            c.weights.predict_eviction = predict;
+        });
+        let now = Instant::now();
+        // The conversation's 8 blocks on replica 0; both caches of 20
+        // blocks, half in use: 10 free or evictable there, 8 of them its.
+        let t: Vec<u32> = (0..40).collect();
+        store(&s, &rs[0], &t[..32]);
+        for r in &rs {
+            r.scrape_ok(0.0, 0.0, 0.5, now);
+            r.set_cache_blocks(Some(20.0));
+        }
+        // Another request queued ahead on replica 0 allocates 12 blocks:
+        // the 2 older free ones, then all 8 of the conversation's.
+        rs[0].note_pick(now, "ahead", Duration::ZERO, 12);
+        let answer = pick(&s, &req(&keys(&t)), now).unwrap();
+        let load = |i: usize| rs[i].load(now, s.config.pending_pick_ttl, 0).demand_blocks;
+        (
+            answer.candidates[0].address.clone(),
+            s.metrics.eviction_discounts.get(),
+            load(0),
+            load(1),
+        )
+    };
+    let (to, discounts, d0, d1) = run(true);
+    assert_eq!(to, "10.0.0.1:8001");
+    assert_eq!(discounts, 1);
+    assert_eq!(
+        (d0, d1),
+        (12.0, 10.0),
+        "the pick allocates all 10 blocks there"
+    );
+    // Crediting the blocks as they stand, it stays where they are.
+    let (to, discounts, d0, _) = run(false);
+    assert_eq!(to, "10.0.0.1:8000");
+    assert_eq!(discounts, 0);
+    assert_eq!(d0, 14.0, "12 ahead, and the 2 blocks it adds");
+}

@@ -64,6 +64,31 @@
 //! replica, and, conversations staying where they start, that pile-up would
 //! last as long as they do.
 //!
+//! **Blocks count if they will still be there.** A replica's matched
+//! blocks are what it holds now; the request is admitted only after the
+//! requests queued ahead of it, and each of those allocates the blocks of
+//! what it does not find cached, evicting the least recently used free
+//! blocks first. vLLM frees a finished request's blocks as the most
+//! recently used (its last block first in line), so a conversation's blocks
+//! go once the queue ahead needs more than the cache's other free blocks:
+//!
+//! ```text
+//! free_r   = cache_blocks_r × (1 − kv_usage_r)       (free or evictable)
+//! demand_r = max(blocks of this indexd's unanswered picks there not
+//!                admitted yet (all but the oldest running_r),
+//!                waiting_r × queued_tokens_per_waiting / block_size)
+//! lost_r   = clamp(demand_r − (free_r − matched_r), 0, matched_r)
+//! ```
+//!
+//! and the last `lost_r` matched blocks are not credited
+//! (`predict_eviction`; only for a prefix held in GPU memory alone: with
+//! CPU or storage tiers, evicted blocks are offloaded, not lost). A cache
+//! with room (every roomy replica) loses nothing; under pressure, a
+//! conversation whose replica would evict its history before reaching it is
+//! not held there by blocks it will not find, and goes where it starts
+//! soonest. Without `vllm:cache_config_info` in the replica's metrics,
+//! nothing is discounted.
+//!
 //! A shared prefix cached everywhere credits every replica alike, so load
 //! decides; a conversation's own history cached on one replica is a strong
 //! reason to go there, weighed against its queue.
@@ -108,6 +133,9 @@ pub struct Weights {
     /// warm replica to hold more than `1 + move_imbalance` times the
     /// target's conversations (a lasting imbalance, not a passing queue).
     pub move_imbalance: f64,
+    /// Credit only the matched blocks expected to survive until the request
+    /// is admitted (module docs).
+    pub predict_eviction: bool,
 }
 
 impl Default for Weights {
@@ -123,6 +151,7 @@ impl Default for Weights {
             credit_storage: 0.5,
             move_margin: 1.0,
             move_imbalance: 0.25,
+            predict_eviction: true,
         }
     }
 }
@@ -212,6 +241,10 @@ pub struct Load {
     /// Conversations whose latest turn this indexd sent there
     /// ([`crate::conversations`]).
     pub conversations: f64,
+    /// Its KV cache's size in blocks (`vllm:cache_config_info`), if known.
+    pub cache_blocks: Option<f64>,
+    /// Blocks this indexd's unanswered picks there will allocate.
+    pub demand_blocks: f64,
 }
 
 impl Load {
@@ -259,6 +292,39 @@ pub enum Move {
     Held,
     /// The saving pays the re-prefill: the cheapest goes first.
     Moved,
+}
+
+/// Of `matched`, what a replica with `load` will still hold when a request
+/// sent now is admitted: the last blocks the queue ahead of it evicts are
+/// taken off (module docs). `block_size` converts the per-waiting prior.
+pub fn surviving(matched: PrefixMatch, load: &Load, block_size: u32, w: &Weights) -> PrefixMatch {
+    let gpu = matched.per_tier[0];
+    let lower = matched.per_tier[1].saturating_add(matched.per_tier[2]);
+    let Some(cache) = load.cache_blocks.filter(|c| c.is_finite() && *c > 0.0) else {
+        return matched;
+    };
+    if !w.predict_eviction || gpu == 0 || lower > 0 {
+        return matched;
+    }
+    let free = cache * (1.0 - load.kv_usage.clamp(0.0, 1.0));
+    let waiting =
+        load.waiting.max(0.0) * w.queued_tokens_per_waiting / f64::from(block_size.max(1));
+    let demand = load.demand_blocks.max(0.0).max(waiting);
+    // Whole blocks (the usage is a fraction of the cache).
+    let lost = (demand - (free - f64::from(gpu)))
+        .clamp(0.0, f64::from(gpu))
+        .round();
+    if !lost.is_finite() || lost < 1.0 {
+        return matched;
+    }
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let lost = (lost as u32).min(gpu);
+    let blocks = matched.blocks.saturating_sub(lost);
+    PrefixMatch {
+        blocks,
+        per_tier: [gpu - lost, 0, 0],
+        speculative: matched.speculative.min(blocks),
+    }
 }
 
 /// The prompt tokens `input` holds, credited by tier.
@@ -902,5 +968,136 @@ mod tests {
         assert!((cost(&i, 640, 64, &w) - idle - scraped).abs() < 1e-9);
         i.load.queued_seconds = 0.5;
         assert!((cost(&i, 640, 64, &w) - idle - 0.5).abs() < 1e-9);
+    }
+
+    /// A replica of `cache` blocks at `usage`, its unanswered picks
+    /// allocating `demand` blocks.
+    fn pressed(cache: f64, usage: f64, demand: f64) -> Load {
+        Load {
+            cache_blocks: Some(cache),
+            kv_usage: usage,
+            demand_blocks: demand,
+            cache_available: true,
+            ..Load::default()
+        }
+    }
+
+    fn gpu(blocks: u32) -> PrefixMatch {
+        PrefixMatch {
+            blocks,
+            per_tier: [blocks, 0, 0],
+            speculative: 0,
+        }
+    }
+
+    #[test]
+    fn blocks_the_queue_ahead_evicts_are_not_credited() {
+        let w = Weights::default();
+        // 86 blocks, half in use: 43 free or evictable, 25 of them the
+        // conversation's. The queue ahead needs 30: the 18 older ones go
+        // first, then 12 of the conversation's, its last ones.
+        let m = surviving(gpu(25), &pressed(86.0, 0.5, 30.0), 64, &w);
+        assert_eq!(m, gpu(13));
+        // Needing no more than the older free blocks: nothing lost.
+        assert_eq!(
+            surviving(gpu(25), &pressed(86.0, 0.5, 18.0), 64, &w),
+            gpu(25)
+        );
+        // Needing the whole cache: nothing left; speculative blocks too.
+        let spec = PrefixMatch {
+            speculative: 5,
+            ..gpu(25)
+        };
+        assert_eq!(surviving(spec, &pressed(86.0, 0.5, 200.0), 64, &w), gpu(0));
+        // vLLM's waiting requests stand for the prior's tokens each (4 ×
+        // 1,024 tokens = 64 blocks) when this indexd's picks are fewer.
+        let mut waiting = pressed(86.0, 0.5, 0.0);
+        waiting.waiting = 4.0;
+        assert_eq!(surviving(gpu(25), &waiting, 64, &w), gpu(0));
+    }
+
+    #[test]
+    fn nothing_is_discounted_with_room_offloading_no_size_or_the_setting_off() {
+        let w = Weights::default();
+        // A roomy cache: 16,384 blocks, 90% in use, a long queue ahead.
+        assert_eq!(
+            surviving(gpu(40), &pressed(16_384.0, 0.9, 500.0), 64, &w),
+            gpu(40)
+        );
+        let overfull = pressed(86.0, 0.9, 200.0);
+        // Lower tiers: evicted blocks are offloaded, not lost.
+        let tiered = PrefixMatch {
+            blocks: 30,
+            per_tier: [20, 10, 0],
+            speculative: 0,
+        };
+        assert_eq!(surviving(tiered, &overfull, 64, &w), tiered);
+        // The replica's metrics do not give its size.
+        let unknown = Load {
+            cache_blocks: None,
+            ..overfull
+        };
+        assert_eq!(surviving(gpu(25), &unknown, 64, &w), gpu(25));
+        let off = Weights {
+            predict_eviction: false,
+            ..Weights::default()
+        };
+        assert_eq!(surviving(gpu(25), &overfull, 64, &off), gpu(25));
+    }
+
+    #[test]
+    fn a_conversation_whose_history_will_be_evicted_goes_where_it_starts_soonest() {
+        let w = Weights::default();
+        let prompt = 50 * 64;
+        // The warm replica holds 40 of the prompt's 50 blocks, but its
+        // queue ahead will evict them; the other holds the 12 shared ones
+        // with a shorter queue.
+        let mut warm = Input {
+            matched: gpu(40),
+            load: pressed(86.0, 0.6, 120.0),
+        };
+        warm.load.queued_seconds = 0.4;
+        let mut cold = Input {
+            matched: gpu(12),
+            load: pressed(86.0, 0.6, 10.0),
+        };
+        cold.load.queued_seconds = 0.1;
+        let adjusted = |i: &Input| Input {
+            matched: surviving(i.matched, &i.load, 64, &w),
+            load: i.load,
+        };
+        let inputs = [adjusted(&warm), adjusted(&cold)];
+        assert_eq!(inputs[0].matched.blocks, 0);
+        assert_eq!(inputs[1].matched.blocks, 12);
+        let r = rank(&inputs, prompt, 64, &w, &mut StdRng::seed_from_u64(1));
+        assert_eq!(r.ranked[0].input, 1);
+        assert_eq!(r.moved, Move::None, "nothing left to hold it");
+        // As the blocks stand now, the move rule keeps it warm.
+        let r = rank(&[warm, cold], prompt, 64, &w, &mut StdRng::seed_from_u64(1));
+        assert_eq!((r.ranked[0].input, r.moved), (0, Move::Held));
+    }
+
+    proptest::proptest! {
+        /// Survivors are a prefix of the match, fewer as the queue ahead
+        /// grows, and all of it while the other free blocks suffice.
+        #[test]
+        fn survivors_shrink_with_the_queue_ahead(
+            matched in 0u32..100,
+            cache in 1u32..400,
+            usage in 0.0f64..=1.0,
+            demand in 0u32..500,
+            more in 0u32..100,
+        ) {
+            let w = Weights::default();
+            let at = |d: u32| surviving(gpu(matched), &pressed(f64::from(cache), usage, f64::from(d)), 64, &w);
+            let (a, b) = (at(demand), at(demand + more));
+            proptest::prop_assert!(a.blocks <= matched);
+            proptest::prop_assert_eq!(a.per_tier[0], a.blocks);
+            proptest::prop_assert!(b.blocks <= a.blocks);
+            let free = f64::from(cache) * (1.0 - usage);
+            if f64::from(demand) + 0.5 <= free - f64::from(matched) {
+                proptest::prop_assert_eq!(a.blocks, matched);
+            }
+        }
     }
 }

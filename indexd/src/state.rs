@@ -105,6 +105,8 @@ struct Scraped {
     /// The calibration's latest speed, copied here so that a Pick reads a
     /// replica's load under this one lock (and its pending picks').
     prefill: Option<PrefillSpeed>,
+    /// Its KV cache's size in blocks, as its metrics say.
+    cache_blocks: Option<f64>,
 }
 
 /// One replica's runtime state.
@@ -154,6 +156,11 @@ const MAX_PICK_PREFILL: Duration = Duration::from_secs(60);
 /// instead of standing until a scrape or an answer: a request that is
 /// decoding has left the prefill queue. An answer that comes sooner than
 /// estimated shortens the queue by what its pick had left.
+///
+/// Apart from time, each pick stands for the KV blocks its prompt will
+/// allocate there until the filter reports it answered (or
+/// `pending_pick_ttl` passes): blocks that requests queued ahead of a new
+/// one take from the cache before it is admitted ([`crate::score`]).
 #[derive(Debug, Default)]
 struct PickQueue {
     /// Picks its metrics may not show yet, oldest first (a scrape that began
@@ -161,6 +168,16 @@ struct PickQueue {
     picks: VecDeque<PendingPick>,
     /// When the prefill of every pick noted so far is estimated to be done.
     busy_until: Option<Instant>,
+    /// Picks not answered yet with the blocks they allocate, oldest first.
+    allocating: VecDeque<Allocation>,
+}
+
+/// A pick's KV blocks still to come, until it is answered.
+#[derive(Clone, Debug)]
+struct Allocation {
+    at: Instant,
+    request_id: String,
+    blocks: u32,
 }
 
 /// One pick sent to the replica.
@@ -178,9 +195,26 @@ impl PickQueue {
     /// Queues a pick made at `at` (at most `now`: a request the filter
     /// reports after the fact) whose prefill starts once the queue ahead of
     /// it is done, `now` at the earliest.
-    fn note(&mut self, at: Instant, now: Instant, request_id: &str, prefill: Duration) {
+    fn note(
+        &mut self,
+        at: Instant,
+        now: Instant,
+        request_id: &str,
+        prefill: Duration,
+        blocks: u32,
+    ) {
         if self.picks.len() >= MAX_PENDING {
             self.picks.pop_front();
+        }
+        if self.allocating.len() >= MAX_PENDING {
+            self.allocating.pop_front();
+        }
+        if blocks > 0 {
+            self.allocating.push_back(Allocation {
+                at: at.min(now),
+                request_id: request_id.to_owned(),
+                blocks,
+            });
         }
         let start = self.busy_until.filter(|b| *b > now).unwrap_or(now);
         let end = start + prefill.min(MAX_PICK_PREFILL);
@@ -196,8 +230,14 @@ impl PickQueue {
     /// Forgets `request_id`'s pick; the queue loses what its prefill had
     /// left. Returns whether one was found.
     fn complete(&mut self, now: Instant, request_id: &str) -> bool {
+        let allocated = self
+            .allocating
+            .iter()
+            .position(|a| a.request_id == request_id)
+            .and_then(|i| self.allocating.remove(i))
+            .is_some();
         let Some(i) = self.picks.iter().position(|p| p.request_id == request_id) else {
-            return false;
+            return allocated;
         };
         let Some(p) = self.picks.remove(i) else {
             return false;
@@ -209,6 +249,25 @@ impl PickQueue {
             self.busy_until = Some(b.checked_sub(left).map_or(now, |e| e.max(now)));
         }
         true
+    }
+
+    /// Blocks the unanswered picks not admitted yet will allocate: all but
+    /// the oldest `admitted` (the replica's running requests: admitted in
+    /// order, their blocks are allocated already), those older than `ttl`
+    /// at `now` forgotten first.
+    fn demand_blocks(&mut self, now: Instant, ttl: Duration, admitted: usize) -> u64 {
+        while self
+            .allocating
+            .front()
+            .is_some_and(|a| now.saturating_duration_since(a.at) > ttl)
+        {
+            self.allocating.pop_front();
+        }
+        self.allocating
+            .iter()
+            .skip(admitted)
+            .map(|a| u64::from(a.blocks))
+            .sum()
     }
 
     /// Seconds of prefill queued at `now`.
@@ -362,6 +421,16 @@ impl Replica {
         failures >= unhealthy_after && self.healthy.swap(false, Ordering::AcqRel)
     }
 
+    /// Records the KV cache size its metrics gave (None: they do not say).
+    pub(crate) fn set_cache_blocks(&self, blocks: Option<f64>) {
+        lock(&self.scraped).cache_blocks = blocks;
+    }
+
+    /// Its KV cache size in blocks, if its metrics said.
+    pub(crate) fn cache_blocks(&self) -> Option<f64> {
+        lock(&self.scraped).cache_blocks
+    }
+
     /// Records the capacity signal.
     pub(crate) fn set_capacity(&self, occupancy: Option<f64>, cache_available: Option<bool>) {
         let mut s = lock(&self.scraped);
@@ -371,9 +440,10 @@ impl Replica {
 
     /// Queues a pick's estimated `prefill` time behind the prefill already
     /// queued ([`PickQueue`]), and counts the pick until a scrape shows it or
-    /// the filter reports it answered ([`Self::complete_pick`]).
-    pub(crate) fn note_pick(&self, now: Instant, request_id: &str, prefill: Duration) {
-        lock(&self.pending).note(now, now, request_id, prefill);
+    /// the filter reports it answered ([`Self::complete_pick`]), and the
+    /// `blocks` it allocates until it is answered.
+    pub(crate) fn note_pick(&self, now: Instant, request_id: &str, prefill: Duration, blocks: u32) {
+        lock(&self.pending).note(now, now, request_id, prefill, blocks);
     }
 
     /// [`Self::note_pick`] for a request routed at `at` without a Pick (the
@@ -385,8 +455,9 @@ impl Replica {
         now: Instant,
         request_id: &str,
         prefill: Duration,
+        blocks: u32,
     ) {
-        lock(&self.pending).note(at, now, request_id, prefill);
+        lock(&self.pending).note(at, now, request_id, prefill, blocks);
     }
 
     /// Forgets the pending pick of `request_id`: the replica has answered
@@ -403,7 +474,11 @@ impl Replica {
     /// count of conversations whose latest turn went here
     /// ([`crate::conversations`], kept for all replicas at once).
     pub(crate) fn load(&self, now: Instant, pending_ttl: Duration, conversations: usize) -> Load {
-        let (pending, queued_seconds) = {
+        // Its running requests, as last scraped: its oldest unanswered
+        // picks, admitted already.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let admitted = lock(&self.scraped).running.max(0.0).min(MAX_PENDING as f64) as usize;
+        let (pending, queued_seconds, demand_blocks) = {
             let mut p = lock(&self.pending);
             while p
                 .picks
@@ -412,7 +487,8 @@ impl Replica {
             {
                 p.picks.pop_front();
             }
-            (p.picks.len(), p.queued_seconds(now))
+            let demand = p.demand_blocks(now, pending_ttl, admitted);
+            (p.picks.len(), p.queued_seconds(now), demand)
         };
         let s = lock(&self.scraped);
         let prefill = s.prefill;
@@ -426,6 +502,8 @@ impl Replica {
             kv_usage: s.kv_usage,
             pending_picks: pending as f64,
             queued_seconds,
+            cache_blocks: s.cache_blocks,
+            demand_blocks: demand_blocks as f64,
             conversations: conversations as f64,
             occupancy: s.occupancy,
             cache_available: s.cache_available.unwrap_or(true),
@@ -765,13 +843,13 @@ mod tests {
     fn picks_queue_behind_each_other_and_drain_with_time() {
         let t0 = Instant::now();
         let mut q = PickQueue::default();
-        q.note(t0, t0, "a", 300 * MS);
-        q.note(t0, t0, "b", 200 * MS);
+        q.note(t0, t0, "a", 300 * MS, 0);
+        q.note(t0, t0, "b", 200 * MS, 0);
         assert!((q.queued_seconds(t0) - 0.5).abs() < 1e-9);
         assert!((q.queued_seconds(t0 + 400 * MS) - 0.1).abs() < 1e-9);
         assert_eq!(q.queued_seconds(t0 + 600 * MS), 0.0);
         // A pick after the queue ran dry starts at once.
-        q.note(t0 + 600 * MS, t0 + 600 * MS, "c", 100 * MS);
+        q.note(t0 + 600 * MS, t0 + 600 * MS, "c", 100 * MS, 0);
         assert!((q.queued_seconds(t0 + 600 * MS) - 0.1).abs() < 1e-9);
     }
 
@@ -779,8 +857,8 @@ mod tests {
     fn an_answer_takes_what_its_pick_had_left_out_of_the_queue() {
         let t0 = Instant::now();
         let mut q = PickQueue::default();
-        q.note(t0, t0, "a", 300 * MS);
-        q.note(t0, t0, "b", 200 * MS);
+        q.note(t0, t0, "a", 300 * MS, 0);
+        q.note(t0, t0, "b", 200 * MS, 0);
         // `b` answered 100 ms in, before its estimated start: all of its
         // 200 ms leave; `a` still has 200 ms.
         assert!(q.complete(t0 + 100 * MS, "b"));
@@ -795,13 +873,39 @@ mod tests {
     fn a_scrape_stops_counting_picks_but_leaves_their_prefill_queued() {
         let r = replica();
         let t0 = Instant::now();
-        r.note_pick(t0, "a", 500 * MS);
+        r.note_pick(t0, "a", 500 * MS, 0);
         let ttl = Duration::from_secs(5);
         assert_eq!(r.load(t0, ttl, 0).pending_picks, 1.0);
         r.scrape_ok(1.0, 0.0, 0.1, t0 + MS);
         let load = r.load(t0 + 100 * MS, ttl, 0);
         assert_eq!(load.pending_picks, 0.0);
         assert!((load.queued_seconds - 0.4).abs() < 1e-9);
+    }
+
+    #[test]
+    fn picks_stand_for_the_blocks_they_allocate_until_answered_or_expired() {
+        let r = replica();
+        let (t0, ttl) = (Instant::now(), Duration::from_secs(5));
+        assert_eq!(r.load(t0, ttl, 0).cache_blocks, None);
+        r.set_cache_blocks(Some(86.0));
+        r.note_pick(t0, "a", 100 * MS, 30);
+        r.note_pick(t0 + MS, "b", 100 * MS, 12);
+        r.note_pick(t0 + MS, "c", 100 * MS, 0);
+        let load = r.load(t0 + MS, ttl, 0);
+        assert_eq!((load.cache_blocks, load.demand_blocks), (Some(86.0), 42.0));
+        // A scrape shows them (they leave the pending count); one is
+        // running: the oldest, whose blocks are allocated (in the usage).
+        r.scrape_ok(1.0, 2.0, 0.5, t0 + 2 * MS);
+        assert_eq!(r.load(t0 + 2 * MS, ttl, 0).demand_blocks, 12.0);
+        r.scrape_ok(0.0, 3.0, 0.5, t0 + 2 * MS);
+        assert_eq!(r.load(t0 + 2 * MS, ttl, 0).demand_blocks, 42.0);
+        assert!(
+            r.complete_pick(t0 + 3 * MS, "a"),
+            "found by its blocks alone"
+        );
+        assert_eq!(r.load(t0 + 3 * MS, ttl, 0).demand_blocks, 12.0);
+        // Unanswered past the TTL: forgotten.
+        assert_eq!(r.load(t0 + ttl + 2 * MS, ttl, 0).demand_blocks, 0.0);
     }
 
     #[test]

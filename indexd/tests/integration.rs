@@ -811,7 +811,8 @@ async fn prefill_speed_is_fitted_from_the_replicas_histograms() {
             "vllm:num_requests_running{{engine=\"0\"}} 0\n\
              vllm:request_prefill_time_seconds_count{{engine=\"0\"}} {requests}\n\
              vllm:request_prefill_time_seconds_sum{{engine=\"0\"}} {seconds}\n\
-             vllm:request_prefill_kv_computed_tokens_sum{{engine=\"0\"}} {tokens}\n"
+             vllm:request_prefill_kv_computed_tokens_sum{{engine=\"0\"}} {tokens}\n\
+             vllm:cache_config_info{{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"2048\"}} 1.0\n"
         )
     };
     let body = Arc::new(Mutex::new((200, page(0.0, 0.0, 0.0))));
@@ -854,6 +855,15 @@ async fn prefill_speed_is_fitted_from_the_replicas_histograms() {
     assert!(
         overhead.is_some_and(|o| (o - 0.000_2).abs() < 0.000_02),
         "{overhead:?}"
+    );
+    // The cache's size, as its metrics give it; unknown without them.
+    assert_eq!(
+        gauge(&page, &series(18016, "indexd_replica_cache_blocks")),
+        Some(2048.0)
+    );
+    assert_eq!(
+        gauge(&page, &series(18017, "indexd_replica_cache_blocks")),
+        Some(0.0)
     );
     // Without metrics, the prior stands.
     assert_eq!(
