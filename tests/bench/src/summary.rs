@@ -288,29 +288,33 @@ fn against_sticky(by_profile: &[((String, String), Vec<&Sample>)], groups: &mut 
     }
 }
 
-/// `"6: −1.2–+0.8, −0.1 ± 0.6"` (rounds, range, mean ± CI95 of
-/// percentage points), or `–`.
-fn by_round_points(points: &[f64]) -> String {
-    if points.len() < 2 {
+/// Round-by-round figures as `"6: 0.82–1.30, 1.02 ± 0.18"` (rounds, range,
+/// mean ± CI95), or `–` for fewer than two rounds; `Signed` for
+/// differences in percentage points (`"6: -1.2–+0.8, -0.10 ± 0.60"`).
+fn by_round(values: &[f64], form: Form) -> String {
+    if values.len() < 2 {
         return "–".to_owned();
     }
-    let d = Dist::of(points);
-    format!(
-        "{}: {:+.1}–{:+.1}, {:+.2} ± {:.2}",
-        d.n, d.min, d.max, d.mean, d.ci95
-    )
+    let d = Dist::of(values);
+    match form {
+        Form::Ratio => format!(
+            "{}: {:.2}–{:.2}, {:.2} ± {:.2}",
+            d.n, d.min, d.max, d.mean, d.ci95
+        ),
+        Form::Signed => format!(
+            "{}: {:+.1}–{:+.1}, {:+.2} ± {:.2}",
+            d.n, d.min, d.max, d.mean, d.ci95
+        ),
+    }
 }
 
-/// `"6: 0.82–1.30, 1.02 ± 0.18"` (rounds, range, mean ± CI95), or `–`.
-fn by_round(ratios: &[f64]) -> String {
-    if ratios.len() < 2 {
-        return "–".to_owned();
-    }
-    let d = Dist::of(ratios);
-    format!(
-        "{}: {:.2}–{:.2}, {:.2} ± {:.2}",
-        d.n, d.min, d.max, d.mean, d.ci95
-    )
+/// How [`by_round`] writes its figures.
+#[derive(Clone, Copy)]
+enum Form {
+    /// Ratios.
+    Ratio,
+    /// Signed differences.
+    Signed,
 }
 
 fn group(workload: String, profile: String, rows: &[&Sample]) -> Group {
@@ -414,8 +418,8 @@ impl Summary {
                         " {} | {} | {} | {} | {} | {} | {} |",
                         g.vs_sticky
                             .map_or_else(|| "n/a".to_owned(), |r| format!("{r:.2}×")),
-                        by_round(&g.vs_sticky_rounds),
-                        by_round_points(&g.hit_vs_sticky_rounds),
+                        by_round(&g.vs_sticky_rounds, Form::Ratio),
+                        by_round(&g.hit_vs_sticky_rounds, Form::Signed),
                         g.moves.map_or_else(|| "n/a".to_owned(), |n| n.to_string()),
                         g.unpaid_moves
                             .map_or_else(|| "n/a".to_owned(), |n| n.to_string()),
