@@ -474,40 +474,43 @@ impl Replica {
     /// count of conversations whose latest turn went here
     /// ([`crate::conversations`], kept for all replicas at once).
     pub(crate) fn load(&self, now: Instant, pending_ttl: Duration, conversations: usize) -> Load {
-        // Its running requests, as last scraped: its oldest unanswered
-        // picks, admitted already.
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        let admitted = lock(&self.scraped).running.max(0.0).min(MAX_PENDING as f64) as usize;
-        let (pending, queued_seconds, demand_blocks) = {
-            let mut p = lock(&self.pending);
-            while p
-                .picks
-                .front()
-                .is_some_and(|p| now.saturating_duration_since(p.at) > pending_ttl)
-            {
-                p.picks.pop_front();
+        // The scraped figures first (one lock each, never both held): its
+        // running requests are its oldest unanswered picks, admitted already.
+        let mut load = {
+            let s = lock(&self.scraped);
+            let prefill = s.prefill;
+            #[allow(clippy::cast_precision_loss)]
+            Load {
+                prefill_tokens_per_second: prefill.map(|p| p.tokens_per_second),
+                prefill_overhead_seconds: prefill.map_or(0.0, |p| p.overhead_seconds),
+                running: s.running,
+                waiting: s.waiting,
+                waiting_before: s.waiting_before,
+                kv_usage: s.kv_usage,
+                cache_blocks: s.cache_blocks,
+                conversations: conversations as f64,
+                occupancy: s.occupancy,
+                cache_available: s.cache_available.unwrap_or(true),
+                ..Load::default()
             }
-            let demand = p.demand_blocks(now, pending_ttl, admitted);
-            (p.picks.len(), p.queued_seconds(now), demand)
         };
-        let s = lock(&self.scraped);
-        let prefill = s.prefill;
-        #[allow(clippy::cast_precision_loss)]
-        Load {
-            prefill_tokens_per_second: prefill.map(|p| p.tokens_per_second),
-            prefill_overhead_seconds: prefill.map_or(0.0, |p| p.overhead_seconds),
-            running: s.running,
-            waiting: s.waiting,
-            waiting_before: s.waiting_before,
-            kv_usage: s.kv_usage,
-            pending_picks: pending as f64,
-            queued_seconds,
-            cache_blocks: s.cache_blocks,
-            demand_blocks: demand_blocks as f64,
-            conversations: conversations as f64,
-            occupancy: s.occupancy,
-            cache_available: s.cache_available.unwrap_or(true),
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let admitted = load.running.max(0.0).min(MAX_PENDING as f64) as usize;
+        let mut p = lock(&self.pending);
+        while p
+            .picks
+            .front()
+            .is_some_and(|p| now.saturating_duration_since(p.at) > pending_ttl)
+        {
+            p.picks.pop_front();
         }
+        #[allow(clippy::cast_precision_loss)]
+        {
+            load.pending_picks = p.picks.len() as f64;
+            load.demand_blocks = p.demand_blocks(now, pending_ttl, admitted) as f64;
+        }
+        load.queued_seconds = p.queued_seconds(now);
+        load
     }
 }
 
