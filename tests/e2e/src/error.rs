@@ -69,4 +69,21 @@ impl HarnessError {
             source,
         }
     }
+
+    /// Two lines at most: what failed and, for a process, its log's last
+    /// line. For a panic message that a truncated CI log still shows whole
+    /// (print the error itself before it).
+    pub fn headline(&self) -> String {
+        let text = self.to_string();
+        let first = text.lines().next().unwrap_or_default();
+        match self {
+            Self::NotReady { log, .. } | Self::Exited { log, .. } => {
+                match log.lines().rev().find(|l| !l.trim().is_empty()) {
+                    Some(last) => format!("{first}\nlast log line: {last}"),
+                    None => first.to_owned(),
+                }
+            }
+            _ => first.to_owned(),
+        }
+    }
 }

@@ -563,8 +563,16 @@ impl Stack {
                     .iter()
                     .map(|id| format!("{id}: {:?}", indexd.handle.replica(id)))
                     .collect();
+                // The one line a truncated CI log keeps: which replica is not.
+                let short: Vec<String> = ids
+                    .iter()
+                    .map(|id| match indexd.handle.replica(id) {
+                        Some(s) => format!("{id} fresh={} healthy={}", s.fresh, s.healthy),
+                        None => format!("{id} unknown"),
+                    })
+                    .collect();
                 HarnessError::NotReady {
-                    what,
+                    what: format!("{what} ({})", short.join("; ")),
                     after,
                     log: format!("{}\n{}", status.join("\n"), indexd.handle.metrics_text()),
                 }

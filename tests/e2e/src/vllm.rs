@@ -34,14 +34,64 @@ fn cache_dir() -> PathBuf {
         .join(".cache/kvroute")
 }
 
-/// A free loopback port (bound and released: vLLM needs a number up front).
+/// The lowest port [`free_port`] draws from.
+const RESERVED_LOW: u16 = 20_000;
+
+/// A free loopback port for a server that binds it later: vLLM binds its
+/// HTTP and replay ports tens of seconds after this returns, indexd the
+/// events port once vLLM is up. The port is drawn from below the kernel's
+/// ephemeral range (`net.ipv4.ip_local_port_range`), which `bind(0)` and
+/// outgoing connections take from: nothing started in the meantime (vLLM's
+/// own `bind(0)`s, another test's sockets) is handed it. No port is given
+/// twice by one process. Falls back to an ephemeral port where the range
+/// leaves no room below it.
 pub fn free_port() -> Result<u16, HarnessError> {
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let high = ephemeral_low().unwrap_or(32_768);
+    let mut given = GIVEN
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if high > RESERVED_LOW {
+        let span = u64::from(high - RESERVED_LOW);
+        for _ in 0..256 {
+            let draw = u16::try_from(random() % span).unwrap_or(0);
+            let port = RESERVED_LOW + draw;
+            if !given.contains(&port) && TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                given.push(port);
+                return Ok(port);
+            }
+        }
+    }
     let listener =
         TcpListener::bind("127.0.0.1:0").map_err(|e| HarnessError::io("pick a free port", e))?;
-    listener
+    let port = listener
         .local_addr()
         .map(|a| a.port())
-        .map_err(|e| HarnessError::io("pick a free port", e))
+        .map_err(|e| HarnessError::io("pick a free port", e))?;
+    given.push(port);
+    Ok(port)
+}
+
+/// The first port of the kernel's ephemeral range.
+fn ephemeral_low() -> Option<u16> {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// A random draw (std's per-process random hash keys, moved on per call).
+fn random() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    hasher.finish()
 }
 
 /// One real vLLM server.
@@ -163,7 +213,7 @@ impl RealVllm {
         loop {
             if let Some(status) = self.process.exited() {
                 return Err(HarnessError::Exited {
-                    what: "vllm".into(),
+                    what: format!("vllm on {}", self.http),
                     status,
                     log: self.process.log_tail(),
                 });
@@ -174,7 +224,7 @@ impl RealVllm {
             }
             if started.elapsed() > START_TIMEOUT {
                 return Err(HarnessError::NotReady {
-                    what: "vllm".into(),
+                    what: format!("vllm on {}", self.http),
                     after: START_TIMEOUT,
                     log: self.process.log_tail(),
                 });
@@ -196,5 +246,29 @@ impl RealVllm {
     /// Whether the server is still running.
     pub fn is_running(&mut self) -> bool {
         self.process.exited().is_none()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() {
+        let high = ephemeral_low().unwrap_or(32_768);
+        let ports: Vec<u16> = (0..64).map(|_| free_port().unwrap()).collect();
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), ports.len(), "{ports:?}");
+        for port in ports {
+            if high > RESERVED_LOW {
+                assert!(
+                    (RESERVED_LOW..high).contains(&port),
+                    "{port} of {RESERVED_LOW}..{high}"
+                );
+            }
+            TcpListener::bind(("127.0.0.1", port)).unwrap();
+        }
     }
 }

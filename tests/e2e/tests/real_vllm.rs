@@ -206,7 +206,10 @@ fn real_vllm_end_to_end() {
         }],
         ..StackOptions::default()
     })
-    .unwrap();
+    .unwrap_or_else(|e| {
+        eprintln!("{e}");
+        panic!("the stack did not start: {}", e.headline())
+    });
     wait_gate_open(&stack, model);
 
     // Chat: continuations land warm.
