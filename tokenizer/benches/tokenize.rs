@@ -1,5 +1,8 @@
 //! Cold tokenization of a ~32k-token chat against a continuation turn (one
-//! new message appended to the cached conversation), for both test models.
+//! new message appended to the cached conversation), for both test models;
+//! and a new ~6k-token system prompt's first turn alone against eight such
+//! first turns (one system prompt, eight user messages) tokenized at once,
+//! which the segment cache encodes once for all eight.
 //! Model directories as in the tests ($KVROUTE_VLLM_MODEL,
 //! $KVROUTE_VLLM_MODEL2; `bash .ci/deps.sh` builds them).
 //!
@@ -89,6 +92,51 @@ fn bench(c: &mut Criterion) {
                 |body| {
                     warm.tokenize(&TokenizeRequest::from_json(&body).unwrap())
                         .unwrap()
+                },
+                BatchSize::PerIteration,
+            )
+        });
+        let fresh = AtomicUsize::new(2_000_000);
+        let first_turns = |n: usize| {
+            let session = fresh.fetch_add(1, Ordering::Relaxed);
+            let system: String = (0..24)
+                .map(|t| conversation::user_turn(session * 100 + t))
+                .collect();
+            (0..n)
+                .map(|k| {
+                    conversation::body(&[
+                        serde_json::json!({"role": "system", "content": system}),
+                        serde_json::json!({"role": "user", "content": conversation::assistant_turn(k)}),
+                    ])
+                })
+                .collect::<Vec<_>>()
+        };
+        group.sample_size(20);
+        group.bench_function("first turn, new 6k system prompt", |b| {
+            b.iter_batched(
+                || first_turns(1),
+                |bodies| {
+                    warm.tokenize(&TokenizeRequest::from_json(&bodies[0]).unwrap())
+                        .unwrap()
+                },
+                BatchSize::PerIteration,
+            )
+        });
+        group.bench_function("8 first turns at once, one new 6k system prompt", |b| {
+            b.iter_batched(
+                || first_turns(8),
+                |bodies| {
+                    let start = std::sync::Barrier::new(bodies.len());
+                    std::thread::scope(|scope| {
+                        for body in &bodies {
+                            let (start, warm) = (&start, &warm);
+                            scope.spawn(move || {
+                                start.wait();
+                                warm.tokenize(&TokenizeRequest::from_json(body).unwrap())
+                                    .unwrap()
+                            });
+                        }
+                    });
                 },
                 BatchSize::PerIteration,
             )
