@@ -27,6 +27,7 @@
 //!   scraped whole from then on (logged once); a `metrics_url` with a query
 //!   of its own is scraped as given.
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -280,7 +281,7 @@ pub(crate) fn parse_vllm_metrics(text: &str, rank: Option<u32>) -> ScrapedLoad {
             continue;
         }
         if let (Some(rank), true) = (&rank_label, has_engine_label)
-            && label(labels, "engine").is_some_and(|e| e != rank)
+            && label(labels, "engine").is_some_and(|e| *e != **rank)
         {
             continue;
         }
@@ -320,11 +321,52 @@ pub(crate) fn parse_vllm_metrics(text: &str, rank: Option<u32>) -> ScrapedLoad {
     out
 }
 
-fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
-    labels.split(',').find_map(|kv| {
-        let (k, v) = kv.split_once('=')?;
-        (k.trim() == key).then(|| v.trim().trim_matches('"'))
-    })
+/// The value of label `key` in a sample's label set (`a="x",b="y"`), read
+/// as the text format writes values: quoted, with `\\`, `\"` and `\n`
+/// escaped. A value holding commas, `=` or quotes (vLLM's `*_info` series
+/// render whole config objects) cannot pass for another label. None when the
+/// key is absent or the set is malformed up to it.
+fn label<'a>(labels: &'a str, key: &str) -> Option<Cow<'a, str>> {
+    let mut rest = labels;
+    loop {
+        rest = rest.trim_start_matches([',', ' ']);
+        if rest.is_empty() {
+            return None;
+        }
+        let (name, after) = rest.split_once('=')?;
+        let quoted = after.trim_start().strip_prefix('"')?;
+        let mut escaped = false;
+        let end = quoted.bytes().position(|b| {
+            let closes = !escaped && b == b'"';
+            escaped = !escaped && b == b'\\';
+            closes
+        })?;
+        let raw = quoted.get(..end)?;
+        if name.trim() == key {
+            return Some(unescape_label(raw));
+        }
+        rest = quoted.get(end + 1..)?;
+    }
+}
+
+/// A label value as written (between its quotes) to the text it stands for.
+fn unescape_label(raw: &str) -> Cow<'_, str> {
+    if !raw.contains('\\') {
+        return Cow::Borrowed(raw);
+    }
+    let mut out = String::with_capacity(raw.len());
+    let mut chars = raw.chars();
+    while let Some(c) = chars.next() {
+        match (c, c == '\\') {
+            (_, true) => match chars.next() {
+                Some('n') => out.push('\n'),
+                Some(other) => out.push(other),
+                None => out.push('\\'),
+            },
+            (c, false) => out.push(c),
+        }
+    }
+    Cow::Owned(out)
 }
 
 /// Parses `{"occupancy": 0..1, "cache_available": bool}`.
@@ -456,6 +498,45 @@ vllm:request_prefill_kv_computed_tokens_count{engine=\"1\",model_name=\"m\"} 1.0
             Some(0),
         );
         assert_eq!((plain.waiting, plain.kv_usage), (5.0, 0.9));
+    }
+
+    #[test]
+    fn label_values_are_read_as_quoted_escaped_strings() {
+        let set = r#"a="x,num_gpu_blocks=999",b="q\"uote\\d",c="l\nf", num_gpu_blocks="12","#;
+        assert_eq!(label(set, "num_gpu_blocks").as_deref(), Some("12"));
+        assert_eq!(label(set, "a").as_deref(), Some("x,num_gpu_blocks=999"));
+        assert_eq!(label(set, "b").as_deref(), Some("q\"uote\\d"));
+        assert_eq!(label(set, "c").as_deref(), Some("l\nf"));
+        assert_eq!(label(set, "d"), None);
+        assert_eq!(label("", "a"), None);
+        for malformed in [r#"a=x"#, r#"a="x"#, r#"a"#, r#"b="y" a"#] {
+            assert_eq!(label(malformed, "a"), None, "{malformed}");
+        }
+        let page = format!(
+            "vllm:cache_config_info{{{set}}} 1.0\nvllm:num_requests_running{{engine=\"0\"}} 2\n"
+        );
+        let load = parse_vllm_metrics(&page, Some(0));
+        assert_eq!((load.cache_blocks, load.running), (Some(12.0), 2.0));
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn label_values_written_by_the_text_format_read_back(
+            values in proptest::collection::vec(proptest::prelude::any::<String>(), 1..6),
+            spaced in proptest::prelude::any::<bool>(),
+        ) {
+            let sep = if spaced { ", " } else { "," };
+            let set = values
+                .iter()
+                .enumerate()
+                .map(|(i, v)| format!("k{i}=\"{}\"", crate::metrics::label_value(v)))
+                .collect::<Vec<_>>()
+                .join(sep);
+            for (i, v) in values.iter().enumerate() {
+                let got = label(&set, &format!("k{i}"));
+                proptest::prop_assert_eq!(got.as_deref(), Some(v.as_str()), "{}", set);
+            }
+        }
     }
 
     #[test]
