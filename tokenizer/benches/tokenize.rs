@@ -1,8 +1,8 @@
 //! Cold tokenization of a ~32k-token chat against a continuation turn (one
 //! new message appended to the cached conversation), for both test models;
-//! and a new ~6k-token system prompt's first turn alone against eight such
-//! first turns (one system prompt, eight user messages) tokenized at once,
-//! which the segment cache encodes once for all eight.
+//! and a first turn on a new 42 KB system prompt (16.6k tokens for
+//! tiny-llama, 12.5k for tiny-deepseek) alone against eight such first turns
+//! (one system prompt, eight user messages) tokenized at once.
 //! Model directories as in the tests ($KVROUTE_VLLM_MODEL,
 //! $KVROUTE_VLLM_MODEL2; `bash .ci/deps.sh` builds them).
 //!
@@ -112,7 +112,7 @@ fn bench(c: &mut Criterion) {
                 .collect::<Vec<_>>()
         };
         group.sample_size(20);
-        group.bench_function("first turn, new 6k system prompt", |b| {
+        group.bench_function("first turn, new 42 KB system prompt", |b| {
             b.iter_batched(
                 || first_turns(1),
                 |bodies| {
@@ -122,7 +122,7 @@ fn bench(c: &mut Criterion) {
                 BatchSize::PerIteration,
             )
         });
-        group.bench_function("8 first turns at once, one new 6k system prompt", |b| {
+        group.bench_function("8 first turns at once, one new 42 KB system prompt", |b| {
             b.iter_batched(
                 || first_turns(8),
                 |bodies| {
