@@ -473,13 +473,17 @@ impl Replica {
     /// The load snapshot the scorer uses; `conversations` is this indexd's
     /// count of conversations whose latest turn went here
     /// ([`crate::conversations`], kept for all replicas at once).
+    #[allow(
+        clippy::cast_precision_loss,
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss
+    )]
     pub(crate) fn load(&self, now: Instant, pending_ttl: Duration, conversations: usize) -> Load {
         // The scraped figures first (one lock each, never both held): its
         // running requests are its oldest unanswered picks, admitted already.
         let mut load = {
             let s = lock(&self.scraped);
             let prefill = s.prefill;
-            #[allow(clippy::cast_precision_loss)]
             Load {
                 prefill_tokens_per_second: prefill.map(|p| p.tokens_per_second),
                 prefill_overhead_seconds: prefill.map_or(0.0, |p| p.overhead_seconds),
@@ -494,7 +498,6 @@ impl Replica {
                 ..Load::default()
             }
         };
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let admitted = load.running.max(0.0).min(MAX_PENDING as f64) as usize;
         let mut p = lock(&self.pending);
         while p
@@ -504,11 +507,8 @@ impl Replica {
         {
             p.picks.pop_front();
         }
-        #[allow(clippy::cast_precision_loss)]
-        {
-            load.pending_picks = p.picks.len() as f64;
-            load.demand_blocks = p.demand_blocks(now, pending_ttl, admitted) as f64;
-        }
+        load.pending_picks = p.picks.len() as f64;
+        load.demand_blocks = p.demand_blocks(now, pending_ttl, admitted) as f64;
         load.queued_seconds = p.queued_seconds(now);
         load
     }
