@@ -574,6 +574,11 @@ mod tests {
 
     use super::*;
 
+    /// [`rank`] with 64-token blocks and the RNG seeded with 1.
+    fn seeded(inputs: &[Input], prompt_tokens: u32, w: &Weights) -> Ranking {
+        rank(inputs, prompt_tokens, 64, w, &mut StdRng::seed_from_u64(1))
+    }
+
     fn input(gpu: u32, cpu: u32, running: f64, waiting: f64) -> Input {
         Input {
             matched: PrefixMatch {
@@ -595,12 +600,10 @@ mod tests {
     #[test]
     fn more_cached_tokens_win_at_equal_load() {
         let w = Weights::default();
-        let r = rank(
+        let r = seeded(
             &[input(1, 0, 0.0, 0.0), input(10, 0, 0.0, 0.0)],
             64 * 12,
-            64,
             &w,
-            &mut StdRng::seed_from_u64(1),
         )
         .ranked;
         assert_eq!(r[0].input, 1);
@@ -610,14 +613,7 @@ mod tests {
     #[test]
     fn gpu_beats_cpu_for_the_same_prefix() {
         let w = Weights::default();
-        let r = rank(
-            &[input(0, 8, 0.0, 0.0), input(8, 0, 0.0, 0.0)],
-            64 * 8,
-            64,
-            &w,
-            &mut StdRng::seed_from_u64(1),
-        )
-        .ranked;
+        let r = seeded(&[input(0, 8, 0.0, 0.0), input(8, 0, 0.0, 0.0)], 64 * 8, &w).ranked;
         assert_eq!(r[0].input, 1);
     }
 
@@ -625,28 +621,14 @@ mod tests {
     fn a_long_queue_outweighs_a_small_match() {
         let w = Weights::default();
         // 2 blocks cached but 20 waiting vs nothing cached and idle.
-        let r = rank(
-            &[input(2, 0, 0.0, 20.0), input(0, 0, 0.0, 0.0)],
-            64 * 4,
-            64,
-            &w,
-            &mut StdRng::seed_from_u64(1),
-        )
-        .ranked;
+        let r = seeded(&[input(2, 0, 0.0, 20.0), input(0, 0, 0.0, 0.0)], 64 * 4, &w).ranked;
         assert_eq!(r[0].input, 1);
     }
 
     #[test]
     fn shared_prefix_everywhere_leaves_load_to_decide() {
         let w = Weights::default();
-        let r = rank(
-            &[input(4, 0, 3.0, 0.0), input(4, 0, 1.0, 0.0)],
-            64 * 8,
-            64,
-            &w,
-            &mut StdRng::seed_from_u64(1),
-        )
-        .ranked;
+        let r = seeded(&[input(4, 0, 3.0, 0.0), input(4, 0, 1.0, 0.0)], 64 * 8, &w).ranked;
         assert_eq!(r[0].input, 1);
     }
 
@@ -657,14 +639,7 @@ mod tests {
             ..Weights::default()
         };
         // Equal cost (running is free), different in-flight.
-        let r = rank(
-            &[input(0, 0, 5.0, 0.0), input(0, 0, 1.0, 0.0)],
-            64,
-            64,
-            &w,
-            &mut StdRng::seed_from_u64(1),
-        )
-        .ranked;
+        let r = seeded(&[input(0, 0, 5.0, 0.0), input(0, 0, 1.0, 0.0)], 64, &w).ranked;
         assert_eq!(r[0].input, 1);
         // Full tie: the seed decides, reproducibly, and both orders occur.
         let tie = [input(0, 0, 0.0, 0.0), input(0, 0, 0.0, 0.0)];
@@ -730,13 +705,13 @@ mod tests {
         // cheapest is the cold replica by cost, but the move does not pay.
         let inputs = warm_and_cold(50, 2.0, None);
         let by_cost_alone = by_cost(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
-        let ranking = rank(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        let ranking = seeded(&inputs, 64 * 52, &w);
         let costs: Vec<f64> = by_cost_alone.iter().map(|r| r.cost).collect();
         assert_eq!(by_cost_alone[0].input, 0, "{costs:?}");
         assert_eq!(ranking.moved, Move::None);
 
         let inputs = warm_and_cold(50, 4.0, None);
-        let ranking = rank(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        let ranking = seeded(&inputs, 64 * 52, &w);
         let cheapest = by_cost(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1))[0].input;
         assert_eq!(cheapest, 1, "4 waiting make the cold replica cheaper");
         assert_eq!(ranking.moved, Move::Held);
@@ -744,7 +719,7 @@ mod tests {
         assert_eq!(ranking.ranked.len(), 2);
 
         let inputs = warm_and_cold(50, 12.0, None);
-        let ranking = rank(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        let ranking = seeded(&inputs, 64 * 52, &w);
         assert_eq!(ranking.moved, Move::Moved);
         assert_eq!(ranking.ranked[0].input, 1, "a long queue pays for the move");
     }
@@ -757,11 +732,11 @@ mod tests {
         // cold one; measured at 2,000/s, the cold one's re-prefill (1.66 s)
         // costs more than the warm queue (1.55 s).
         let fast = warm_and_cold(50, 12.0, None);
-        let ranking = rank(&fast, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        let ranking = seeded(&fast, 64 * 52, &w);
         assert_eq!(ranking.moved, Move::Moved);
         assert_eq!(ranking.ranked[0].input, 1);
         let slow = warm_and_cold(50, 12.0, Some(2_000.0));
-        let ranking = rank(&slow, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        let ranking = seeded(&slow, 64 * 52, &w);
         assert_eq!(ranking.moved, Move::None);
         assert_eq!(ranking.ranked[0].input, 0);
         assert!((ranking.ranked[1].cost - 3_328.0 / 2_000.0).abs() < 1e-9);
@@ -927,7 +902,7 @@ mod tests {
             ..Weights::default()
         };
         let inputs = warm_and_cold(50, 4.0, None);
-        let ranking = rank(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        let ranking = seeded(&inputs, 64 * 52, &w);
         assert_eq!(ranking.moved, Move::Moved);
         assert_eq!(ranking.ranked[0].input, 1);
     }
@@ -937,7 +912,7 @@ mod tests {
         let w = Weights::default();
         let mut inputs = vec![input(0, 0, 0.0, 0.0), input(0, 0, 1.0, 0.0)];
         inputs.push(input(50, 0, 0.0, 4.0));
-        let ranking = rank(&inputs, 64 * 52, 64, &w, &mut StdRng::seed_from_u64(1));
+        let ranking = seeded(&inputs, 64 * 52, &w);
         assert_eq!(ranking.moved, Move::Held);
         let order: Vec<usize> = ranking.ranked.iter().map(|r| r.input).collect();
         assert_eq!(order, vec![2, 0, 1]);
@@ -1069,11 +1044,11 @@ mod tests {
         let inputs = [adjusted(&warm), adjusted(&cold)];
         assert_eq!(inputs[0].matched.blocks, 0);
         assert_eq!(inputs[1].matched.blocks, 12);
-        let r = rank(&inputs, prompt, 64, &w, &mut StdRng::seed_from_u64(1));
+        let r = seeded(&inputs, prompt, &w);
         assert_eq!(r.ranked[0].input, 1);
         assert_eq!(r.moved, Move::None, "nothing left to hold it");
         // As the blocks stand now, the move rule keeps it warm.
-        let r = rank(&[warm, cold], prompt, 64, &w, &mut StdRng::seed_from_u64(1));
+        let r = seeded(&[warm, cold], prompt, &w);
         assert_eq!((r.ranked[0].input, r.moved), (0, Move::Held));
     }
 
