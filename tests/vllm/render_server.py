@@ -11,6 +11,7 @@ FILE (then renamed into place) once it is bound: with `--port 0` the kernel
 picks a free port and no other process can take it between the choice and
 the bind.
 """
+import argparse
 import os
 import sys
 
@@ -21,19 +22,12 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 
 def take_port_file(argv):
-    """Removes `--port-file FILE` (or `--port-file=FILE`) from argv."""
-    rest, path, i = [], None, 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--port-file" and i + 1 < len(argv):
-            path, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith("--port-file="):
-            path = arg.split("=", 1)[1]
-        else:
-            rest.append(arg)
-        i += 1
-    return rest, path
+    """Removes `--port-file FILE` from argv: (the rest, FILE or None)."""
+    # No abbreviations: `--port` must stay vLLM's.
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--port-file")
+    known, rest = parser.parse_known_args(argv)
+    return rest, known.port_file
 
 
 def report_port(path):

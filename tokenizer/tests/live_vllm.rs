@@ -88,7 +88,15 @@ fn start(model_dir: &Path, scratch: &Path, name: &str) -> RenderServer {
     use std::os::unix::process::CommandExt;
     // The server binds port 0 and writes the port it got: a port chosen
     // here and released could be taken by another process meanwhile.
+    // The scratch directory outlives a run: a port file left by one would
+    // point this one at a server that is gone.
     let port_file = scratch.join(format!("render-{name}.port"));
+    match std::fs::remove_file(&port_file) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            panic!("remove {}: {e}", port_file.display())
+        }
+        _ => {}
+    }
     let log = scratch.join(format!("render-{name}.log"));
     let out = std::fs::File::create(&log).unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/vllm/render_server.py");
