@@ -256,6 +256,22 @@ impl Daemon {
         .await
     }
 
+    /// Blocks of `tokens` (no salt) the first candidate of a precise Pick
+    /// matches.
+    async fn matched(&mut self, tokens: &[u32], block_size: u32) -> u32 {
+        let bs = BlockSize::new(block_size).unwrap();
+        let keys = raw(&block_keys(tokens, bs, None));
+        self.pick(&keys, block_size).await.candidates[0].matched_blocks
+    }
+
+    /// Waits until the replica on `port` holds `entries` index entries.
+    async fn await_entries(&self, what: &str, port: u16, entries: usize) {
+        eventually(what, || async {
+            self.handle.replica(&replica(port)).unwrap().entries == entries
+        })
+        .await;
+    }
+
     async fn pick_req(&mut self, req: PickRequest) -> PickResponse {
         self.client.pick(req).await.unwrap().into_inner()
     }
@@ -528,13 +544,7 @@ async fn gap_healed(legacy_replies: bool, port: u16) {
         complete + 1.0
     );
     assert_eq!(d.counter("indexd_purges_total{reason=\"gap\"}"), 0.0);
-    assert_eq!(
-        d.pick(&raw(&block_keys(&live, bs, None)), 16)
-            .await
-            .candidates[0]
-            .matched_blocks,
-        1
-    );
+    assert_eq!(d.matched(&live, 16).await, 1);
     // The live copy of the replayed batch is skipped, and the stream goes on.
     p.publish(seq, &batch(vec![])).await;
     eventually("the stream to continue", || async {
@@ -560,14 +570,10 @@ async fn a_gap_the_buffer_no_longer_holds_purges() {
     let mut p = Publisher::start(false).await;
     let mut d = Daemon::start(vec![endpoint(18004, Some(&p))], 16).await;
     let seq = sync_live(&d, &mut p, 18004, 0).await;
-    let bs = BlockSize::new(16).unwrap();
     let old = tokens(16, 3);
     p.publish(seq, &stored_batch(&[1], None, &old, 16, None))
         .await;
-    eventually("the first store", || async {
-        d.handle.replica(&replica(18004)).unwrap().entries == 1
-    })
-    .await;
+    d.await_entries("the first store", 18004, 1).await;
     // seq+1 is lost and gone from the buffer too (wrapped): only seq+2 is left.
     let new = tokens(16, 4);
     p.publish(seq + 2, &stored_batch(&[2], None, &new, 16, None))
@@ -576,24 +582,10 @@ async fn a_gap_the_buffer_no_longer_holds_purges() {
         d.counter("indexd_purges_total{reason=\"gap\"}") == 1.0
     })
     .await;
-    assert_eq!(
-        d.pick(&raw(&block_keys(&old, bs, None)), 16)
-            .await
-            .candidates[0]
-            .matched_blocks,
-        0
-    );
-    eventually("the live batch after the purge", || async {
-        d.handle.replica(&replica(18004)).unwrap().entries == 1
-    })
-    .await;
-    assert_eq!(
-        d.pick(&raw(&block_keys(&new, bs, None)), 16)
-            .await
-            .candidates[0]
-            .matched_blocks,
-        1
-    );
+    assert_eq!(d.matched(&old, 16).await, 0);
+    d.await_entries("the live batch after the purge", 18004, 1)
+        .await;
+    assert_eq!(d.matched(&new, 16).await, 1);
     d.stop().await;
 }
 
@@ -602,14 +594,10 @@ async fn an_engine_restart_purges() {
     let mut p = Publisher::start(false).await;
     let mut d = Daemon::start(vec![endpoint(18005, Some(&p))], 16).await;
     let seq = sync_live(&d, &mut p, 18005, 0).await;
-    let bs = BlockSize::new(16).unwrap();
     let before = tokens(48, 5);
     p.publish(seq, &stored_batch(&[1, 2, 3], None, &before, 16, None))
         .await;
-    eventually("the store", || async {
-        d.handle.replica(&replica(18005)).unwrap().entries == 3
-    })
-    .await;
+    d.await_entries("the store", 18005, 3).await;
 
     // The engine restarts: empty cache, seq from 0.
     p.restart_buffer();
@@ -620,24 +608,9 @@ async fn an_engine_restart_purges() {
         d.counter("indexd_purges_total{reason=\"restart\"}") == 1.0
     })
     .await;
-    eventually("the new engine's block", || async {
-        d.handle.replica(&replica(18005)).unwrap().entries == 1
-    })
-    .await;
-    assert_eq!(
-        d.pick(&raw(&block_keys(&before, bs, None)), 16)
-            .await
-            .candidates[0]
-            .matched_blocks,
-        0
-    );
-    assert_eq!(
-        d.pick(&raw(&block_keys(&after, bs, None)), 16)
-            .await
-            .candidates[0]
-            .matched_blocks,
-        1
-    );
+    d.await_entries("the new engine's block", 18005, 1).await;
+    assert_eq!(d.matched(&before, 16).await, 0);
+    assert_eq!(d.matched(&after, 16).await, 1);
     d.stop().await;
 }
 
@@ -654,10 +627,7 @@ async fn picks_only_fresh_replicas_and_prefers_the_holder() {
     let t = tokens(64, 8);
     p.publish(seq, &stored_batch(&[1, 2, 3, 4], None, &t, 16, None))
         .await;
-    eventually("the store", || async {
-        d.handle.replica(&replica(18006)).unwrap().entries == 4
-    })
-    .await;
+    d.await_entries("the store", 18006, 4).await;
     let r = d.pick(&raw(&block_keys(&t, bs, None)), 16).await;
     assert_eq!(r.decision, DecisionKind::Precise as i32);
     let names: Vec<&str> = r.candidates.iter().map(|c| c.address.as_str()).collect();
@@ -1139,14 +1109,10 @@ async fn a_reconnect_resyncs_from_seq_zero() {
     let mut p = Publisher::start(false).await;
     let mut d = Daemon::start(vec![endpoint(18030, Some(&p))], 16).await;
     let seq = sync_live(&d, &mut p, 18030, 0).await;
-    let bs = BlockSize::new(16).unwrap();
     let before = tokens(32, 9);
     p.publish(seq, &stored_batch(&[1, 2], None, &before, 16, None))
         .await;
-    eventually("the store", || async {
-        d.handle.replica(&replica(18030)).unwrap().entries == 2
-    })
-    .await;
+    d.await_entries("the store", 18030, 2).await;
 
     // The engine process restarts; its first batch is buffered before
     // indexd reconnects, so only the replay from 0 can deliver it.
@@ -1157,24 +1123,9 @@ async fn a_reconnect_resyncs_from_seq_zero() {
         d.counter("indexd_purges_total{reason=\"resync\"}") >= 1.0
     })
     .await;
-    eventually("the replayed block", || async {
-        d.handle.replica(&replica(18030)).unwrap().entries == 1
-    })
-    .await;
-    assert_eq!(
-        d.pick(&raw(&block_keys(&before, bs, None)), 16)
-            .await
-            .candidates[0]
-            .matched_blocks,
-        0
-    );
-    assert_eq!(
-        d.pick(&raw(&block_keys(&after, bs, None)), 16)
-            .await
-            .candidates[0]
-            .matched_blocks,
-        1
-    );
+    d.await_entries("the replayed block", 18030, 1).await;
+    assert_eq!(d.matched(&before, 16).await, 0);
+    assert_eq!(d.matched(&after, 16).await, 1);
     assert!(d.handle.replica(&replica(18030)).unwrap().fresh);
     d.stop().await;
 }
@@ -1207,10 +1158,7 @@ async fn events_bind_mode_indexd_binds_and_the_replica_connects() {
     let t = tokens(32, 12);
     p.publish(seq, &stored_batch(&[1, 2], None, &t, 16, None))
         .await;
-    eventually("the store", || async {
-        d.handle.replica(&replica(18040)).unwrap().entries == 2
-    })
-    .await;
+    d.await_entries("the store", 18040, 2).await;
     let keys = raw(&block_keys(&t, BlockSize::new(16).unwrap(), None));
     assert_eq!(d.pick(&keys, 16).await.candidates[0].matched_blocks, 2);
     d.stop().await;
@@ -1255,10 +1203,7 @@ async fn bad_frames_are_counted_and_the_stream_goes_on() {
     let t = tokens(16, 13);
     p.publish(seq, &stored_batch(&[1], None, &t, 16, None))
         .await;
-    eventually("the store", || async {
-        d.handle.replica(&replica(18070)).unwrap().entries == 1
-    })
-    .await;
+    d.await_entries("the store", 18070, 1).await;
     // Garbage msgpack, a truncated real frame, a frame that is too large.
     let real = fixture("blockremoved_x7_then_blockstored_53blk.f2_payload.msgpack");
     p.publish(seq + 1, b"\xc1\xff\x00garbage").await;
@@ -1276,10 +1221,7 @@ async fn bad_frames_are_counted_and_the_stream_goes_on() {
     assert_eq!(d.handle.replica(&replica(18070)).unwrap().entries, 0);
     p.publish(seq + 4, &stored_batch(&[2], None, &t, 16, None))
         .await;
-    eventually("the next good batch", || async {
-        d.handle.replica(&replica(18070)).unwrap().entries == 1
-    })
-    .await;
+    d.await_entries("the next good batch", 18070, 1).await;
     let keys = raw(&block_keys(&t, BlockSize::new(16).unwrap(), None));
     assert_eq!(d.pick(&keys, 16).await.candidates[0].matched_blocks, 1);
     d.stop().await;
