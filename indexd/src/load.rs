@@ -184,8 +184,13 @@ pub(crate) async fn scrape_once(
         let started = std::time::Instant::now();
         match page.fetch(client, replica.id(), timeout).await {
             Ok(load) => {
-                replica.scrape_ok(load.running, load.waiting, load.kv_usage, started);
-                replica.set_cache_blocks(load.cache_blocks);
+                replica.scrape_ok(
+                    load.running,
+                    load.waiting,
+                    load.kv_usage,
+                    load.cache_blocks,
+                    started,
+                );
                 if let Some(counters) = load.prefill {
                     let prior = shared.config.weights.prefill_tokens_per_second;
                     replica.calibrate(counters, started, prior);

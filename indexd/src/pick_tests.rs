@@ -776,14 +776,14 @@ fn ranked_answers_name_the_replicas_a_continuation_should_ask_about() {
     assert!(answer.busy_known);
     assert!(answer.busy.is_empty(), "idle replicas: none busy");
     // vLLM reports requests waiting on one replica in two scrapes in a row.
-    reps[1].scrape_ok(2.0, 3.0, 0.1, now);
-    reps[1].scrape_ok(2.0, 1.0, 0.1, now);
+    reps[1].scrape_ok(2.0, 3.0, 0.1, None, now);
+    reps[1].scrape_ok(2.0, 1.0, 0.1, None, now);
     let answer = pick(&s, &req(&[2]), now).unwrap();
     let busy: Vec<_> = answer.busy.iter().map(|b| b.address.as_str()).collect();
     assert_eq!(busy, [reps[1].address()]);
     assert_eq!(answer.busy[0].data_parallel_rank, reps[1].id().rank);
     // Gone from the latest scrape: not busy any more.
-    reps[1].scrape_ok(2.0, 0.0, 0.1, now);
+    reps[1].scrape_ok(2.0, 0.0, 0.1, None, now);
     assert!(pick(&s, &req(&[3]), now).unwrap().busy.is_empty());
 }
 
@@ -791,8 +791,8 @@ fn ranked_answers_name_the_replicas_a_continuation_should_ask_about() {
 fn only_a_pick_that_asks_gets_the_busy_replicas() {
     let (s, reps) = shared(2, |c| c.speculative_ttl = Duration::ZERO);
     let now = Instant::now();
-    reps[1].scrape_ok(2.0, 3.0, 0.1, now);
-    reps[1].scrape_ok(2.0, 1.0, 0.1, now);
+    reps[1].scrape_ok(2.0, 3.0, 0.1, None, now);
+    reps[1].scrape_ok(2.0, 1.0, 0.1, None, now);
     let answer = pick(&s, &req(&[1]), now).unwrap();
     assert!(!answer.busy_known);
     assert!(answer.busy.is_empty());
@@ -819,8 +819,7 @@ fn a_pick_credits_only_the_blocks_that_survive_the_queue_ahead() {
         let t: Vec<u32> = (0..40).collect();
         store(&s, &rs[0], &t[..32]);
         for r in &rs {
-            r.scrape_ok(0.0, 0.0, 0.5, now);
-            r.set_cache_blocks(Some(20.0));
+            r.scrape_ok(0.0, 0.0, 0.5, Some(20.0), now);
         }
         // Another request queued ahead on replica 0 allocates 12 blocks:
         // the 2 older free ones, then all 8 of the conversation's.

@@ -390,14 +390,25 @@ impl Replica {
         self.config.serves(model) || lock(&self.loras).contains(model)
     }
 
-    /// Records a successful scrape that started at `started`.
-    pub(crate) fn scrape_ok(&self, running: f64, waiting: f64, kv_usage: f64, started: Instant) {
+    /// Records a successful scrape that started at `started`: its load and
+    /// the KV cache size it gave (None: the page does not say), under one
+    /// lock, so that a Pick never pairs one scrape's usage with another's
+    /// cache size.
+    pub(crate) fn scrape_ok(
+        &self,
+        running: f64,
+        waiting: f64,
+        kv_usage: f64,
+        cache_blocks: Option<f64>,
+        started: Instant,
+    ) {
         {
             let mut s = lock(&self.scraped);
             s.running = running;
             s.waiting_before = s.waiting;
             s.waiting = waiting;
             s.kv_usage = kv_usage;
+            s.cache_blocks = cache_blocks;
             s.consecutive_failures = 0;
         }
         // Picks made before the scrape started are visible in it now (their
@@ -419,11 +430,6 @@ impl Replica {
             s.consecutive_failures
         };
         failures >= unhealthy_after && self.healthy.swap(false, Ordering::AcqRel)
-    }
-
-    /// Records the KV cache size its metrics gave (None: they do not say).
-    pub(crate) fn set_cache_blocks(&self, blocks: Option<f64>) {
-        lock(&self.scraped).cache_blocks = blocks;
     }
 
     /// Its KV cache size in blocks, if its metrics said.
@@ -879,7 +885,7 @@ mod tests {
         r.note_pick(t0, "a", 500 * MS, 0);
         let ttl = Duration::from_secs(5);
         assert_eq!(r.load(t0, ttl, 0).pending_picks, 1.0);
-        r.scrape_ok(1.0, 0.0, 0.1, t0 + MS);
+        r.scrape_ok(1.0, 0.0, 0.1, None, t0 + MS);
         let load = r.load(t0 + 100 * MS, ttl, 0);
         assert_eq!(load.pending_picks, 0.0);
         assert!((load.queued_seconds - 0.4).abs() < 1e-9);
@@ -890,7 +896,7 @@ mod tests {
         let r = replica();
         let (t0, ttl) = (Instant::now(), Duration::from_secs(5));
         assert_eq!(r.load(t0, ttl, 0).cache_blocks, None);
-        r.set_cache_blocks(Some(86.0));
+        r.scrape_ok(0.0, 0.0, 0.0, Some(86.0), t0);
         r.note_pick(t0, "a", 100 * MS, 30);
         r.note_pick(t0 + MS, "b", 100 * MS, 12);
         r.note_pick(t0 + MS, "c", 100 * MS, 0);
@@ -898,9 +904,9 @@ mod tests {
         assert_eq!((load.cache_blocks, load.demand_blocks), (Some(86.0), 42.0));
         // A scrape shows them (they leave the pending count); one is
         // running: the oldest, whose blocks are allocated (in the usage).
-        r.scrape_ok(1.0, 2.0, 0.5, t0 + 2 * MS);
+        r.scrape_ok(1.0, 2.0, 0.5, Some(86.0), t0 + 2 * MS);
         assert_eq!(r.load(t0 + 2 * MS, ttl, 0).demand_blocks, 12.0);
-        r.scrape_ok(0.0, 3.0, 0.5, t0 + 2 * MS);
+        r.scrape_ok(0.0, 3.0, 0.5, Some(86.0), t0 + 2 * MS);
         assert_eq!(r.load(t0 + 2 * MS, ttl, 0).demand_blocks, 42.0);
         assert!(
             r.complete_pick(t0 + 3 * MS, "a"),
@@ -920,9 +926,9 @@ mod tests {
             (l.waiting, l.waiting_before)
         };
         assert_eq!(waiting(&r), (0.0, 0.0));
-        r.scrape_ok(1.0, 3.0, 0.1, t0);
+        r.scrape_ok(1.0, 3.0, 0.1, None, t0);
         assert_eq!(waiting(&r), (3.0, 0.0), "one scrape: no queue seen before");
-        r.scrape_ok(1.0, 2.0, 0.1, t0);
+        r.scrape_ok(1.0, 2.0, 0.1, None, t0);
         assert_eq!(waiting(&r), (2.0, 3.0));
         // A failed scrape changes neither.
         r.scrape_failed(3);
