@@ -176,7 +176,8 @@ struct PickQueue {
 #[derive(Clone, Debug)]
 struct Allocation {
     at: Instant,
-    request_id: String,
+    /// Shared with its [`PendingPick`]: one copy of the id a pick.
+    request_id: Arc<str>,
     blocks: u32,
 }
 
@@ -185,7 +186,7 @@ struct Allocation {
 struct PendingPick {
     at: Instant,
     /// The request's `x-request-id` (empty if none).
-    request_id: String,
+    request_id: Arc<str>,
     /// Its prefill's estimated start and end.
     start: Instant,
     end: Instant,
@@ -209,10 +210,11 @@ impl PickQueue {
         if self.allocating.len() >= MAX_PENDING {
             self.allocating.pop_front();
         }
+        let request_id: Arc<str> = Arc::from(request_id);
         if blocks > 0 {
             self.allocating.push_back(Allocation {
                 at: at.min(now),
-                request_id: request_id.to_owned(),
+                request_id: Arc::clone(&request_id),
                 blocks,
             });
         }
@@ -221,7 +223,7 @@ impl PickQueue {
         self.busy_until = Some(end);
         self.picks.push_back(PendingPick {
             at: at.min(now),
-            request_id: request_id.to_owned(),
+            request_id,
             start,
             end,
         });
@@ -233,10 +235,10 @@ impl PickQueue {
         let allocated = self
             .allocating
             .iter()
-            .position(|a| a.request_id == request_id)
+            .position(|a| *a.request_id == *request_id)
             .and_then(|i| self.allocating.remove(i))
             .is_some();
-        let Some(i) = self.picks.iter().position(|p| p.request_id == request_id) else {
+        let Some(i) = self.picks.iter().position(|p| *p.request_id == *request_id) else {
             return allocated;
         };
         let Some(p) = self.picks.remove(i) else {
