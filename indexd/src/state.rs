@@ -200,7 +200,7 @@ impl PickQueue {
         &mut self,
         at: Instant,
         now: Instant,
-        request_id: &str,
+        request_id: Arc<str>,
         prefill: Duration,
         blocks: u32,
     ) {
@@ -210,7 +210,6 @@ impl PickQueue {
         if self.allocating.len() >= MAX_PENDING {
             self.allocating.pop_front();
         }
-        let request_id: Arc<str> = Arc::from(request_id);
         if blocks > 0 {
             self.allocating.push_back(Allocation {
                 at: at.min(now),
@@ -451,6 +450,8 @@ impl Replica {
     /// the filter reports it answered ([`Self::complete_pick`]), and the
     /// `blocks` it allocates until it is answered.
     pub(crate) fn note_pick(&self, now: Instant, request_id: &str, prefill: Duration, blocks: u32) {
+        // The id's copy is made before the lock is taken.
+        let request_id = Arc::from(request_id);
         lock(&self.pending).note(now, now, request_id, prefill, blocks);
     }
 
@@ -465,6 +466,7 @@ impl Replica {
         prefill: Duration,
         blocks: u32,
     ) {
+        let request_id = Arc::from(request_id);
         lock(&self.pending).note(at, now, request_id, prefill, blocks);
     }
 
@@ -854,13 +856,13 @@ mod tests {
     fn picks_queue_behind_each_other_and_drain_with_time() {
         let t0 = Instant::now();
         let mut q = PickQueue::default();
-        q.note(t0, t0, "a", 300 * MS, 0);
-        q.note(t0, t0, "b", 200 * MS, 0);
+        q.note(t0, t0, "a".into(), 300 * MS, 0);
+        q.note(t0, t0, "b".into(), 200 * MS, 0);
         assert!((q.queued_seconds(t0) - 0.5).abs() < 1e-9);
         assert!((q.queued_seconds(t0 + 400 * MS) - 0.1).abs() < 1e-9);
         assert_eq!(q.queued_seconds(t0 + 600 * MS), 0.0);
         // A pick after the queue ran dry starts at once.
-        q.note(t0 + 600 * MS, t0 + 600 * MS, "c", 100 * MS, 0);
+        q.note(t0 + 600 * MS, t0 + 600 * MS, "c".into(), 100 * MS, 0);
         assert!((q.queued_seconds(t0 + 600 * MS) - 0.1).abs() < 1e-9);
     }
 
@@ -868,8 +870,8 @@ mod tests {
     fn an_answer_takes_what_its_pick_had_left_out_of_the_queue() {
         let t0 = Instant::now();
         let mut q = PickQueue::default();
-        q.note(t0, t0, "a", 300 * MS, 0);
-        q.note(t0, t0, "b", 200 * MS, 0);
+        q.note(t0, t0, "a".into(), 300 * MS, 0);
+        q.note(t0, t0, "b".into(), 200 * MS, 0);
         // `b` answered 100 ms in, before its estimated start: all of its
         // 200 ms leave; `a` still has 200 ms.
         assert!(q.complete(t0 + 100 * MS, "b"));
