@@ -47,8 +47,11 @@ The replicas start once per cache size and are shared by the runs; each run's pr
 carry a nonce of their own, so no profile finds another's blocks. With --rounds N, every
 workload runs N rounds of every profile (the order rotated each round), pooled in the
 summary, which also gives the ratio to the sticky oracle (and the hit's difference) round
-by round; w2 and w2-salted run --one-gateway-rounds instead, w3 --pressure-rounds;
-samples.csv numbers round k's conversations from (k - 1) x 1000.";
+by round; w2 and w2-salted run --one-gateway-rounds instead, w3 --pressure-rounds, and on
+w2 and w2-salted precise and the sticky oracle go on alone to --reference-rounds in all
+(their ratio is the one-gateway latency bound's; every other profile's ratio is taken over
+the rounds it shared with the sticky oracle); samples.csv numbers round k's conversations
+from (k - 1) x 1000.";
 
 /// The `vllm` subcommand's flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -72,7 +75,8 @@ pub struct Args {
     /// Size of each workload.
     #[arg(long, value_enum, default_value_t = Scale::Full)]
     pub scale: Scale,
-    /// Seed of every workload script (and of indexd's tie-breaks).
+    /// Seed of every workload script and of indexd's tie-breaks (round k's:
+    /// this + k − 1, so that rounds are independent draws of them).
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
     /// No new request starts after this many seconds within one workload × profile.
@@ -92,6 +96,15 @@ pub struct Args {
     /// every profile takes about 40 s).
     #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u32).range(1..=20))]
     pub one_gateway_rounds: u32,
+    /// Rounds in all of the one-gateway bound's pair on w2-lite and
+    /// w2-lite-salted: after the `--one-gateway-rounds` rounds of every
+    /// profile, kvroute precise and the sticky oracle go on alone (their
+    /// order swapped each round) until this many. Their ratio is what the
+    /// one-gateway latency bound reads, and six rounds leave it ± 0.13 on a
+    /// 2-CPU machine (twenty: ± 0.04); a round of the pair takes a few
+    /// seconds. At most `--one-gateway-rounds`: no round added.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=40))]
+    pub reference_rounds: u32,
     /// Rounds of w3-lite instead (a round of one profile takes about 2 s
     /// there, and which blocks an overfull cache keeps follows the timing:
     /// one round's hit ratio moves by a point or more whatever the router).
@@ -117,7 +130,7 @@ pub enum IndexdLink {
 }
 
 impl Args {
-    /// How many rounds of `kind`'s runs.
+    /// How many rounds of every profile `kind`'s runs take.
     fn rounds_of(&self, kind: LiteKind) -> u32 {
         match kind {
             LiteKind::W2 | LiteKind::W2Salted => self.one_gateway_rounds,
@@ -125,6 +138,48 @@ impl Args {
             LiteKind::W1 | LiteKind::W4 => self.rounds,
         }
     }
+
+    /// `kind`'s runs in order: `(round, profile)`.
+    fn schedule(&self, kind: LiteKind) -> Vec<(u32, Profile)> {
+        let pair = [Profile::Precise, Profile::StickyOracle];
+        let reference = match kind {
+            LiteKind::W2 | LiteKind::W2Salted if pair.iter().all(|p| self.profiles.contains(p)) => {
+                Some((self.reference_rounds, pair))
+            }
+            _ => None,
+        };
+        schedule(&self.profiles, self.rounds_of(kind), reference)
+    }
+}
+
+/// `rounds` rounds of every profile, the order rotated by one each round;
+/// then, with `reference: (n, pair)`, rounds of `pair` alone (its order
+/// swapped each round) until `n` rounds in all.
+fn schedule(
+    profiles: &[Profile],
+    rounds: u32,
+    reference: Option<(u32, [Profile; 2])>,
+) -> Vec<(u32, Profile)> {
+    let n = profiles.len();
+    let mut runs: Vec<(u32, Profile)> = (1..=rounds)
+        .flat_map(|round| {
+            let k = (round as usize - 1) % n.max(1);
+            profiles
+                .iter()
+                .cycle()
+                .skip(k)
+                .take(n)
+                .map(move |p| (round, *p))
+        })
+        .collect();
+    if let Some((total, [a, b])) = reference {
+        for round in rounds.saturating_add(1)..=total {
+            let (first, second) = if round % 2 == 1 { (a, b) } else { (b, a) };
+            runs.push((round, first));
+            runs.push((round, second));
+        }
+    }
+    runs
 }
 
 /// A line on stderr, also when the progress bar is hidden (no terminal: a log).
@@ -165,9 +220,8 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
     let runs = lite::build(&args.workloads, args.scale, args.seed);
     let total: usize = runs
         .iter()
-        .map(|r| r.workload.requests() * args.rounds_of(r.kind) as usize)
-        .sum::<usize>()
-        * args.profiles.len();
+        .map(|r| r.workload.requests() * args.schedule(r.kind).len())
+        .sum();
     let progress = ProgressBar::new(total as u64);
     if let Ok(style) =
         ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}")
@@ -224,23 +278,8 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
                 fleet_started.elapsed().as_secs_f64()
             ),
         );
-        // Each round rotates the profiles' order by one.
-        let n = args.profiles.len();
-        let order = |rounds: u32| -> Vec<(u32, &Profile)> {
-            (1..=rounds)
-                .flat_map(|round| {
-                    let k = (round as usize - 1) % n.max(1);
-                    args.profiles
-                        .iter()
-                        .cycle()
-                        .skip(k)
-                        .take(n)
-                        .map(move |p| (round, p))
-                })
-                .collect()
-        };
         for r in these {
-            for (round, p) in order(args.rounds_of(r.kind)) {
+            for (round, p) in args.schedule(r.kind) {
                 nonce += 1;
                 let tag = format!("Run {nonce:03}.");
                 let target = Target::Vllm {
@@ -248,7 +287,14 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
                     nonce: &tag,
                 };
                 let run_started = Instant::now();
-                let result = runner::run(&r.workload, *p, target, options, &progress);
+                // Each round draws indexd's tie-breaks anew: the same seed every
+                // round would repeat one draw (with several gateways, where each
+                // first sends its share of the first turns, the same split).
+                let options = RunOptions {
+                    seed: args.seed.wrapping_add(u64::from(round.saturating_sub(1))),
+                    ..options
+                };
+                let result = runner::run(&r.workload, p, target, options, &progress);
                 say(
                     &progress,
                     &format!(
@@ -304,4 +350,64 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
         args.out.display()
     );
     failure.map_or(Ok(()), Err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_profile_rotates_then_the_pair_goes_on_alone() {
+        let (lr, precise, sticky) = (
+            Profile::LeastRequest,
+            Profile::Precise,
+            Profile::StickyOracle,
+        );
+        let pair = [precise, sticky];
+        let runs = schedule(&[lr, precise, sticky], 2, Some((4, pair)));
+        assert_eq!(
+            runs,
+            vec![
+                (1, lr),
+                (1, precise),
+                (1, sticky),
+                (2, precise),
+                (2, sticky),
+                (2, lr),
+                (3, precise),
+                (3, sticky),
+                (4, sticky),
+                (4, precise),
+            ]
+        );
+        // No more rounds than the profiles' own: nothing added.
+        assert_eq!(
+            schedule(&[lr, precise, sticky], 2, Some((2, pair))).len(),
+            6
+        );
+        assert_eq!(
+            schedule(&[lr, precise, sticky], 3, Some((1, pair))).len(),
+            9
+        );
+        assert_eq!(schedule(&[lr], 2, None), vec![(1, lr), (2, lr)]);
+    }
+
+    #[test]
+    fn only_one_gateway_workloads_with_both_of_the_pair_get_reference_rounds() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let all = Cli::parse_from(["t"]).args;
+        assert_eq!(all.schedule(LiteKind::W2).len(), 6 * 7 + 14 * 2);
+        assert_eq!(all.schedule(LiteKind::W2Salted).len(), 6 * 7 + 14 * 2);
+        assert_eq!(all.schedule(LiteKind::W3).len(), 16 * 7);
+        assert_eq!(all.schedule(LiteKind::W4).len(), 3 * 7);
+        let no_oracle = Cli::parse_from(["t", "--profile", "precise,least-request"]).args;
+        assert_eq!(no_oracle.schedule(LiteKind::W2).len(), 6 * 2);
+        let fewer = Cli::parse_from(["t", "--reference-rounds", "3"]).args;
+        assert_eq!(fewer.schedule(LiteKind::W2).len(), 6 * 7);
+    }
 }

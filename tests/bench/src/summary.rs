@@ -21,7 +21,7 @@
 //!   did not pay (they re-prefilled what the best replica held and came out
 //!   slower than the same turn under the sticky oracle).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
@@ -230,10 +230,14 @@ fn against_sticky(by_profile: &[((String, String), Vec<&Sample>)], groups: &mut 
             .filter(|s| s.ok())
             .map(|s| ((s.conversation, s.turn), s.latency_ms))
             .collect();
+        // Over the rounds this profile ran: the sticky oracle may run more
+        // (`kvroute-bench vllm --reference-rounds`), on a machine whose
+        // speed drifts from round to round.
+        let rounds: BTreeSet<u32> = rows.iter().map(|s| round_of(s)).collect();
         let sticky_mean = Dist::of(
             &sticky_rows
                 .iter()
-                .filter(|s| s.ok() && s.is_continuation())
+                .filter(|s| s.ok() && s.is_continuation() && rounds.contains(&round_of(s)))
                 .map(|s| s.latency_ms)
                 .collect::<Vec<_>>(),
         );
@@ -668,6 +672,42 @@ mod tests {
             .find(|g| g["profile"] == "lr")
             .map(|g| g["vs_sticky_rounds"].clone());
         assert_eq!(rounds, Some(serde_json::json!([1.5, 1.0])));
+    }
+
+    #[test]
+    fn a_profile_is_held_to_the_sticky_rounds_it_shared() {
+        // The sticky oracle ran three rounds (100, 200, 600 ms), the router
+        // only the first two (150, 200 ms): 350 / 300, not 350 / 900.
+        let mut samples = Vec::new();
+        for (round, sticky_ms) in [(0, 100.0), (1, 200.0), (2, 600.0)] {
+            let mut s = pair(
+                STICKY_ORACLE,
+                round * ROUND_CONVERSATIONS,
+                "r0",
+                "r0",
+                90,
+                90,
+            );
+            s[1].latency_ms = sticky_ms;
+            samples.extend(s);
+        }
+        for (round, lr_ms) in [(0, 150.0), (1, 200.0)] {
+            let mut l = pair("lr", round * ROUND_CONVERSATIONS, "r0", "r0", 90, 90);
+            l[1].latency_ms = lr_ms;
+            samples.extend(l);
+        }
+        let s = summarize(&samples);
+        let lr = s.groups.iter().find(|g| g.profile == "lr").unwrap();
+        let pooled = lr.vs_sticky.unwrap();
+        assert!((pooled - 350.0 / 300.0).abs() < 1e-9, "{pooled}");
+        assert_eq!(lr.vs_sticky_rounds, vec![1.5, 1.0]);
+        let sticky = s
+            .groups
+            .iter()
+            .find(|g| g.profile == STICKY_ORACLE)
+            .unwrap();
+        assert_eq!(sticky.vs_sticky, Some(1.0));
+        assert_eq!(sticky.latency_ms.n, 3);
     }
 
     #[test]
