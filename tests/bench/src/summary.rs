@@ -677,7 +677,8 @@ mod tests {
     #[test]
     fn a_profile_is_held_to_the_sticky_rounds_it_shared() {
         // The sticky oracle ran three rounds (100, 200, 600 ms), the router
-        // only the first two (150, 200 ms): 350 / 300, not 350 / 900.
+        // only the first two (150, 200 ms): (150 + 200) / (100 + 200), not its
+        // mean over the sticky oracle's three rounds (175 / 300).
         let mut samples = Vec::new();
         for (round, sticky_ms) in [(0, 100.0), (1, 200.0), (2, 600.0)] {
             let mut s = pair(
