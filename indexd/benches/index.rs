@@ -15,7 +15,9 @@ use std::time::Instant;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use indexd::config::{Config, EndpointConfig};
-use indexd::event::{BlockStored, EngineHash, EventBatch, ExtraKeys, KvEvent};
+use indexd::event::{
+    BlockStored, EngineHash, EventBatch, ExtraKeys, FullLabel, GroupKind, KvEvent,
+};
 use indexd::index::{ApplyStats, Index};
 use indexd::state::Shared;
 use indexd::wire::{self, Limits};
@@ -49,7 +51,77 @@ fn stored(hashes: std::ops::Range<u64>, parent: Option<u64>, tokens: Vec<u32>) -
         lora_name: None,
         extra_keys: Some(vec![ExtraKeys::None; n]),
         group_idx: 0,
+        kind: None,
+        sliding_window: None,
     })
+}
+
+/// A store in KV cache group `group` of a Gemma-3 / gpt-oss layout (group 0
+/// sliding, window 256 tokens; group 1 full attention): the range's tokens,
+/// hashes for `kept` blocks of it only.
+fn stored_in(group: u32, hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>) -> KvEvent {
+    let n = hashes.len();
+    let (kind, sliding_window) = if group == 0 {
+        (GroupKind::SlidingWindow { mla: false }, Some(256))
+    } else {
+        (GroupKind::FullAttention(FullLabel::Full), None)
+    };
+    KvEvent::BlockStored(BlockStored {
+        block_hashes: hashes.into_iter().map(EngineHash).collect(),
+        parent: parent.map(EngineHash),
+        token_ids: tokens,
+        block_size: BS,
+        tier: Tier::Gpu,
+        lora_name: None,
+        extra_keys: (n > 0).then(|| vec![ExtraKeys::None; n]),
+        group_idx: group,
+        kind: Some(kind),
+        sliding_window,
+    })
+}
+
+/// The sliding group's blocks of a conversation whose turns end every 64
+/// blocks, up to `run`: the 4-block tail before each turn's end (vLLM 0.32
+/// keeps only those, `reachable_block_mask`), the last turn's ending at
+/// `min(run, 1023)` (a prompt of 1,024 full blocks is hit at most to 1,023).
+fn sliding_tails(run: u64) -> Vec<u64> {
+    let mut ends: Vec<u64> = (1..=run / 64).map(|t| (t * 64).min(1023)).collect();
+    ends.push(run.min(1023));
+    ends.sort_unstable();
+    ends.dedup();
+    ends.into_iter()
+        .flat_map(|end| end.saturating_sub(4)..end)
+        .collect::<std::collections::BTreeSet<u64>>()
+        .into_iter()
+        .collect()
+}
+
+/// `replicas` replicas of a two-group model (sliding first, as gpt-oss and
+/// Gemma 3); replica i's full-attention group holds the first
+/// 1,024·(i+1)/`replicas` blocks of one 1,024-block prompt, its sliding
+/// group the tails at its turns' ends ([`sliding_tails`]).
+fn pick_setup_hybrid(replicas: u16) -> (Shared, PickRequest) {
+    let (shared, req) = pick_setup_with(0, false);
+    let prompt = tokens(1024 * BS as usize, 1);
+    for i in 0..replicas {
+        let ep = EndpointConfig::new(
+            SocketAddr::from(([10, 1, (i / 250) as u8, 1 + (i % 250) as u8], 8000)),
+            "m",
+        );
+        let replica = shared.add_replica(ep).unwrap();
+        let run = 1024 * (u64::from(i) + 1) / u64::from(replicas);
+        let range = prompt[..run as usize * BS as usize].to_vec();
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![
+                stored_in(0, sliding_tails(run), None, range.clone()),
+                stored_in(1, (0..run).collect(), None, range),
+            ],
+            data_parallel_rank: None,
+        };
+        shared.ingest(&replica, batch);
+    }
+    (shared, req)
 }
 
 /// 8 replicas; replica i holds the first 128·(i+1) blocks of one 1,024-block
@@ -61,7 +133,7 @@ fn pick_setup(speculative: bool) -> (Shared, PickRequest) {
 /// `replicas` replicas; replica i holds the first 1,024·(i+1)/`replicas`
 /// blocks of one 1,024-block prompt.
 fn pick_setup_with(replicas: u16, speculative: bool) -> (Shared, PickRequest) {
-    let endpoints: Vec<EndpointConfig> = (0..replicas)
+    let endpoints: Vec<EndpointConfig> = (0..replicas.max(1))
         .map(|i| {
             EndpointConfig::new(
                 SocketAddr::from(([10, 0, (i / 250) as u8, 1 + (i % 250) as u8], 8000)),
@@ -76,7 +148,11 @@ fn pick_setup_with(replicas: u16, speculative: bool) -> (Shared, PickRequest) {
     }
     let shared = Shared::new(config, CancellationToken::new());
     let prompt = tokens(1024 * BS as usize, 1);
-    for (i, ep) in endpoints.into_iter().enumerate() {
+    for (i, ep) in endpoints
+        .into_iter()
+        .enumerate()
+        .take(usize::from(replicas))
+    {
         let replica = shared.add_replica(ep).unwrap();
         let blocks = 1024 * (i + 1) / usize::from(replicas);
         let batch = EventBatch {
@@ -128,6 +204,30 @@ fn pick_latency_report() {
             at(0.99)
         );
     }
+    // A two-group model (sliding window 256 and full attention), 8 replicas:
+    // the last holds all 1,024 blocks in full attention and the sliding
+    // tails of its turns; vLLM would hit it to block 1,023.
+    let (shared, req) = pick_setup_hybrid(8);
+    let r = pick::pick(&shared, &req, Instant::now()).unwrap();
+    assert_eq!(r.candidates[0].matched_blocks, 1023);
+    assert_eq!(r.decision, kvroute_proto::v1::DecisionKind::Precise as i32);
+    for _ in 0..2_000 {
+        black_box(pick::pick(&shared, black_box(&req), Instant::now()).unwrap());
+    }
+    let mut ns: Vec<u64> = (0..20_000)
+        .map(|_| {
+            let t = Instant::now();
+            black_box(pick::pick(&shared, black_box(&req), Instant::now()).unwrap());
+            t.elapsed().as_nanos() as u64
+        })
+        .collect();
+    ns.sort_unstable();
+    let at = |q: f64| ns[((ns.len() - 1) as f64 * q) as usize] as f64 / 1000.0;
+    println!(
+        "pick latency, two-group model (sliding + full), 1024 blocks over 8 replicas: p50 {:.1} µs, p99 {:.1} µs",
+        at(0.5),
+        at(0.99)
+    );
 }
 
 fn bench_pick(c: &mut Criterion) {
@@ -140,6 +240,12 @@ fn bench_pick(c: &mut Criterion) {
     assert_eq!(r.candidates[0].matched_blocks, 1024);
     g.bench_function("warm_prefix", |b| {
         b.iter(|| pick::pick(&shared, black_box(&req), Instant::now()).unwrap())
+    });
+    // The same on a two-group model: the full-attention walk, then each
+    // replica's sliding tail found right to left.
+    let (shared_h, req_h) = pick_setup_hybrid(8);
+    g.bench_function("warm_prefix_two_groups", |b| {
+        b.iter(|| pick::pick(&shared_h, black_box(&req_h), Instant::now()).unwrap())
     });
     // Cold: a new prompt every time (nobody holds its first block), so the
     // chosen replica is credited with all 1,024 keys as speculative entries.
@@ -330,6 +436,63 @@ fn memory_report() {
     black_box(index);
 }
 
+/// The same as [`memory_report`] on a two-group model: each event's blocks
+/// in the full-attention group, and the sliding group's 4-block tail before
+/// every 16th event's end (a turn's end), so entries are the two groups'.
+fn memory_report_hybrid() {
+    let before = rss_bytes();
+    let mut index = Index::new(usize::MAX, 0);
+    let mut stats = ApplyStats::default();
+    let per_replica = 131_072u64;
+    for r in 0..8u32 {
+        let mut parent = None;
+        for start in (0..per_replica).step_by(64) {
+            let base = u64::from(r) << 40 | start;
+            let toks = tokens(64 * BS as usize, (start / 64) as u32 ^ r);
+            let turn_end = (start / 64) % 4 == 3;
+            let tail: Vec<u64> = if turn_end {
+                (base + 60..base + 64).collect()
+            } else {
+                Vec::new()
+            };
+            index.apply(
+                ReplicaSlot(r),
+                "m",
+                &stored_in(0, tail, parent, toks.clone()),
+                &mut stats,
+            );
+            index.apply(
+                ReplicaSlot(r),
+                "m",
+                &stored_in(1, (base..base + 64).collect(), parent, toks),
+                &mut stats,
+            );
+            parent = if (start / 64) % 16 == 15 {
+                None
+            } else {
+                Some(base + 63)
+            };
+        }
+    }
+    assert_eq!(index.parked(), 0);
+    let after = rss_bytes();
+    let entries = index.entries();
+    println!(
+        "memory, two-group model: {entries} entries ({} per replica in full attention), {} distinct keys; estimate {:.1} bytes/entry; RSS growth {}",
+        per_replica,
+        index.distinct_keys(),
+        index.approx_bytes() as f64 / entries as f64,
+        match (before, after) {
+            (Some(b), Some(a)) => format!(
+                "{:.1} bytes/entry",
+                a.saturating_sub(b) as f64 / entries as f64
+            ),
+            _ => "n/a".into(),
+        }
+    );
+    black_box(index);
+}
+
 criterion_group!(benches, bench_pick, bench_ingest);
 
 fn main() {
@@ -339,6 +502,7 @@ fn main() {
         eprintln!("transparent huge pages left as they were: {e}");
     }
     memory_report();
+    memory_report_hybrid();
     pick_latency_report();
     benches();
     criterion::Criterion::default()

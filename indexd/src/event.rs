@@ -94,8 +94,86 @@ pub struct BlockStored {
     /// offloading connectors): then a prompt's first block may have been
     /// salted, and only the engine hash (or a known parent) says what it is.
     pub extra_keys: Option<Vec<ExtraKeys>>,
-    /// The KV-cache group (only 0 is indexed).
+    /// The KV-cache group.
     pub group_idx: u32,
+    /// The group's attention kind (`kv_cache_spec_kind`; `None` from vLLM
+    /// releases that do not say).
+    pub kind: Option<GroupKind>,
+    /// The group's sliding window in tokens (`kv_cache_spec_sliding_window`,
+    /// sliding groups only).
+    pub sliding_window: Option<u32>,
+}
+
+/// A KV cache group's attention kind, as vLLM's events name it
+/// (`KVCacheSpecKind`). Kinds whose prefix-cache hit follows the same
+/// manager share a variant: MLA and attention-sink layers are full attention
+/// to the cache (`FullAttentionManager`), sliding-window MLA is a sliding
+/// window (`SlidingWindowManager`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum GroupKind {
+    /// `full_attention`, `mla_attention`, `sink_full_attention`.
+    FullAttention(FullLabel),
+    /// `sliding_window`, `sliding_window_mla`.
+    SlidingWindow {
+        /// `sliding_window_mla`.
+        mla: bool,
+    },
+    /// `chunked_local_attention`.
+    ChunkedLocal,
+    /// `mamba`.
+    Mamba,
+    /// Any other kind (its label, at most [`GroupKind::MAX_LABEL`] bytes).
+    Other(String),
+}
+
+/// Which full-attention label an event used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FullLabel {
+    /// `full_attention`.
+    Full,
+    /// `mla_attention`.
+    Mla,
+    /// `sink_full_attention`.
+    Sink,
+}
+
+impl GroupKind {
+    /// The longest label kept for an unknown kind.
+    pub const MAX_LABEL: usize = 64;
+
+    /// The kind an event's `kv_cache_spec_kind` names.
+    pub fn from_label(label: &str) -> Self {
+        match label {
+            "full_attention" => Self::FullAttention(FullLabel::Full),
+            "mla_attention" => Self::FullAttention(FullLabel::Mla),
+            "sink_full_attention" => Self::FullAttention(FullLabel::Sink),
+            "sliding_window" => Self::SlidingWindow { mla: false },
+            "sliding_window_mla" => Self::SlidingWindow { mla: true },
+            "chunked_local_attention" => Self::ChunkedLocal,
+            "mamba" => Self::Mamba,
+            other => {
+                let mut end = other.len().min(Self::MAX_LABEL);
+                while !other.is_char_boundary(end) {
+                    end -= 1;
+                }
+                Self::Other(other.get(..end).unwrap_or_default().to_owned())
+            }
+        }
+    }
+
+    /// vLLM's label for this kind (metrics, logs, `/readyz`).
+    pub fn label(&self) -> &str {
+        match self {
+            Self::FullAttention(FullLabel::Full) => "full_attention",
+            Self::FullAttention(FullLabel::Mla) => "mla_attention",
+            Self::FullAttention(FullLabel::Sink) => "sink_full_attention",
+            Self::SlidingWindow { mla: false } => "sliding_window",
+            Self::SlidingWindow { mla: true } => "sliding_window_mla",
+            Self::ChunkedLocal => "chunked_local_attention",
+            Self::Mamba => "mamba",
+            Self::Other(label) => label,
+        }
+    }
 }
 
 /// `BlockRemoved`.
@@ -105,6 +183,6 @@ pub struct BlockRemoved {
     pub block_hashes: Vec<EngineHash>,
     /// The tier they left.
     pub tier: Tier,
-    /// The KV-cache group.
+    /// The KV-cache group they left.
     pub group_idx: u32,
 }

@@ -1,6 +1,7 @@
 //! The HTTP side: Prometheus `/metrics`, `/healthz` (the process is up),
 //! `/readyz` (some replica is healthy and fresh; the body also names each
-//! local tokenizer's gate), and the vLLM-compatible tokenizer endpoints of
+//! local tokenizer's gate and each hybrid replica's KV cache groups, with
+//! any indexd does not model), and the vLLM-compatible tokenizer endpoints of
 //! [`crate::tokenize::http`]. With a shared token, every route but the two
 //! probes requires it ([`crate::auth`]).
 
@@ -46,6 +47,25 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
         let _ = write!(body, "tokenizer {model}: {}", state.label());
         if state == crate::tokenize::GateState::Closed {
             let _ = write!(body, " ({})", local.gate.detail());
+        }
+        body.push('\n');
+    }
+    for (replica, groups, unmodelled) in shared.layouts() {
+        // A model with one full-attention group is the common case: only
+        // other layouts are listed.
+        if !groups.contains(' ') && groups.starts_with("0:full_attention@") {
+            continue;
+        }
+        let _ = write!(body, "kv groups {}: {groups}", replica.id());
+        match unmodelled {
+            Some(u) => {
+                let _ = write!(
+                    body,
+                    " (group {} {} not modelled: {}; its Picks are approximate)",
+                    u.group, u.kind, u.reason
+                );
+            }
+            None => body.push_str(" (modelled)"),
         }
         body.push('\n');
     }
@@ -126,6 +146,45 @@ pub fn render(shared: &Shared) -> String {
         "Approximate-mode (key, replica) entries.",
         lock(&shared.approximate).len() as f64,
     );
+    // Per model and kind, the replicas with a KV cache group indexd does not
+    // model (a series while some replica has one).
+    let mut unmodelled: std::collections::BTreeMap<(String, String), u32> = Default::default();
+    let mut kv_groups: Vec<(String, String, usize)> = Vec::new();
+    for (replica, groups, u) in shared.layouts() {
+        kv_groups.push((
+            replica.id().to_string(),
+            replica.config.model.clone(),
+            groups.split(' ').count(),
+        ));
+        if let Some(u) = u {
+            *unmodelled
+                .entry((replica.config.model.clone(), u.kind))
+                .or_default() += 1;
+        }
+    }
+    let _ = writeln!(
+        out,
+        "# HELP indexd_unmodelled_kv_groups Replicas whose KV cache layout has a group indexd does not model (by the first such group's kind): their Picks are answered approximate.\n# TYPE indexd_unmodelled_kv_groups gauge"
+    );
+    for ((model, kind), n) in &unmodelled {
+        let _ = writeln!(
+            out,
+            "indexd_unmodelled_kv_groups{{model=\"{}\",kind=\"{}\"}} {n}",
+            label_value(model),
+            label_value(kind)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP indexd_replica_kv_groups KV cache groups the replica's events have shown since its last purge.\n# TYPE indexd_replica_kv_groups gauge"
+    );
+    for (endpoint, model, n) in &kv_groups {
+        let _ = writeln!(
+            out,
+            "indexd_replica_kv_groups{{endpoint=\"{endpoint}\",model=\"{}\"}} {n}",
+            label_value(model)
+        );
+    }
     let replicas = read(&shared.registry).all();
     let index = lock(&shared.index);
     for (name, help) in [

@@ -71,7 +71,8 @@ use kvroute_proto::keys::Chain;
 use parking_lot::{RwLock, RwLockWriteGuard};
 
 pub use apply::ApplyStats;
-pub use lookup::Lookup;
+pub use layout::{KvGroup, Layout};
+pub use lookup::{Lookup, Query};
 pub(crate) use saved::{Applied, SavedBlock};
 
 use store::{Entry, Store, table_bytes};
@@ -103,6 +104,9 @@ pub struct PrefixMatch {
     /// Of those, blocks credited speculatively (a pick sent them there; the
     /// replica's events do not show them yet).
     pub speculative: u32,
+    /// The replica's KV cache layout has a group indexd does not model:
+    /// `blocks` is what the other groups accept, an upper bound.
+    pub unmodelled: bool,
 }
 
 impl PrefixMatch {
@@ -131,7 +135,7 @@ enum Pending {
     },
 }
 
-/// One replica's blocks: `engine hash → entry`.
+/// One replica's blocks: `(engine hash, group) → entry`.
 #[derive(Debug, Default)]
 struct ReplicaBlocks {
     table: HashTable<u32>,
@@ -152,11 +156,35 @@ struct Writer {
     next_seq: u32,
     entries: usize,
     max_entries: usize,
+    /// Per plane id (a partition's or a group's, see [`Lookup`]), its KV
+    /// cache group (0 for a partition's own).
+    plane_group: Vec<u8>,
+    /// Sparse groups' blocks waiting for their chain ([`parked`]).
+    parked: parked::Parked,
+    /// Entries whose block the replica holds in more than one physical GPU
+    /// block: the copies beyond the first (see [`Txn::stored_again`]).
+    copies: FastMap<u32, u16>,
 }
 
-fn engine_hash(hasher: &foldhash::fast::RandomState, hash: EngineHash) -> u64 {
+/// A block's place in its replica's table: its engine hash and its KV cache
+/// group (each group holds the same hashes apart).
+fn engine_hash(hasher: &foldhash::fast::RandomState, hash: EngineHash, group: u8) -> u64 {
     use std::hash::BuildHasher;
-    hasher.hash_one(hash.0)
+    if group == 0 {
+        hasher.hash_one(hash.0)
+    } else {
+        hasher.hash_one((hash.0, group))
+    }
+}
+
+/// The group of a plane (see [`Writer::plane_group`]).
+fn group_of(plane_group: &[u8], plane: u16) -> u8 {
+    plane_group.get(usize::from(plane)).copied().unwrap_or(0)
+}
+
+/// An entry's place in its replica's table.
+fn entry_hash(hasher: &foldhash::fast::RandomState, plane_group: &[u8], e: &Entry) -> u64 {
+    engine_hash(hasher, e.hash(), group_of(plane_group, e.partition()))
 }
 
 impl Writer {
@@ -164,23 +192,36 @@ impl Writer {
         self.replicas.get(usize::from(local))?.as_ref()
     }
 
-    /// The entry `local` holds for `hash`.
-    fn find(&self, store: &Store, local: u16, hash: EngineHash) -> Option<u32> {
+    /// The entry `local` holds for `hash` in KV cache group `group`.
+    fn find(&self, store: &Store, local: u16, hash: EngineHash, group: u8) -> Option<u32> {
+        let plane_group = &self.plane_group;
         self.blocks(local)?
             .table
-            .find(engine_hash(&self.hasher, hash), |e| {
-                store.entry(*e).is_some_and(|x| x.hash() == hash)
+            .find(engine_hash(&self.hasher, hash, group), |e| {
+                store.entry(*e).is_some_and(|x| {
+                    x.hash() == hash && group_of(plane_group, x.partition()) == group
+                })
             })
             .copied()
+    }
+
+    /// An entry `local` holds for `hash` in any group: the block's chain and
+    /// partition do not depend on the group (vLLM hashes a block alike in
+    /// every group of its block size).
+    fn find_any(&self, store: &Store, local: u16, hash: EngineHash) -> Option<u32> {
+        let groups = store.layout(local).map_or(1, |l| l.width());
+        (0..groups).find_map(|g| self.find(store, local, hash, g))
     }
 
     /// Room for `additional` more entries in `local`'s table (rehashing, if
     /// needed, under the read lock rather than the write lock).
     fn reserve(&mut self, store: &Store, local: u16, additional: usize) {
-        let hasher = &self.hasher;
+        let (hasher, plane_group) = (&self.hasher, &self.plane_group);
         if let Some(Some(r)) = self.replicas.get_mut(usize::from(local)) {
             r.table.reserve(additional, |e| {
-                store.entry(*e).map_or(0, |x| engine_hash(hasher, x.hash()))
+                store
+                    .entry(*e)
+                    .map_or(0, |x| entry_hash(hasher, plane_group, x))
             });
         }
     }
@@ -189,12 +230,14 @@ impl Writer {
     /// fifth of its capacity it is rehashed to twice its length (amortized
     /// O(1); not sooner, or a churning table would rehash twice as often).
     fn shrink_if_sparse(&mut self, store: &Store, local: u16) {
-        let hasher = &self.hasher;
+        let (hasher, plane_group) = (&self.hasher, &self.plane_group);
         if let Some(Some(r)) = self.replicas.get_mut(usize::from(local)) {
             let (len, cap) = (r.table.len(), r.table.capacity());
             if cap > 1024 && len.saturating_mul(5) < cap {
                 r.table.shrink_to(len.saturating_mul(2), |e| {
-                    store.entry(*e).map_or(0, |x| engine_hash(hasher, x.hash()))
+                    store
+                        .entry(*e)
+                        .map_or(0, |x| entry_hash(hasher, plane_group, x))
                 });
             }
         }
@@ -230,6 +273,9 @@ impl Index {
                 next_seq: 0,
                 entries: 0,
                 max_entries: max_entries.clamp(1, store::MAX_RECORDS as usize),
+                plane_group: Vec::new(),
+                parked: parked::Parked::default(),
+                copies: FastMap::default(),
             },
             pending: Vec::new(),
             chains: Vec::new(),
@@ -249,6 +295,17 @@ impl Index {
     /// Distinct `(partition, key)` pairs.
     pub fn distinct_keys(&self) -> usize {
         self.store.read().distinct_keys()
+    }
+
+    /// The KV cache groups `slot`'s events have shown since its last purge.
+    pub fn layout(&self, slot: ReplicaSlot) -> Option<Arc<Layout>> {
+        let local = self.w.locals.get(&slot)?;
+        self.store.read().layout(*local).cloned()
+    }
+
+    /// Sparse groups' blocks waiting for their chain.
+    pub fn parked(&self) -> usize {
+        self.w.parked.len()
     }
 
     /// Entries held by one replica.
@@ -277,7 +334,11 @@ impl Index {
             .flatten()
             .map(|r| table_bytes(r.table.capacity()))
             .sum();
-        self.store.read().heap_bytes() + replica_tables + self.lookup.credit_bytes()
+        self.store.read().heap_bytes()
+            + replica_tables
+            + self.lookup.credit_bytes()
+            + self.w.parked.approx_bytes()
+            + self.w.copies.capacity() * (std::mem::size_of::<(u32, u16)>() + 1)
     }
 
     /// The partition of `model`, if any event or pick has named it.
@@ -326,7 +387,8 @@ impl Index {
             if let Some(local) = local
                 && !stored.token_ids.is_empty()
             {
-                self.w.reserve(&store, local, stored.block_hashes.len());
+                self.w
+                    .reserve(&store, local, stored.block_hashes.len().saturating_mul(2));
             }
             apply::prepare_chains(&store, &self.w, local, stored, &mut self.chains);
             grown = store.grow_for(self.chains.iter().map(|(_, c)| c.key().as_u64()));
@@ -399,12 +461,9 @@ impl Index {
                 .flat_map(|r| r.table.iter())
             {
                 if let Some(x) = store.entry(*e) {
-                    out.push((
-                        *slot,
-                        x.hash(),
-                        PartitionId::new(u32::from(x.partition())),
-                        x.chain,
-                    ));
+                    let plane = PartitionId::new(u32::from(x.partition()));
+                    let partition = self.lookup.plane_of(plane).map_or(plane, |(p, _)| p);
+                    out.push((*slot, x.hash(), partition, x.chain));
                 }
             }
         }
@@ -450,40 +509,79 @@ impl Txn<'_> {
         }
         self.w.locals.insert(slot, local);
         self.store.locals.insert(slot, local);
+        self.store.set_layout(local, None);
         Some(local)
     }
 
-    /// The entry `local` holds for `hash`.
-    fn find(&self, local: u16, hash: EngineHash) -> Option<u32> {
-        self.w.find(&self.store, local, hash)
+    /// The plane of `partition`'s KV cache group `group`, created on first
+    /// use (`None` once the partition table is full).
+    fn plane(&mut self, partition: PartitionId, group: u8) -> Option<PartitionId> {
+        let plane = self.lookup.plane_or_insert(partition, u32::from(group))?;
+        let i = plane.get() as usize;
+        if self.w.plane_group.len() <= i {
+            self.w.plane_group.resize(i + 1, 0);
+        }
+        if let Some(g) = self.w.plane_group.get_mut(i) {
+            *g = group;
+        }
+        Some(plane)
     }
 
-    fn entry(&self, local: u16, hash: EngineHash) -> Option<Entry> {
-        self.find(local, hash)
-            .and_then(|e| self.store.entry(e))
-            .copied()
+    /// The entry `local` holds for `hash` in `group`.
+    fn find(&self, local: u16, hash: EngineHash, group: u8) -> Option<u32> {
+        self.w.find(&self.store, local, hash, group)
     }
 
-    /// Stores `(local, hash)` keyed by `chain` in `partition` with a tier
-    /// (or adds the tier if it holds that key already).
+    /// An entry `local` holds for `hash` in any group: its chain and
+    /// partition (the partition of its plane).
+    fn entry_any(&self, local: u16, hash: EngineHash) -> Option<(Chain, PartitionId)> {
+        let e = self.w.find_any(&self.store, local, hash)?;
+        let x = self.store.entry(e)?;
+        let (partition, _) = self
+            .lookup
+            .plane_of(PartitionId::new(u32::from(x.partition())))?;
+        Some((x.chain, partition))
+    }
+
+    /// Stores `(local, hash)` keyed by `chain` in `plane` with a tier (or
+    /// adds the tier if it holds that key already), then gives any parked
+    /// block of the same hash its chain.
     fn insert(
         &mut self,
         local: u16,
         hash: EngineHash,
         chain: Chain,
-        partition: PartitionId,
+        plane: PartitionId,
         tier_bit: u8,
         stats: &mut ApplyStats,
     ) {
-        let Ok(part) = u16::try_from(partition.get()) else {
+        self.insert_one(local, hash, chain, plane, tier_bit, stats);
+        if !self.w.parked.is_empty() {
+            self.unpark(local, hash, chain, plane, stats);
+        }
+    }
+
+    fn insert_one(
+        &mut self,
+        local: u16,
+        hash: EngineHash,
+        chain: Chain,
+        plane: PartitionId,
+        tier_bit: u8,
+        stats: &mut ApplyStats,
+    ) {
+        let Ok(part) = u16::try_from(plane.get()) else {
             return;
         };
-        if let Some(e) = self.find(local, hash) {
+        let group = group_of(&self.w.plane_group, part);
+        if let Some(e) = self.find(local, hash, group) {
             if let Some(x) = self.store.entry_mut(e)
                 && x.key() == (part, chain.key().as_u64())
             {
-                x.set_tiers(x.tiers() | tier_bit);
+                let had = x.tiers();
+                x.set_tiers(had | tier_bit);
                 self.store.add_tiers(e);
+                self.stored_again(e, had, tier_bit, stats);
                 return;
             }
             self.drop_entry(local, e);
@@ -496,15 +594,18 @@ impl Txn<'_> {
         else {
             return;
         };
-        let hasher = &self.w.hasher;
+        let (hasher, plane_group) = (&self.w.hasher, &self.w.plane_group);
         let store = &*self.store;
         let Some(Some(r)) = self.w.replicas.get_mut(usize::from(local)) else {
             self.store.remove(e);
             return;
         };
-        r.table.insert_unique(engine_hash(hasher, hash), e, |i| {
-            store.entry(*i).map_or(0, |x| engine_hash(hasher, x.hash()))
-        });
+        r.table
+            .insert_unique(engine_hash(hasher, hash, group), e, |i| {
+                store
+                    .entry(*i)
+                    .map_or(0, |x| entry_hash(hasher, plane_group, x))
+            });
         self.store.hold(e);
         self.w.entries += 1;
         while self.w.entries > self.w.max_entries {
@@ -514,6 +615,47 @@ impl Txn<'_> {
             stats.evicted += 1;
         }
         self.yield_to_readers();
+    }
+
+    /// Blocks of other groups parked under `hash` (they came before the
+    /// block that gives their chain) are stored now, in their groups'
+    /// planes of the same partition.
+    fn unpark(
+        &mut self,
+        local: u16,
+        hash: EngineHash,
+        chain: Chain,
+        plane: PartitionId,
+        stats: &mut ApplyStats,
+    ) {
+        let Some(groups) = self.w.parked.take(local, hash) else {
+            return;
+        };
+        let Some((partition, _)) = self.lookup.plane_of(plane) else {
+            return;
+        };
+        for (group, tiers) in groups {
+            let Some(plane) = self.plane(partition, group) else {
+                continue;
+            };
+            self.insert_one(local, hash, chain, plane, tiers, stats);
+            stats.unparked += 1;
+        }
+    }
+
+    /// A store of a block `e` holds already in `tier` (its tiers were
+    /// `had`): in the GPU tier, another physical block of the same hash.
+    /// vLLM's pool keeps every copy under the hash (`BlockHashToBlockMap`)
+    /// and a request that missed a cached block (a hybrid model's sliding
+    /// group had no tail there) computes it again into a new one; each copy
+    /// is evicted on its own, with its own `BlockRemoved`. The entry stays
+    /// until the last copy goes.
+    fn stored_again(&mut self, e: u32, had: u8, tier: u8, stats: &mut ApplyStats) {
+        if tier == tier_bit(Tier::Gpu) && had & tier != 0 {
+            let n = self.w.copies.entry(e).or_default();
+            *n = n.saturating_add(1);
+            stats.duplicates += 1;
+        }
     }
 
     fn evict_oldest(&mut self) -> bool {
@@ -527,21 +669,25 @@ impl Txn<'_> {
 
     /// Forgets entry `e` of `local`.
     fn drop_entry(&mut self, local: u16, e: u32) {
-        let Some(hash) = self.store.entry(e).map(Entry::hash) else {
+        let Some(place) = self
+            .store
+            .entry(e)
+            .map(|x| entry_hash(&self.w.hasher, &self.w.plane_group, x))
+        else {
             return;
         };
         if let Some(Some(r)) = self.w.replicas.get_mut(usize::from(local))
-            && let Ok(found) = r
-                .table
-                .find_entry(engine_hash(&self.w.hasher, hash), |i| *i == e)
+            && let Ok(found) = r.table.find_entry(place, |i| *i == e)
         {
             found.remove();
         }
+        self.w.copies.remove(&e);
         self.store.remove(e);
         self.w.entries = self.w.entries.saturating_sub(1);
     }
 
-    /// Forgets everything `slot` holds, yielding to readers every 64
+    /// Forgets everything `slot` holds, its parked blocks and its layout
+    /// (relearned from its next events), yielding to readers every 64
     /// entries.
     fn purge(&mut self, slot: ReplicaSlot) {
         self.lookup.forget_credits(slot);
@@ -549,11 +695,16 @@ impl Txn<'_> {
         let Some(local) = self.local(slot) else {
             return;
         };
+        self.w.parked.forget(local);
+        self.store.set_layout(local, None);
         let Some(Some(r)) = self.w.replicas.get_mut(usize::from(local)) else {
             return;
         };
         let table = std::mem::take(&mut r.table);
         for (n, e) in table.into_iter().enumerate() {
+            if !self.w.copies.is_empty() {
+                self.w.copies.remove(&e);
+            }
             self.store.remove(e);
             self.w.entries = self.w.entries.saturating_sub(1);
             if n % 64 == 63 {
@@ -564,7 +715,9 @@ impl Txn<'_> {
 }
 
 mod apply;
+pub mod layout;
 mod lookup;
+mod parked;
 mod saved;
 mod slab;
 mod store;
@@ -576,3 +729,11 @@ mod tests;
 #[cfg(test)]
 #[path = "index_model_tests.rs"]
 pub(crate) mod model;
+
+#[cfg(test)]
+#[path = "index/hybrid_tests.rs"]
+mod hybrid_tests;
+
+#[cfg(test)]
+#[path = "index/replay_tests.rs"]
+mod replay_tests;

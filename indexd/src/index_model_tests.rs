@@ -26,20 +26,37 @@ fn removed(hashes: &[u64], tier: Tier) -> KvEvent {
     })
 }
 
-/// One stored block in the naive model: partition, key, chain, tiers.
-type NaiveBlock = (String, BlockKey, Chain, BTreeSet<Tier>);
+/// One stored block in the naive model: partition, key, chain, tiers, and
+/// its GPU copies beyond the first (a GPU store of a block held in the GPU
+/// tier is another physical block; each removal takes one).
+type NaiveBlock = (String, BlockKey, Chain, BTreeSet<Tier>, u32);
 
-/// A naive reference: per replica, a flat map of stored blocks.
+/// `tier` stored again on `e`: a GPU copy more if it was in the GPU tier.
+fn stored_again(e: &mut NaiveBlock, tier: Tier) {
+    if tier == Tier::Gpu && e.3.contains(&Tier::Gpu) {
+        e.4 += 1;
+    }
+    e.3.insert(tier);
+}
+
+/// A naive reference: per replica, a flat map of stored blocks by engine
+/// hash and KV cache group (each group keeps its own; a block's chain is
+/// the same in every group).
 #[derive(Default)]
 pub(crate) struct Naive {
-    pub(crate) replicas: HashMap<u32, HashMap<u64, NaiveBlock>>,
+    pub(crate) replicas: HashMap<u32, HashMap<(u64, u32), NaiveBlock>>,
     /// The entry bound, if any: beyond it the oldest entry goes.
     bound: Option<usize>,
     /// Each entry's insertion number, and the entries by it (stale ones
     /// are skipped when met).
-    seq_of: HashMap<(u32, u64), u64>,
-    order: BTreeMap<u64, (u32, u64)>,
+    seq_of: HashMap<(u32, (u64, u32)), u64>,
+    order: BTreeMap<u64, (u32, (u64, u32))>,
     next: u64,
+}
+
+/// A block of `rep` in any group.
+fn any_group(rep: &HashMap<(u64, u32), NaiveBlock>, hash: u64) -> Option<&NaiveBlock> {
+    (0..crate::index::layout::MAX_GROUPS).find_map(|g| rep.get(&(hash, g)))
 }
 
 impl Naive {
@@ -52,7 +69,7 @@ impl Naive {
 
     /// A new entry `(slot, hash)` was stored: it is the newest, and the
     /// oldest ones go beyond the bound.
-    fn inserted(&mut self, slot: u32, hash: u64) {
+    fn inserted(&mut self, slot: u32, hash: (u64, u32)) {
         self.seq_of.insert((slot, hash), self.next);
         self.order.insert(self.next, (slot, hash));
         self.next += 1;
@@ -77,25 +94,28 @@ impl Naive {
             KvEvent::AllBlocksCleared => rep.clear(),
             KvEvent::Unknown => {}
             KvEvent::BlockRemoved(r) => {
-                if r.group_idx != 0 {
-                    return;
-                }
                 for h in &r.block_hashes {
-                    if let Some(e) = rep.get_mut(&h.0) {
+                    let at = (h.0, r.group_idx);
+                    if let Some(e) = rep.get_mut(&at) {
+                        if r.tier == Tier::Gpu && e.4 > 0 {
+                            e.4 -= 1;
+                            continue;
+                        }
                         e.3.remove(&r.tier);
                         if e.3.is_empty() {
-                            rep.remove(&h.0);
+                            rep.remove(&at);
                         }
                     }
                 }
             }
             KvEvent::BlockStored(s) => {
-                if s.group_idx != 0 {
+                let g = s.group_idx;
+                if g >= crate::index::layout::MAX_GROUPS {
                     return;
                 }
                 if s.token_ids.is_empty() {
                     for h in &s.block_hashes {
-                        if let Some(e) = rep.get_mut(&h.0) {
+                        if let Some(e) = rep.get_mut(&(h.0, g)) {
                             e.3.insert(s.tier);
                         }
                     }
@@ -110,7 +130,7 @@ impl Naive {
                 // The chain and partition each block continues (None: unknown).
                 let mut link: Option<(Chain, String)> = s
                     .parent
-                    .and_then(|p| rep.get(&p.0))
+                    .and_then(|p| any_group(rep, p.0))
                     .map(|e| (e.2, e.0.clone()));
                 for (i, h) in s.block_hashes.iter().enumerate() {
                     let root = i == 0 && s.parent.is_none();
@@ -120,12 +140,20 @@ impl Naive {
                         Some(ExtraKeys::Salt(_)) if !root => return,
                         _ => {}
                     }
-                    if carried.is_none()
-                        && let Some(e) = self.replicas.entry(slot).or_default().get_mut(&h.0)
-                    {
-                        e.3.insert(s.tier);
-                        link = Some((e.2, e.0.clone()));
-                        continue;
+                    if carried.is_none() {
+                        let rep = self.replicas.entry(slot).or_default();
+                        if let Some(e) = rep.get_mut(&(h.0, g)) {
+                            stored_again(e, s.tier);
+                            link = Some((e.2, e.0.clone()));
+                            continue;
+                        }
+                        // Known in another group: the same block.
+                        if let Some(e) = any_group(rep, h.0).cloned() {
+                            link = Some((e.2, e.0.clone()));
+                            rep.insert((h.0, g), (e.0, e.1, e.2, BTreeSet::from([s.tier]), 0));
+                            self.inserted(slot, (h.0, g));
+                            continue;
+                        }
                     }
                     if root {
                         link = match carried {
@@ -152,13 +180,16 @@ impl Naive {
                         .push_block(&s.token_ids[i * n..(i + 1) * n])
                         .unwrap();
                     let rep = self.replicas.entry(slot).or_default();
-                    match rep.get_mut(&h.0) {
+                    match rep.get_mut(&(h.0, g)) {
                         Some(e) if e.0 == part && e.1 == c.key() => {
-                            e.3.insert(s.tier);
+                            stored_again(e, s.tier);
                         }
                         _ => {
-                            rep.insert(h.0, (part.clone(), c.key(), c, BTreeSet::from([s.tier])));
-                            self.inserted(slot, h.0);
+                            rep.insert(
+                                (h.0, g),
+                                (part.clone(), c.key(), c, BTreeSet::from([s.tier]), 0),
+                            );
+                            self.inserted(slot, (h.0, g));
                         }
                     }
                     link = Some((c, part));
@@ -173,10 +204,11 @@ impl Naive {
         let empty = HashMap::new();
         let rep = self.replicas.get(&slot).unwrap_or(&empty);
         for k in keys {
+            // The walk over the partition's own plane: group 0.
             let best = rep
-                .values()
-                .filter(|e| e.0 == model && e.1 == *k)
-                .flat_map(|e| e.3.iter().copied())
+                .iter()
+                .filter(|((_, g), e)| *g == 0 && e.0 == model && e.1 == *k)
+                .flat_map(|(_, e)| e.3.iter().copied())
                 .min();
             match best {
                 Some(t) => {
@@ -352,6 +384,8 @@ pub(crate) fn event(op: &Op) -> Option<(u32, KvEvent)> {
                     lora_name: lora_name.map(str::to_owned),
                     extra_keys,
                     group_idx: *group,
+                    kind: None,
+                    sliding_window: None,
                 }),
             ))
         }
@@ -373,6 +407,8 @@ pub(crate) fn event(op: &Op) -> Option<(u32, KvEvent)> {
                 lora_name: p.lora.map(str::to_owned),
                 extra_keys: None,
                 group_idx: 0,
+                kind: None,
+                sliding_window: None,
             }),
         )),
         Op::Remove { slot, p, at, tier } => Some((*slot, removed(&[p.hash(*at)], *tier))),
@@ -454,6 +490,8 @@ proptest! {
                     lora_name: None,
                     extra_keys: Some(vec![ExtraKeys::None]),
                     group_idx: 0,
+                    kind: None,
+                    sliding_window: None,
                 });
                 ix.apply(ReplicaSlot(r), "m", &ev, &mut ApplyStats::default());
                 ix.purge(ReplicaSlot(r));

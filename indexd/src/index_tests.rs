@@ -29,6 +29,8 @@ fn store(
         lora_name: None,
         extra_keys: Some(extra),
         group_idx: 0,
+        kind: None,
+        sliding_window: None,
     })
 }
 
@@ -138,19 +140,25 @@ fn unknown_parent_unkeyable_and_other_groups_are_skipped_with_descendants() {
     ix.apply(R0, "m", &store(&[4], Some(3), toks(4, 3), 4, None), &mut st);
     assert_eq!(st.skipped_unknown_parent, 2);
 
-    s.group_idx = 1;
+    s.group_idx = super::layout::MAX_GROUPS;
     s.extra_keys = Some(vec![ExtraKeys::None; 3]);
     s.block_hashes = vec![EngineHash(21), EngineHash(22), EngineHash(23)];
     ix.apply(R0, "m", &KvEvent::BlockStored(s), &mut st);
     assert_eq!(st.skipped_group, 3);
-    // Wrong token count.
+    // Wrong token count: not whole blocks, or more hashes than blocks.
     ix.apply(
         R0,
         "m",
         &store(&[30, 31], None, toks(7, 4), 4, None),
         &mut st,
     );
-    assert_eq!(st.skipped_bad_length, 2);
+    ix.apply(
+        R0,
+        "m",
+        &store(&[32, 33], None, toks(4, 4), 4, None),
+        &mut st,
+    );
+    assert_eq!(st.skipped_bad_length, 4);
     assert_eq!(ix.entries(), 1);
 }
 

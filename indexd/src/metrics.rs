@@ -259,6 +259,9 @@ pub struct Metrics {
     /// ([`crate::conversations`]): a new one, a turn on the replica of the
     /// conversation's previous one, or a move.
     pub conversation_turns: CounterVec<1>,
+    /// The chosen replica's matched blocks by where the match came from:
+    /// the replica's own events, or this indexd's picks not yet confirmed.
+    pub chosen_blocks: CounterVec<1>,
     /// Metrics scrapes by result.
     pub scrapes: CounterVec<1>,
     /// Batches whose data_parallel_rank differs from the endpoint's.
@@ -357,6 +360,11 @@ impl Metrics {
                 "indexd_conversation_turns_total",
                 "Picks by what they did to their conversation: new, stayed (the replica of its previous turn), moved.",
                 ["turn"],
+            ),
+            chosen_blocks: CounterVec::new(
+                "indexd_chosen_matched_blocks_total",
+                "Matched blocks of the replica each precise Pick chose, by source: indexed (the replica's KV events showed them) or speculative (this indexd's own recent picks sent them there; its events had not shown them yet).",
+                ["source"],
             ),
             block_size_mismatch: CounterVec::new(
                 "indexd_block_size_mismatch_total",
@@ -474,6 +482,7 @@ impl Metrics {
         self.decisions.render(out);
         self.block_size_mismatch.render(out);
         self.conversation_turns.render(out);
+        self.chosen_blocks.render(out);
         self.scrapes.render(out);
         self.rank_mismatch.render(out);
         self.key_scheme_mismatch.render(out);

@@ -26,7 +26,7 @@ use crate::conversations::{Conversations, Placed};
 use crate::error::RequestError;
 use crate::event::Tier;
 use crate::ids::ReplicaSlot;
-use crate::index::PrefixMatch;
+use crate::index::{PrefixMatch, Query};
 use crate::score::{self, Input, Move, Ranking};
 use crate::state::{Replica, Shared, lock, read};
 
@@ -298,6 +298,16 @@ impl Mismatch {
     }
 }
 
+/// The longest hit vLLM gives a prompt, in blocks: all its tokens but the
+/// last (`max_cache_hit_length = num_tokens - 1`), in full blocks; the keys
+/// when the prompt's length is not known.
+fn max_blocks(req: &PickRequest, keys: usize) -> usize {
+    match req.prompt_tokens.checked_sub(1) {
+        Some(cap) if req.block_size > 0 => keys.min((cap / req.block_size) as usize),
+        _ => keys,
+    }
+}
+
 /// Phase 2: what the eligible replicas hold of the request's keys.
 fn snapshot(
     shared: &Shared,
@@ -353,7 +363,14 @@ fn snapshot(
         lock(&shared.approximate).match_prefix(&req.model, &keys, &slots, now)
     } else {
         let lookup = &shared.lookup;
-        lookup.match_prefix(lookup.partition(&req.model), &keys, &slots, now)
+        let query = Query {
+            partition: lookup.partition(&req.model),
+            keys: &keys,
+            block_size: req.block_size,
+            max_blocks: max_blocks(req, keys.len()),
+            now,
+        };
+        lookup.match_query(&query, &slots)
     };
     Snapshot {
         eligible,
@@ -551,6 +568,9 @@ fn classify(
             candidates.push(candidate(rep, m, req.block_size, r.cost));
         }
     }
+    // A match over a KV cache layout indexd does not model is an upper
+    // bound, not vLLM's hit: no precise claim.
+    let unmodelled = snap.matches.iter().any(|m| m.blocks > 0 && m.unmodelled);
     match ranking.moved {
         Move::None => {}
         Move::Held => shared.metrics.moves.inc(["held"]),
@@ -558,10 +578,21 @@ fn classify(
     }
     let (decision, reason) = match (snap.mismatch, any_match, snap.approximate) {
         (Some(why), ..) => (DecisionKind::Load, why.reason()),
+        (None, true, false) if unmodelled => (DecisionKind::Approximate, "unmodelled_kv_layout"),
         (None, true, false) => (DecisionKind::Precise, "prefix_match"),
         (None, true, true) => (DecisionKind::Approximate, "prefix_match"),
         (None, false, _) => (DecisionKind::Load, "no_match"),
     };
+    if decision == DecisionKind::Precise
+        && let Some(m) = ranking
+            .ranked
+            .first()
+            .and_then(|r| snap.matches.get(r.input))
+    {
+        let metric = &shared.metrics.chosen_blocks;
+        metric.add(["indexed"], u64::from(m.blocks - m.speculative.min(m.blocks)));
+        metric.add(["speculative"], u64::from(m.speculative.min(m.blocks)));
+    }
     let mut resp = answer(shared, decision, reason, candidates);
     if req.want_busy {
         resp.busy = score::busy(&snap.inputs, &shared.config.weights)

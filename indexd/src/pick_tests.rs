@@ -44,6 +44,8 @@ fn store(s: &Shared, r: &Replica, tokens: &[u32]) {
         lora_name: None,
         extra_keys: Some(vec![ExtraKeys::None; n]),
         group_idx: 0,
+        kind: None,
+        sliding_window: None,
     });
     s.ingest(
         r,
@@ -113,6 +115,8 @@ fn picks_do_not_wait_for_a_writer_holding_the_index() {
         lora_name: None,
         extra_keys: Some(vec![ExtraKeys::None; 4]),
         group_idx: 0,
+        kind: None,
+        sliding_window: None,
     });
     index.apply_unpublished(rs[1].slot, "m", ev);
     let (tx, rx) = std::sync::mpsc::channel();

@@ -324,6 +324,7 @@ pub fn surviving(matched: PrefixMatch, load: &Load, block_size: u32, w: &Weights
         blocks,
         per_tier: [gpu - lost, 0, 0],
         speculative: matched.speculative.min(blocks),
+        unmodelled: matched.unmodelled,
     }
 }
 
@@ -585,6 +586,7 @@ mod tests {
                 blocks: gpu + cpu,
                 per_tier: [gpu, cpu, 0],
                 speculative: 0,
+                unmodelled: false,
             },
             load: Load {
                 running,
@@ -962,6 +964,7 @@ mod tests {
             blocks,
             per_tier: [blocks, 0, 0],
             speculative: 0,
+            unmodelled: false,
         }
     }
 
@@ -1005,6 +1008,7 @@ mod tests {
             blocks: 30,
             per_tier: [20, 10, 0],
             speculative: 0,
+            unmodelled: false,
         };
         assert_eq!(surviving(tiered, &overfull, 64, &w), tiered);
         // The replica's metrics do not give its size.

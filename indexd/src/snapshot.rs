@@ -170,11 +170,12 @@ pub(crate) fn partial_path(path: &Path) -> PathBuf {
 /// after it is released. None if the replica has applied nothing since its
 /// last purge (nothing to resume from).
 fn capture(shared: &Shared, replica: &Replica) -> Result<Option<(Vec<u8>, usize)>, SnapshotError> {
-    let (applied, blocks, names) = {
+    let (applied, layout, blocks, names) = {
         let index = lock(&shared.index);
         let Some(applied) = index.applied(replica.slot) else {
             return Ok(None);
         };
+        let layout = index.layout(replica.slot);
         let blocks: Vec<SavedBlock> = index.saved_blocks(replica.slot).collect();
         let mut names: HashMap<PartitionId, String> = HashMap::new();
         for b in &blocks {
@@ -184,9 +185,9 @@ fn capture(shared: &Shared, replica: &Replica) -> Result<Option<(Vec<u8>, usize)
                 names.insert(b.partition, name);
             }
         }
-        (applied, blocks, names)
+        (applied, layout, blocks, names)
     };
-    format::section(&replica.config, applied, blocks, names).map(Some)
+    format::section(&replica.config, applied, layout.as_deref(), blocks, names).map(Some)
 }
 
 /// Writes a snapshot of `shared`'s index to the configured path (blocking:
@@ -333,7 +334,12 @@ pub(crate) fn restore(shared: &Shared, replica: &Replica) {
         return;
     }
     let applied = section.applied();
-    let restored = lock(&shared.index).restore(replica.slot, applied, section.blocks());
+    let restored = lock(&shared.index).restore(
+        replica.slot,
+        applied,
+        Some(section.layout()),
+        section.blocks(),
+    );
     replica.set_resume(applied);
     let gauge = &shared.metrics.snapshot_loaded_entries;
     #[allow(clippy::cast_precision_loss)]

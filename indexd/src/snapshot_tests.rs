@@ -90,6 +90,8 @@ fn store(shared: &Shared, replica: &Replica, seq: u64, blocks: u32, salt: &str) 
         lora_name: None,
         extra_keys: Some(extra),
         group_idx: 0,
+        kind: None,
+        sliding_window: None,
     });
     let batch = EventBatch {
         ts: 0.0,
@@ -371,4 +373,67 @@ fn a_write_over_its_time_budget_is_abandoned_and_keeps_the_previous_file() {
     assert!(matches!(write(&shared), Err(SnapshotError::Timeout(_))));
     assert_eq!(fs::read(dir.file()).unwrap(), before);
     assert!(!partial_path(&dir.file()).exists());
+}
+
+#[test]
+fn a_snapshot_keeps_kv_cache_groups_and_the_layout() {
+    use crate::event::{FullLabel, GroupKind};
+    use crate::index::Query;
+    let dir = Dir::new();
+    let eps = vec![endpoint(8000, "tcp://10.0.0.1:5558")];
+    let (shared, replicas) = start(config(&dir.file(), eps.clone()));
+    // A Gemma-3-style replica: group 0 sliding (window 2 blocks), whose
+    // event lists the range's last two of four blocks and comes first;
+    // group 1 full attention with all four.
+    let t = tokens(4, 7);
+    let group = |g: u32, hashes: Vec<u64>| {
+        let n = hashes.len();
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: hashes.into_iter().map(EngineHash).collect(),
+            parent: None,
+            token_ids: t.clone(),
+            block_size: BS,
+            tier: Tier::Gpu,
+            lora_name: None,
+            extra_keys: Some(vec![ExtraKeys::None; n]),
+            group_idx: g,
+            kind: Some(if g == 0 {
+                GroupKind::SlidingWindow { mla: false }
+            } else {
+                GroupKind::FullAttention(FullLabel::Full)
+            }),
+            sliding_window: (g == 0).then_some(2 * BS),
+        })
+    };
+    let batch = EventBatch {
+        ts: 0.0,
+        events: vec![group(0, vec![2, 3]), group(1, vec![0, 1, 2, 3])],
+        data_parallel_rank: None,
+    };
+    shared.ingest_applied(&replicas[0], batch, Some(Applied { seq: 3, digest: 7 }));
+    let hit = |s: &Shared, r: &Replica| {
+        let keys = block_keys(&t, BlockSize::new(BS).unwrap(), None);
+        let lookup = &s.lookup;
+        let q = Query {
+            partition: lookup.partition("m"),
+            keys: &keys,
+            block_size: BS,
+            max_blocks: 4,
+            now: std::time::Instant::now(),
+        };
+        lookup.match_query(&q, &[r.slot])[0].blocks
+    };
+    assert_eq!(hit(&shared, &replicas[0]), 4);
+    let written = write(&shared).unwrap();
+    assert_eq!(written.entries, 6);
+
+    let (restored, replicas) = start(config(&dir.file(), eps));
+    assert_eq!(restored.metrics.snapshot_loaded_entries.get(), 6.0);
+    let layout = lock(&restored.index).layout(replicas[0].slot).unwrap();
+    assert_eq!(
+        crate::state::describe_layout(&layout),
+        "0:sliding_window/8@4 1:full_attention@4"
+    );
+    // The sliding group's tail came back in its group: the same hit.
+    assert_eq!(hit(&restored, &replicas[0]), 4);
 }

@@ -50,6 +50,7 @@
 //! Picks behind it, and at most that many writers contend for `index`.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{
     Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
@@ -68,7 +69,8 @@ use crate::config::{Config, EndpointConfig, EndpointId};
 use crate::conversations::Conversations;
 use crate::event::{EventBatch, KvEvent};
 use crate::ids::ReplicaSlot;
-use crate::index::{Applied, ApplyStats, Index, Lookup};
+use crate::index::layout::Unmodelled;
+use crate::index::{Applied, ApplyStats, Index, Layout, Lookup};
 use crate::metrics::Metrics;
 use crate::ratelimit::TokenBucket;
 use crate::score::Load;
@@ -124,6 +126,9 @@ pub struct Replica {
     pending: Mutex<PickQueue>,
     block_size_seen: AtomicU32,
     block_size_warned: AtomicBool,
+    /// The KV cache layout last reported (`kind/reason` of its first group
+    /// not modelled, or empty): a warning per change.
+    layout_reported: Mutex<String>,
     loras: Mutex<BTreeSet<String>>,
     warning: WarnGate,
     /// Where its event stream resumes, when a snapshot restored its blocks.
@@ -294,6 +299,7 @@ impl Replica {
             pending: Mutex::new(PickQueue::default()),
             block_size_seen: AtomicU32::new(0),
             block_size_warned: AtomicBool::new(false),
+            layout_reported: Mutex::new(String::new()),
             loras: Mutex::new(BTreeSet::new()),
             warning: WarnGate::default(),
             resume: Mutex::new(None),
@@ -769,7 +775,7 @@ impl Shared {
             m.events.inc([ty]);
         }
         let mut stats = ApplyStats::default();
-        {
+        let layout = {
             let mut index = lock(&self.index);
             for ev in batch.events {
                 index.apply_unpublished(replica.slot, &replica.config.model, ev);
@@ -778,6 +784,20 @@ impl Shared {
                 index.set_applied(replica.slot, applied);
             }
             index.publish(&mut stats);
+            (stats.groups_learned > 0)
+                .then(|| index.layout(replica.slot))
+                .flatten()
+        };
+        if let Some(layout) = layout {
+            self.note_layout(replica, &layout);
+        }
+        if stats.layout_changes > 0 {
+            m.purges.add(["layout_changed"], stats.layout_changes);
+            tracing::warn!(
+                endpoint = %replica.id(),
+                "replica's KV cache groups changed kind or window without a restart: its blocks \
+                 were dropped and its layout is learned afresh"
+            );
         }
         if stats.cleared > 0 {
             m.purges.add(["cleared"], stats.cleared);
@@ -796,10 +816,45 @@ impl Shared {
             ("skipped_group", stats.skipped_group),
             ("skipped_bad_length", stats.skipped_bad_length),
             ("evicted", stats.evicted),
+            ("parked", stats.parked),
+            ("unparked", stats.unparked),
+            ("parked_dropped", stats.parked_dropped),
         ];
         for (label, n) in outcomes {
             m.blocks.add([label], n);
         }
+    }
+
+    /// Logs what the replica's KV cache groups are when they change, and
+    /// warns when one is not modelled: its Picks are then upper bounds,
+    /// answered `approximate` (`indexd_unmodelled_kv_groups`, `/readyz`).
+    fn note_layout(&self, replica: &Replica, layout: &Layout) {
+        let unmodelled = layout.unmodelled(self.config.block_size.get());
+        let now = unmodelled
+            .as_ref()
+            .map(|u| format!("{}/{}", u.kind, u.reason))
+            .unwrap_or_default();
+        let mut reported = lock(&replica.layout_reported);
+        let groups = describe_layout(layout);
+        match &unmodelled {
+            Some(u) if *reported != now => tracing::warn!(
+                endpoint = %replica.id(),
+                model = %replica.config.model,
+                group = u.group,
+                kind = %u.kind,
+                reason = u.reason,
+                groups = %groups,
+                "replica has a KV cache group indexd does not model: its hits are estimated \
+                 from the other groups and its Picks are answered approximate \
+                 (indexd_unmodelled_kv_groups)"
+            ),
+            _ => tracing::info!(
+                endpoint = %replica.id(),
+                groups = %groups,
+                "replica's KV cache groups"
+            ),
+        }
+        *reported = now;
     }
 
     fn note_block_size(&self, replica: &Replica, block_size: u32) {
@@ -817,6 +872,21 @@ impl Shared {
         }
     }
 
+    /// Per replica, its KV cache groups (`index:kind[/window]`) and the
+    /// first one not modelled, if any (`/readyz`, `/metrics`).
+    pub(crate) fn layouts(&self) -> Vec<(Arc<Replica>, String, Option<Unmodelled>)> {
+        let replicas = read(&self.registry).all();
+        let index = lock(&self.index);
+        replicas
+            .into_iter()
+            .filter_map(|r| {
+                let layout = index.layout(r.slot)?;
+                let unmodelled = layout.unmodelled(self.config.block_size.get());
+                Some((r, describe_layout(&layout), unmodelled))
+            })
+            .collect()
+    }
+
     /// True when some replica may be named in an answer.
     pub fn is_ready(&self) -> bool {
         read(&self.registry)
@@ -824,6 +894,23 @@ impl Shared {
             .values()
             .any(|r| r.is_eligible())
     }
+}
+
+/// A layout as `0:sliding_window/256 1:full_attention` (block size when
+/// it is not the first group's).
+pub(crate) fn describe_layout(layout: &Layout) -> String {
+    let mut out = String::new();
+    for (i, g) in layout.groups() {
+        if !out.is_empty() {
+            out.push(' ');
+        }
+        let _ = write!(out, "{i}:{}", g.kind.label());
+        if let Some(w) = g.sliding_window {
+            let _ = write!(out, "/{w}");
+        }
+        let _ = write!(out, "@{}", g.block_size);
+    }
+    out
 }
 
 #[cfg(test)]

@@ -20,7 +20,9 @@
 //! them, never taken from a length prefix alone).
 #![deny(clippy::indexing_slicing)]
 
-use crate::event::{BlockRemoved, BlockStored, EngineHash, EventBatch, ExtraKeys, KvEvent, Tier};
+use crate::event::{
+    BlockRemoved, BlockStored, EngineHash, EventBatch, ExtraKeys, GroupKind, KvEvent, Tier,
+};
 
 mod msgpack;
 
@@ -210,6 +212,8 @@ struct Fields {
     lora_name: Option<String>,
     extra_keys: Option<Vec<RawExtra>>,
     group_idx: u32,
+    kind: Option<GroupKind>,
+    sliding_window: Option<u32>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -244,6 +248,10 @@ fn decode_map_event(r: &mut Reader<'_>, limits: &Limits) -> Result<KvEvent, Deco
             Some(b"lora_name") => f.lora_name = r.opt_string("lora_name")?,
             Some(b"extra_keys") => f.extra_keys = r.extra_keys(limits)?,
             Some(b"group_idx") => f.group_idx = r.opt_u32("group_idx")?.unwrap_or(0),
+            Some(b"kv_cache_spec_kind") => f.kind = r.opt_kind()?,
+            Some(b"kv_cache_spec_sliding_window") => {
+                f.sliding_window = r.opt_u32("kv_cache_spec_sliding_window")?;
+            }
             _ => r.skip(0)?,
         }
     }
@@ -268,6 +276,10 @@ fn decode_array_event(r: &mut Reader<'_>, limits: &Limits) -> Result<KvEvent, De
             (EventType::Stored, 8) => f.extra_keys = r.extra_keys(limits)?,
             (EventType::Stored, 9) | (EventType::Removed, 3) => {
                 f.group_idx = r.opt_u32("group_idx")?.unwrap_or(0);
+            }
+            (EventType::Stored, 10) => f.kind = r.opt_kind()?,
+            (EventType::Stored, 11) => {
+                f.sliding_window = r.opt_u32("kv_cache_spec_sliding_window")?;
             }
             _ => r.skip(0)?,
         }
@@ -296,6 +308,8 @@ fn build_event(ty: EventType, f: Fields) -> Result<KvEvent, DecodeError> {
                 lora_name: f.lora_name,
                 extra_keys,
                 group_idx: f.group_idx,
+                kind: f.kind,
+                sliding_window: f.sliding_window,
             }))
         }
         EventType::Removed => Ok(KvEvent::BlockRemoved(BlockRemoved {

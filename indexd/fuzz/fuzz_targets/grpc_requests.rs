@@ -56,6 +56,8 @@ fn state() -> &'static Shared {
                 lora_name: (i == 1).then(|| "lora".to_owned()),
                 extra_keys: Some(vec![ExtraKeys::None; n]),
                 group_idx: 0,
+                kind: None,
+                sliding_window: None,
             });
             shared.ingest(
                 &replica,

@@ -1,8 +1,21 @@
 //! Applying KV events to the index: keys from token ids and chains, salts
-//! and partitions, tiers. See the parent module's docs for the rules.
+//! and partitions, tiers, KV cache groups. See the parent module's docs for
+//! the rules.
+//!
+//! Each KV cache group of a replica keeps its own blocks (in its plane of
+//! the partition, [`super::Lookup`]). A store that lists a hash for every
+//! block of its token range is keyed block by block, from its parent's
+//! chain (the parent may be held by another group only: a sliding group
+//! does not cache most blocks it computes). A store that lists fewer hashes
+//! than blocks (a sparse group's, `reachable_block_mask`) does not say
+//! which blocks they are: each takes the chain of the entry another group
+//! holds for the same hash, or waits for it ([`super::parked`]).
+
+use std::sync::Arc;
 
 use kvroute_proto::keys::{BlockSize, Chain, KeyChain};
 
+use super::layout::{Layout, Learned, MAX_GROUPS};
 use super::store::Store;
 use super::{Index, Pending, Txn, Writer, tier_bit};
 use crate::event::{BlockRemoved, BlockStored, EngineHash, ExtraKeys, KvEvent};
@@ -31,8 +44,24 @@ pub struct ApplyStats {
     /// Blocks skipped because their event names another model/adapter
     /// partition than their parent's (and their descendants in the event).
     pub skipped_partition_conflict: u64,
-    /// Blocks skipped because `group_idx` ≠ 0.
+    /// Blocks skipped because their `group_idx` is beyond the groups indexed
+    /// ([`MAX_GROUPS`]).
     pub skipped_group: u64,
+    /// Sparse groups' blocks parked until another group's entry gives their
+    /// chain ([`super::parked`]).
+    pub parked: u64,
+    /// Parked blocks stored once their chain came.
+    pub unparked: u64,
+    /// Parked blocks dropped by the bound before their chain came.
+    pub parked_dropped: u64,
+    /// Groups whose kind or window changed without a purge (the replica's
+    /// blocks were dropped and its layout learned afresh).
+    pub layout_changes: u64,
+    /// Groups learned (new, grown or changed): the layout may need a look.
+    pub groups_learned: u64,
+    /// GPU stores of a block the replica held already: another physical
+    /// copy, evicted on its own.
+    pub duplicates: u64,
     /// Blocks skipped because `token_ids` ≠ blocks × block_size.
     pub skipped_bad_length: u64,
     /// Events of unknown type.
@@ -71,7 +100,7 @@ pub(super) fn prepare_chains(
     out: &mut Vec<(Chain, Chain)>,
 ) {
     out.clear();
-    if ev.group_idx != 0 || ev.token_ids.is_empty() {
+    if ev.group_idx >= MAX_GROUPS || ev.token_ids.is_empty() {
         return;
     }
     let Some(block_size) = BlockSize::new(ev.block_size) else {
@@ -83,7 +112,7 @@ pub(super) fn prepare_chains(
     }
     let mut prev = match ev.parent {
         Some(parent) => local
-            .and_then(|l| w.find(store, l, parent))
+            .and_then(|l| w.find_any(store, l, parent))
             .and_then(|e| store.entry(e))
             .map(|e| e.chain),
         None => match ev.extra_keys.as_ref().and_then(|e| e.first()) {
@@ -149,6 +178,49 @@ impl Txn<'_> {
         }
     }
 
+    /// Records the group an event describes in `local`'s layout. A group
+    /// that changed kind or window without a purge means another model:
+    /// the replica's blocks go and the layout is learned afresh.
+    fn learn(&mut self, slot: ReplicaSlot, local: u16, ev: &BlockStored, stats: &mut ApplyStats) {
+        let known = self.store.layout(local);
+        if known.is_some_and(|l| {
+            l.knows(
+                ev.group_idx,
+                ev.kind.as_ref(),
+                ev.sliding_window,
+                ev.block_size,
+            )
+        }) {
+            return;
+        }
+        let mut layout = known.map(|l| Layout::clone(l)).unwrap_or_default();
+        match layout.learn(
+            ev.group_idx,
+            ev.kind.as_ref(),
+            ev.sliding_window,
+            ev.block_size,
+        ) {
+            Learned::Same | Learned::Beyond => {}
+            Learned::New => {
+                stats.groups_learned += 1;
+                self.store.set_layout(local, Some(Arc::new(layout)));
+            }
+            Learned::Changed => {
+                stats.groups_learned += 1;
+                stats.layout_changes += 1;
+                self.purge(slot);
+                let mut fresh = Layout::default();
+                fresh.learn(
+                    ev.group_idx,
+                    ev.kind.as_ref(),
+                    ev.sliding_window,
+                    ev.block_size,
+                );
+                self.store.set_layout(local, Some(Arc::new(fresh)));
+            }
+        }
+    }
+
     fn store_blocks(
         &mut self,
         slot: ReplicaSlot,
@@ -157,12 +229,16 @@ impl Txn<'_> {
         stats: &mut ApplyStats,
     ) {
         let n = ev.block_hashes.len() as u64;
-        if ev.group_idx != 0 {
+        let Ok(group) = u8::try_from(ev.group_idx) else {
+            stats.skipped_group += n;
+            return;
+        };
+        if ev.group_idx >= MAX_GROUPS {
             stats.skipped_group += n;
             return;
         }
         if ev.token_ids.is_empty() {
-            self.tier_move(slot, ev, stats);
+            self.tier_move(slot, ev, group, stats);
             return;
         }
         let Some(block_size) = BlockSize::new(ev.block_size) else {
@@ -170,7 +246,8 @@ impl Txn<'_> {
             return;
         };
         let bs = ev.block_size as usize;
-        if ev.token_ids.len() != ev.block_hashes.len().saturating_mul(bs) {
+        if !ev.token_ids.len().is_multiple_of(bs) || ev.token_ids.len() / bs < ev.block_hashes.len()
+        {
             stats.skipped_bad_length += n;
             return;
         }
@@ -179,15 +256,17 @@ impl Txn<'_> {
             stats.skipped_unkeyable += n;
             return;
         };
+        self.learn(slot, local, ev, stats);
+        if ev.token_ids.len() / bs > ev.block_hashes.len() {
+            self.store_sparse(local, model, ev, group, stats);
+            return;
+        }
         let tier = tier_bit(ev.tier);
         let mut claimed: Option<Option<PartitionId>> = None;
         // What each block continues: the parent's chain and partition for the
         // first block, then the previous block's; `Err` when unknown.
         let mut link = match ev.parent {
-            Some(parent) => self
-                .entry(local, parent)
-                .map(|e| (e.chain, PartitionId::new(u32::from(e.partition()))))
-                .ok_or(Skip::UnknownParent),
+            Some(parent) => self.entry_any(local, parent).ok_or(Skip::UnknownParent),
             None => Err(Skip::UnknownParent),
         };
         for (i, (hash, tokens)) in ev
@@ -213,7 +292,7 @@ impl Txn<'_> {
                 _ => {}
             }
             if carried.is_none()
-                && let Some(known) = self.retier(local, *hash, tier)
+                && let Some(known) = self.known(local, *hash, group, tier, stats)
             {
                 // The engine hash covers the salt, the adapter and every
                 // earlier token: the entry already says what this block is.
@@ -281,32 +360,135 @@ impl Txn<'_> {
                     }
                 },
             };
-            self.insert(local, *hash, chain, partition, tier, stats);
+            let Some(plane) = self.plane(partition, group) else {
+                stats.skipped_unkeyable += rest;
+                return;
+            };
+            self.insert(local, *hash, chain, plane, tier, stats);
             stats.stored += 1;
             link = Ok((chain, partition));
         }
     }
 
-    /// Adds `tier` to a block `local` already holds; returns its chain and
-    /// partition (`None` if unknown).
-    fn retier(&mut self, local: u16, hash: EngineHash, tier: u8) -> Option<(Chain, PartitionId)> {
-        let e = self.find(local, hash)?;
-        let x = self.store.entry_mut(e)?;
-        x.set_tiers(x.tiers() | tier);
-        let (chain, partition) = (x.chain, x.partition());
-        self.store.add_tiers(e);
-        Some((chain, PartitionId::new(u32::from(partition))))
+    /// A sparse group's store: hashes for some blocks of the range, which
+    /// ones unsaid. Each block takes the chain of another group's entry of
+    /// its hash, or is parked until one comes.
+    fn store_sparse(
+        &mut self,
+        local: u16,
+        model: &str,
+        ev: &BlockStored,
+        group: u8,
+        stats: &mut ApplyStats,
+    ) {
+        let tier = tier_bit(ev.tier);
+        let mut claimed: Option<Option<PartitionId>> = None;
+        for (i, hash) in ev.block_hashes.iter().enumerate() {
+            let carried = ev.extra_keys.as_ref().and_then(|e| e.get(i));
+            if matches!(carried, Some(ExtraKeys::Unkeyable)) {
+                stats.skipped_unkeyable += 1;
+                continue;
+            }
+            if let Some(e) = self.find(local, *hash, group) {
+                self.restore_tier(e, tier, stats);
+                stats.stored += 1;
+                continue;
+            }
+            let Some((chain, partition)) = self.entry_any(local, *hash) else {
+                stats.parked += 1;
+                stats.parked_dropped += self.w.parked.park(local, *hash, group, tier);
+                continue;
+            };
+            let claim = match (ev.lora_name.as_deref(), carried) {
+                (Some(lora), _) => Some(lora),
+                (None, Some(_)) => Some(model),
+                (None, None) => None,
+            };
+            if let Some(claim) = claim
+                && *claimed.get_or_insert_with(|| self.lookup.partition(claim)) != Some(partition)
+            {
+                stats.skipped_partition_conflict += 1;
+                continue;
+            }
+            let Some(plane) = self.plane(partition, group) else {
+                stats.skipped_unkeyable += 1;
+                continue;
+            };
+            self.insert(local, *hash, chain, plane, tier, stats);
+            stats.stored += 1;
+        }
     }
 
-    fn tier_move(&mut self, slot: ReplicaSlot, ev: &BlockStored, stats: &mut ApplyStats) {
+    /// What `local` knows of a block announced without extra keys: its
+    /// entry in `group` gains `tier`; else another group's entry of the
+    /// hash gives the chain and the block is stored in `group`. Its chain
+    /// and partition, `None` if unknown.
+    fn known(
+        &mut self,
+        local: u16,
+        hash: EngineHash,
+        group: u8,
+        tier: u8,
+        stats: &mut ApplyStats,
+    ) -> Option<(Chain, PartitionId)> {
+        if let Some(known) = self.retier(local, hash, group, tier, stats) {
+            return Some(known);
+        }
+        let (chain, partition) = self.entry_any(local, hash)?;
+        let plane = self.plane(partition, group)?;
+        self.insert(local, hash, chain, plane, tier, stats);
+        Some((chain, partition))
+    }
+
+    /// Adds `tier` to a block `local` already holds in `group` (a copy
+    /// more if it held it there); returns its chain and partition (`None`
+    /// if unknown).
+    fn retier(
+        &mut self,
+        local: u16,
+        hash: EngineHash,
+        group: u8,
+        tier: u8,
+        stats: &mut ApplyStats,
+    ) -> Option<(Chain, PartitionId)> {
+        let e = self.find(local, hash, group)?;
+        let (chain, plane) = self.restore_tier(e, tier, stats)?;
+        let (partition, _) = self.lookup.plane_of(PartitionId::new(u32::from(plane)))?;
+        Some((chain, partition))
+    }
+
+    /// Entry `e` is stored again in `tier`: the tier is added, a copy
+    /// counted. Its chain and plane.
+    fn restore_tier(&mut self, e: u32, tier: u8, stats: &mut ApplyStats) -> Option<(Chain, u16)> {
+        let x = self.store.entry_mut(e)?;
+        let had = x.tiers();
+        x.set_tiers(had | tier);
+        let (chain, plane) = (x.chain, x.partition());
+        self.store.add_tiers(e);
+        self.stored_again(e, had, tier, stats);
+        Some((chain, plane))
+    }
+
+    fn tier_move(
+        &mut self,
+        slot: ReplicaSlot,
+        ev: &BlockStored,
+        group: u8,
+        stats: &mut ApplyStats,
+    ) {
         let local = self.local(slot);
+        let tier = tier_bit(ev.tier);
         for hash in &ev.block_hashes {
-            let Some(e) = local.and_then(|l| self.find(l, *hash)) else {
-                stats.skipped_unknown_parent += 1;
+            let Some(e) = local.and_then(|l| self.find(l, *hash, group)) else {
+                if local.is_some_and(|l| self.w.parked.add_tiers(l, *hash, group, tier)) {
+                    stats.tier_moves += 1;
+                } else {
+                    stats.skipped_unknown_parent += 1;
+                }
                 continue;
             };
             if let Some(x) = self.store.entry_mut(e) {
-                x.set_tiers(x.tiers() | tier_bit(ev.tier));
+                x.set_tiers(x.tiers() | tier);
             }
             self.store.add_tiers(e);
             stats.tier_moves += 1;
@@ -315,20 +497,35 @@ impl Txn<'_> {
     }
 
     fn remove(&mut self, slot: ReplicaSlot, ev: &BlockRemoved, stats: &mut ApplyStats) {
-        if ev.group_idx != 0 {
+        let Ok(group) = u8::try_from(ev.group_idx) else {
             return;
-        }
+        };
         let Some(local) = self.local(slot) else {
             return;
         };
+        let tier = tier_bit(ev.tier);
         for hash in &ev.block_hashes {
-            let Some(e) = self.find(local, *hash) else {
+            let Some(e) = self.find(local, *hash, group) else {
+                if self.w.parked.remove(local, *hash, group, tier) {
+                    stats.removed += 1;
+                }
                 continue;
             };
+            // One physical copy of several went.
+            if tier == tier_bit(crate::event::Tier::Gpu)
+                && let Some(n) = self.w.copies.get_mut(&e)
+            {
+                *n -= 1;
+                if *n == 0 {
+                    self.w.copies.remove(&e);
+                }
+                stats.removed += 1;
+                continue;
+            }
             let Some(x) = self.store.entry_mut(e) else {
                 continue;
             };
-            let tiers = x.tiers() & !tier_bit(ev.tier);
+            let tiers = x.tiers() & !tier;
             x.set_tiers(tiers);
             if tiers == 0 {
                 self.drop_entry(local, e);

@@ -43,6 +43,8 @@ fn stored(
         lora_name: lora.map(str::to_owned),
         extra_keys: extra,
         group_idx: 0,
+        kind: None,
+        sliding_window: None,
     })
 }
 

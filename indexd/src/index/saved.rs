@@ -1,10 +1,12 @@
 //! What a snapshot saves of the index and restores into it: each replica's
-//! blocks (engine hash, chain, partition, tiers) and the last batch applied.
+//! blocks (engine hash, chain, partition, KV cache group, tiers), its KV
+//! cache layout, and the last batch applied.
 
 use kvroute_proto::keys::Chain;
 
 use std::sync::Arc;
 
+use super::layout::{Layout, MAX_GROUPS};
 use super::{Index, Pending};
 use crate::event::EngineHash;
 use crate::ids::{PartitionId, ReplicaSlot};
@@ -29,6 +31,8 @@ pub(crate) struct SavedBlock {
     pub chain: Chain,
     /// Its partition.
     pub partition: PartitionId,
+    /// Its KV cache group.
+    pub group: u32,
     /// Its tiers, as a mask (GPU 1, CPU 2, storage 4).
     pub tiers: u8,
     /// Insertion order (oldest first), so a restore keeps eviction order.
@@ -71,27 +75,34 @@ impl Index {
             .into_iter()
             .flat_map(|r| r.table.iter())
             .filter_map(|e| store.entry(*e))
-            .map(|e| SavedBlock {
-                hash: e.hash(),
-                chain: e.chain,
-                partition: PartitionId::new(u32::from(e.partition())),
-                tiers: e.tiers(),
-                // Oldest first: by age in insertions (counted mod 2^32).
-                order: u64::from(u32::MAX - next.wrapping_sub(e.seq)),
+            .filter_map(|e| {
+                let plane = PartitionId::new(u32::from(e.partition()));
+                let (partition, group) = self.lookup.plane_of(plane)?;
+                Some(SavedBlock {
+                    hash: e.hash(),
+                    chain: e.chain,
+                    partition,
+                    group,
+                    tiers: e.tiers(),
+                    // Oldest first: by age in insertions (counted mod 2^32).
+                    order: u64::from(u32::MAX - next.wrapping_sub(e.seq)),
+                })
             })
             .collect();
         blocks.into_iter()
     }
 
     /// Replaces what `slot` holds by saved blocks (oldest first) whose
-    /// partitions are named by `partition`, and records `applied`. Blocks
-    /// with no tier, or whose partition cannot be had, are skipped. Returns
-    /// the blocks restored (the entry bound may evict some of them again).
+    /// partitions are named by `partition`, with its saved `layout`, and
+    /// records `applied`. Blocks with no tier, a group beyond those indexed,
+    /// or whose partition cannot be had, are skipped. Returns the blocks
+    /// restored (the entry bound may evict some of them again).
     pub(crate) fn restore<'a>(
         &mut self,
         slot: ReplicaSlot,
         applied: Applied,
-        blocks: impl IntoIterator<Item = (EngineHash, Chain, &'a str, u8)>,
+        layout: Option<Layout>,
+        blocks: impl IntoIterator<Item = (EngineHash, Chain, &'a str, u32, u8)>,
     ) -> usize {
         self.purge(slot);
         let mut stats = super::ApplyStats::default();
@@ -101,15 +112,23 @@ impl Index {
         let Some(local) = txn.local_or_insert(slot) else {
             return 0;
         };
-        for (hash, chain, partition, tiers) in blocks {
+        txn.store
+            .set_layout(local, layout.filter(|l| !l.is_empty()).map(Arc::new));
+        for (hash, chain, partition, group, tiers) in blocks {
             let tiers = tiers & TIER_MASK;
-            if tiers == 0 {
-                continue;
-            }
-            let Some(partition) = lookup.partition_or_insert(partition) else {
+            let Ok(group) = u8::try_from(group) else {
                 continue;
             };
-            txn.insert(local, hash, chain, partition, tiers, &mut stats);
+            if tiers == 0 || u32::from(group) >= MAX_GROUPS {
+                continue;
+            }
+            let Some(plane) = lookup
+                .partition_or_insert(partition)
+                .and_then(|p| txn.plane(p, group))
+            else {
+                continue;
+            };
+            txn.insert(local, hash, chain, plane, tiers, &mut stats);
             restored += 1;
         }
         drop(txn);

@@ -21,11 +21,14 @@
 //! - Per replica, `engine hash → entry` lives with the writer, outside this
 //!   lock ([`super::Index`]): only ingest reads it.
 
+use std::sync::Arc;
+
 use hashbrown::HashTable;
 use kvroute_proto::keys::Chain;
 use smallvec::SmallVec;
 
 use super::FastMap;
+use super::layout::Layout;
 use super::slab::Slab;
 use crate::event::EngineHash;
 use crate::ids::ReplicaSlot;
@@ -205,6 +208,9 @@ pub(crate) struct Store {
     newest: u32,
     /// Each replica's local id, for Picks (the writer keeps its own copy).
     pub(super) locals: FastMap<ReplicaSlot, u16>,
+    /// Each replica's KV cache groups by local id, as its events showed them
+    /// since its last purge.
+    layouts: Vec<Option<Arc<Layout>>>,
 }
 
 impl Default for Store {
@@ -221,6 +227,7 @@ impl Default for Store {
             oldest: NIL,
             newest: NIL,
             locals: FastMap::default(),
+            layouts: Vec::new(),
         }
     }
 }
@@ -268,6 +275,39 @@ pub(super) fn table_bytes(capacity: usize) -> usize {
 }
 
 impl Store {
+    /// The KV cache groups of the replica with local id `local`.
+    pub(super) fn layout(&self, local: u16) -> Option<&Arc<Layout>> {
+        self.layouts.get(usize::from(local))?.as_ref()
+    }
+
+    /// Sets (or, with `None`, forgets) `local`'s layout.
+    pub(super) fn set_layout(&mut self, local: u16, layout: Option<Arc<Layout>>) {
+        let i = usize::from(local);
+        if self.layouts.len() <= i {
+            if layout.is_none() {
+                return;
+            }
+            self.layouts.resize(i + 1, None);
+        }
+        if let Some(slot) = self.layouts.get_mut(i) {
+            *slot = layout;
+        }
+    }
+
+    /// Whether the replica with local id `local` holds `key` (in any tier).
+    #[inline]
+    pub(super) fn holds(&self, key: Key, local: u16) -> bool {
+        if local < MASK_IDS {
+            let [gpu, cpu, storage] = self.holder_masks(key);
+            return (gpu | cpu | storage) >> local & 1 == 1;
+        }
+        let mut held = false;
+        self.for_each_holder(key, |replica, tiers| {
+            held |= replica == local && tiers != 0;
+        });
+        held
+    }
+
     pub(super) fn entry(&self, e: u32) -> Option<&Entry> {
         self.entries.get(e)
     }

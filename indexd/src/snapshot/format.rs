@@ -14,17 +14,18 @@ use serde::{Deserialize, Serialize, Serializer};
 
 use super::SnapshotError;
 use crate::config::{EndpointConfig, EndpointId};
-use crate::event::EngineHash;
+use crate::event::{EngineHash, GroupKind};
 use crate::ids::PartitionId;
-use crate::index::{Applied, SavedBlock};
+use crate::index::{Applied, Layout, SavedBlock};
 
 /// The first bytes of every snapshot file.
 pub const MAGIC: &[u8; 8] = b"KVRTSNAP";
 /// The format version this build writes and reads. Saved blocks carry their
 /// chain values, so a new block-key scheme is a new version: 2 is the first
-/// with `kvroute/v2` chains (a version-1 file is refused and every replica
-/// resyncs from seq 0).
-pub const VERSION: u32 = 2;
+/// with `kvroute/v2` chains; 3 adds each block's KV cache group and each
+/// replica's layout. An older file is refused and every replica resyncs from
+/// seq 0.
+pub const VERSION: u32 = 3;
 
 #[derive(Debug, Serialize, Deserialize)]
 pub(super) struct Header {
@@ -40,7 +41,19 @@ struct BlockRecord {
     chain: [u8; 16],
     /// Index into the section's `partitions`.
     partition: u32,
+    /// Its KV cache group.
+    group: u8,
     tiers: u8,
+}
+
+/// One KV cache group of the replica's layout.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct GroupRecord {
+    group: u32,
+    /// vLLM's `kv_cache_spec_kind`.
+    kind: String,
+    sliding_window: Option<u32>,
+    block_size: u32,
 }
 
 /// One replica, as read back.
@@ -54,6 +67,7 @@ pub(crate) struct Section {
     seq: u64,
     digest: u64,
     partitions: Vec<String>,
+    groups: Vec<GroupRecord>,
     blocks: Vec<BlockRecord>,
 }
 
@@ -69,6 +83,7 @@ struct SectionOut<'a> {
     seq: u64,
     digest: u64,
     partitions: Vec<String>,
+    groups: Vec<GroupRecord>,
     blocks: Blocks<'a>,
 }
 
@@ -86,6 +101,7 @@ impl Serialize for Blocks<'_> {
                 hash: b.hash.0.to_le_bytes(),
                 chain: *b.chain.as_bytes(),
                 partition: self.local.get(&b.partition).copied().unwrap_or(u32::MAX),
+                group: u8::try_from(b.group).unwrap_or(u8::MAX),
                 tiers: b.tiers,
             })?;
         }
@@ -123,16 +139,27 @@ impl Section {
 
     /// The blocks in the index's terms; records naming no partition are
     /// dropped.
-    pub(super) fn blocks(&self) -> impl Iterator<Item = (EngineHash, Chain, &str, u8)> + '_ {
+    pub(super) fn blocks(&self) -> impl Iterator<Item = (EngineHash, Chain, &str, u32, u8)> + '_ {
         self.blocks.iter().filter_map(|b| {
             let partition = self.partitions.get(usize::try_from(b.partition).ok()?)?;
             Some((
                 EngineHash(u64::from_le_bytes(b.hash)),
                 Chain::from_bytes(b.chain),
                 partition.as_str(),
+                u32::from(b.group),
                 b.tiers,
             ))
         })
+    }
+
+    /// The replica's KV cache layout as saved.
+    pub(super) fn layout(&self) -> Layout {
+        let mut layout = Layout::default();
+        for g in &self.groups {
+            let kind = GroupKind::from_label(&g.kind);
+            layout.learn(g.group, Some(&kind), g.sliding_window, g.block_size);
+        }
+        layout
     }
 }
 
@@ -185,9 +212,20 @@ pub(super) fn encode<T: Serialize>(value: &T) -> Result<Vec<u8>, SnapshotError> 
 pub(super) fn section(
     config: &EndpointConfig,
     applied: Applied,
+    layout: Option<&Layout>,
     mut blocks: Vec<SavedBlock>,
     names: HashMap<PartitionId, String>,
 ) -> Result<(Vec<u8>, usize), SnapshotError> {
+    let groups = layout
+        .into_iter()
+        .flat_map(Layout::groups)
+        .map(|(group, g)| GroupRecord {
+            group,
+            kind: g.kind.label().to_owned(),
+            sliding_window: g.sliding_window,
+            block_size: g.block_size,
+        })
+        .collect();
     blocks.sort_unstable_by_key(|b| b.order);
     let mut partitions = Vec::with_capacity(names.len());
     let mut local = HashMap::with_capacity(names.len());
@@ -205,6 +243,7 @@ pub(super) fn section(
         seq: applied.seq,
         digest: applied.digest,
         partitions,
+        groups,
         blocks: Blocks {
             blocks: &blocks,
             local: &local,

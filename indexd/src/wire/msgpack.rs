@@ -8,6 +8,7 @@ use rmp::Marker;
 use rmp::decode::{self, NumValueReadError, ValueReadError};
 
 use super::{DecodeError, MAX_DEPTH};
+use crate::event::GroupKind;
 
 /// The msgpack type families the decoder distinguishes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -256,6 +257,17 @@ impl<'a> Reader<'a> {
         let bytes = self.str_bytes(field)?;
         let s = std::str::from_utf8(bytes).map_err(|_| DecodeError::Utf8(field))?;
         Ok(Some(s.to_owned()))
+    }
+
+    /// `kv_cache_spec_kind`: nil, or a label (an unknown one is kept, cut
+    /// to [`GroupKind::MAX_LABEL`] bytes).
+    pub(super) fn opt_kind(&mut self) -> Result<Option<GroupKind>, DecodeError> {
+        if self.nil()? {
+            return Ok(None);
+        }
+        let bytes = self.str_bytes("kv_cache_spec_kind")?;
+        let s = std::str::from_utf8(bytes).map_err(|_| DecodeError::Utf8("kv_cache_spec_kind"))?;
+        Ok(Some(GroupKind::from_label(s)))
     }
 
     /// Skips one value of any type.
