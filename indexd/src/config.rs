@@ -126,6 +126,12 @@ pub struct Config {
     pub tokenize: crate::tokenize::TokenizeConfig,
     /// Who may call: the token, listeners beyond loopback, Observe's rate.
     pub access: AccessConfig,
+    /// Per served model, the chunk of its chunked local attention in tokens
+    /// (Llama 4: its config's `attention_chunk_size`, 8,192). vLLM's KV
+    /// events name a `chunked_local_attention` group but not its chunk:
+    /// without this such a model's hits are estimated from its other groups
+    /// and answered approximate.
+    pub attention_chunk_size: std::collections::BTreeMap<String, u32>,
 }
 
 impl Config {
@@ -162,7 +168,13 @@ impl Config {
             snapshot: crate::snapshot::SnapshotConfig::default(),
             tokenize: crate::tokenize::TokenizeConfig::default(),
             access: AccessConfig::default(),
+            attention_chunk_size: std::collections::BTreeMap::new(),
         }
+    }
+
+    /// The chunked-local attention chunk of `model`'s replicas, if set.
+    pub fn chunk_tokens(&self, model: &str) -> Option<u32> {
+        self.attention_chunk_size.get(model).copied()
     }
 
     /// Parses YAML and validates it (endpoint addresses as `ip:port`).
@@ -223,6 +235,17 @@ impl Config {
         }
         if self.ingest_nice > 19 {
             return Err(ConfigError::field("ingest_nice", "must be 0 to 19"));
+        }
+        for (model, chunk) in &self.attention_chunk_size {
+            if *chunk == 0 || !chunk.is_multiple_of(self.block_size.get()) {
+                return Err(ConfigError::field(
+                    "attention_chunk_size",
+                    format!(
+                        "{model}: {chunk} is not a positive multiple of block_size {}",
+                        self.block_size.get()
+                    ),
+                ));
+            }
         }
         let l = &self.limits;
         if l.max_frame_bytes == 0 {
@@ -364,6 +387,8 @@ struct RawConfig {
     allow_unauthenticated: Option<bool>,
     observe_rate: Option<u32>,
     observe_burst: Option<u32>,
+    #[serde(default)]
+    attention_chunk_size: std::collections::BTreeMap<String, u32>,
 }
 
 impl RawConfig {
@@ -469,6 +494,7 @@ impl RawConfig {
         if let Some(t) = self.tokenize {
             c.tokenize = t.into_config()?;
         }
+        c.attention_chunk_size = self.attention_chunk_size;
         c.access = access::RawAccess {
             auth_token_file: self.auth_token_file,
             allow_unauthenticated: self.allow_unauthenticated,

@@ -67,6 +67,21 @@ fn errors_name_the_field() {
 }
 
 #[test]
+fn attention_chunk_sizes_are_read_per_model_and_checked() {
+    let c = Config::from_yaml("block_size: 64\nattention_chunk_size: {llama4: 8192}\n").unwrap();
+    assert_eq!(c.chunk_tokens("llama4"), Some(8192));
+    assert_eq!(c.chunk_tokens("other"), None);
+    for yaml in [
+        "block_size: 64\nattention_chunk_size: {llama4: 100}\n",
+        "attention_chunk_size: {llama4: 0}\n",
+    ] {
+        let err = Config::from_yaml(yaml).unwrap_err();
+        assert!(err.to_string().contains("attention_chunk_size"), "{err}");
+        assert!(err.to_string().contains("llama4"), "{err}");
+    }
+}
+
+#[test]
 fn transport_limits_are_read_and_checked() {
     let c =
         Config::from_yaml("max_message_bytes: 9000000\nmax_publisher_connections: 2\n").unwrap();

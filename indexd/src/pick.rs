@@ -368,6 +368,9 @@ fn snapshot(
             keys: &keys,
             block_size: req.block_size,
             max_blocks: max_blocks(req, keys.len()),
+            chunk_tokens: eligible
+                .first()
+                .and_then(|r| cfg.chunk_tokens(&r.config.model)),
             now,
         };
         lookup.match_query(&query, &slots)
@@ -590,7 +593,10 @@ fn classify(
             .and_then(|r| snap.matches.get(r.input))
     {
         let metric = &shared.metrics.chosen_blocks;
-        metric.add(["indexed"], u64::from(m.blocks - m.speculative.min(m.blocks)));
+        metric.add(
+            ["indexed"],
+            u64::from(m.blocks - m.speculative.min(m.blocks)),
+        );
         metric.add(["speculative"], u64::from(m.speculative.min(m.blocks)));
     }
     let mut resp = answer(shared, decision, reason, candidates);

@@ -419,6 +419,7 @@ fn a_snapshot_keeps_kv_cache_groups_and_the_layout() {
             keys: &keys,
             block_size: BS,
             max_blocks: 4,
+            chunk_tokens: None,
             now: std::time::Instant::now(),
         };
         lookup.match_query(&q, &[r.slot])[0].blocks

@@ -829,7 +829,8 @@ impl Shared {
     /// warns when one is not modelled: its Picks are then upper bounds,
     /// answered `approximate` (`indexd_unmodelled_kv_groups`, `/readyz`).
     fn note_layout(&self, replica: &Replica, layout: &Layout) {
-        let unmodelled = layout.unmodelled(self.config.block_size.get());
+        let chunk = self.config.chunk_tokens(&replica.config.model);
+        let unmodelled = layout.unmodelled(self.config.block_size.get(), chunk);
         let now = unmodelled
             .as_ref()
             .map(|u| format!("{}/{}", u.kind, u.reason))
@@ -881,7 +882,8 @@ impl Shared {
             .into_iter()
             .filter_map(|r| {
                 let layout = index.layout(r.slot)?;
-                let unmodelled = layout.unmodelled(self.config.block_size.get());
+                let chunk = self.config.chunk_tokens(&r.config.model);
+                let unmodelled = layout.unmodelled(self.config.block_size.get(), chunk);
                 Some((r, describe_layout(&layout), unmodelled))
             })
             .collect()

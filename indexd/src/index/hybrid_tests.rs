@@ -27,6 +27,8 @@ enum Spec {
     /// Window in tokens.
     Sliding(u32),
     Mamba,
+    /// Chunk in tokens.
+    Chunked(u32),
 }
 
 impl Spec {
@@ -35,6 +37,14 @@ impl Spec {
             Spec::Full => GroupKind::FullAttention(FullLabel::Full),
             Spec::Sliding(_) => GroupKind::SlidingWindow { mla: false },
             Spec::Mamba => GroupKind::Mamba,
+            Spec::Chunked(_) => GroupKind::ChunkedLocal,
+        }
+    }
+
+    fn chunk(self) -> Option<u32> {
+        match self {
+            Spec::Chunked(c) => Some(c),
+            _ => None,
         }
     }
 
@@ -48,7 +58,8 @@ impl Spec {
 
 /// The layouts tried: gpt-oss / Gemma 3 (sliding first), full first,
 /// Mamba hybrids, two sliding groups of one spec (looked up together in
-/// vLLM), three kinds (no one-iteration shortcut), one sliding group.
+/// vLLM), three kinds (no one-iteration shortcut), one sliding group,
+/// Llama 4 (three chunked-local groups, then full), chunked and sliding.
 fn layouts() -> Vec<Vec<Spec>> {
     vec![
         vec![Spec::Sliding(9), Spec::Full],
@@ -58,6 +69,13 @@ fn layouts() -> Vec<Vec<Spec>> {
         vec![Spec::Sliding(9), Spec::Sliding(9), Spec::Full],
         vec![Spec::Full, Spec::Sliding(8), Spec::Mamba],
         vec![Spec::Sliding(9)],
+        vec![
+            Spec::Chunked(8),
+            Spec::Chunked(8),
+            Spec::Chunked(8),
+            Spec::Full,
+        ],
+        vec![Spec::Chunked(12), Spec::Sliding(9), Spec::Full],
     ]
 }
 
@@ -195,6 +213,22 @@ fn vllm_hit(specs: &[Spec], max_cache_hit_length: u32, held: &dyn Fn(usize, usiz
                 }
                 0
             }
+            Spec::Chunked(attention_chunk_size) => {
+                let local_attention_start_idx = if max_length > 0 {
+                    max_length / attention_chunk_size * attention_chunk_size
+                } else {
+                    0
+                };
+                let start_block = (local_attention_start_idx / B) as usize;
+                let mut n = start_block;
+                for i in start_block..max_num_blocks {
+                    if !cached(ids, i) {
+                        break;
+                    }
+                    n += 1;
+                }
+                n as u32 * B
+            }
         }
     };
     let num_groups = specs.len();
@@ -240,9 +274,10 @@ fn store_events(
     let tokens: Vec<u32> = (start..n).flat_map(|i| p.block_tokens(i)).collect();
     let mut out = Vec::new();
     for (g, spec) in specs.iter().enumerate() {
-        // Full attention keeps every block; a lone group caches densely
-        // (the unitary coordinator sets no alignment, so no mask).
-        let dense = *spec == Spec::Full || specs.len() == 1;
+        // Full and chunked-local attention keep every block (no mask); a
+        // lone group caches densely (the unitary coordinator sets no
+        // alignment, so no mask).
+        let dense = matches!(spec, Spec::Full | Spec::Chunked(_)) || specs.len() == 1;
         let kept: Vec<usize> = (start..n)
             .filter(|i| {
                 dense
@@ -345,6 +380,7 @@ fn run(specs: &[Spec], ops: &[Op]) -> Result<(), TestCaseError> {
                     keys: &keys,
                     block_size: B,
                     max_blocks: max_blocks.min(keys.len()),
+                    chunk_tokens: specs.iter().find_map(|s| s.chunk()),
                     now: Instant::now(),
                 };
                 let got = lookup.match_query(&q, &slots);
@@ -437,6 +473,7 @@ fn parked_sliding_blocks_take_their_chain_from_the_full_group() {
         keys: &keys,
         block_size: B,
         max_blocks: 4,
+        chunk_tokens: None,
         now: Instant::now(),
     };
     // need 2: blocks 2, 3 held in the sliding group: a hit of 4.

@@ -36,7 +36,8 @@
 //! Modelled: groups of the index's block size whose kind is one of the
 //! above (MLA and attention-sink layers are full attention to the cache,
 //! sliding-window MLA is a sliding window), a chunked-local group when its
-//! chunk size is known (events do not carry it). Not modelled, and reported
+//! chunk size is configured (`attention_chunk_size`: events do not carry
+//! it). Not modelled, and reported
 //! (metric, log, `/readyz`): any other kind, a chunked-local group of
 //! unknown chunk, a group with another block size (vLLM then hashes at a
 //! finer size and may hit inside a block), EAGLE's dropped block. Such a
@@ -266,8 +267,8 @@ impl Layout {
     }
 
     /// The first group not modelled, if any (see [`Layout::plan`]).
-    pub fn unmodelled(&self, block_size: u32) -> Option<Unmodelled> {
-        self.plan(block_size, None).1
+    pub fn unmodelled(&self, block_size: u32, chunk_tokens: Option<u32>) -> Option<Unmodelled> {
+        self.plan(block_size, chunk_tokens).1
     }
 }
 
@@ -510,7 +511,7 @@ mod tests {
             Learned::Beyond
         );
         assert_eq!(l.learn(1, Some(&GroupKind::Mamba), None, 128), Learned::New);
-        let e = l.unmodelled(64).unwrap();
+        let e = l.unmodelled(64, None).unwrap();
         assert_eq!(
             (e.group, e.kind.as_str(), e.reason),
             (1, "mamba", "block_size")
@@ -519,7 +520,7 @@ mod tests {
         let (plan, _) = l.plan(64, None);
         assert_eq!(plan.groups.as_slice(), &[(0, Rule::Sliding { need: 2 })]);
         let l = layout(&[(full(), None), (GroupKind::ChunkedLocal, None)]);
-        assert_eq!(l.unmodelled(64).unwrap().reason, "chunk_size_unknown");
+        assert_eq!(l.unmodelled(64, None).unwrap().reason, "chunk_size_unknown");
         let (plan, unmodelled) = l.plan(64, Some(8192));
         assert_eq!(unmodelled, None);
         assert_eq!(
@@ -530,7 +531,7 @@ mod tests {
             (full(), None),
             (GroupKind::from_label("hisparse_hot"), None),
         ]);
-        let e = l.unmodelled(64).unwrap();
+        let e = l.unmodelled(64, None).unwrap();
         assert_eq!((e.kind.as_str(), e.reason), ("hisparse_hot", "kind"));
         // Nothing modelled: group 0's blocks as full attention's.
         let l = layout(&[(GroupKind::from_label("unknown"), None)]);

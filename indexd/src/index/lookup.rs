@@ -72,6 +72,9 @@ pub struct Query<'a> {
     /// The longest hit vLLM can give it, in blocks: its prompt tokens less
     /// one (the last is always computed), in full blocks.
     pub max_blocks: usize,
+    /// The chunk of the model's chunked local attention in tokens, when
+    /// configured.
+    pub chunk_tokens: Option<u32>,
     /// The time speculative credit is read at.
     pub now: Instant,
 }
@@ -272,7 +275,7 @@ impl Lookup {
         layout: &Layout,
         candidates: &[ReplicaSlot],
     ) -> Vec<PrefixMatch> {
-        let (plan, unmodelled) = layout.plan(q.block_size, None);
+        let (plan, unmodelled) = layout.plan(q.block_size, q.chunk_tokens);
         let unmodelled = unmodelled.is_some();
         let max = q.max_blocks.min(q.keys.len());
         let keys = q.keys.get(..max).unwrap_or_default();

@@ -82,7 +82,7 @@ struct Replayed {
     layout: String,
 }
 
-fn replay(dir: &str) -> Replayed {
+fn replay(dir: &str, chunk_tokens: Option<u32>) -> Replayed {
     let capture = load(dir);
     let mut ix = Index::new(1 << 20, 0);
     let mut stats = ApplyStats::default();
@@ -128,6 +128,7 @@ fn replay(dir: &str) -> Replayed {
             keys: &keys,
             block_size,
             max_blocks: ((r.prompt_tokens - 1) / block_size) as usize,
+            chunk_tokens,
             now: Instant::now(),
         };
         let m = lookup.match_query(&q, &[slot])[0];
@@ -166,8 +167,8 @@ fn replay(dir: &str) -> Replayed {
     }
 }
 
-fn assert_exact(dir: &str, layout: &str) {
-    let r = replay(dir);
+fn assert_exact(dir: &str, layout: &str, chunk_tokens: Option<u32>) {
+    let r = replay(dir, chunk_tokens);
     assert_eq!(r.layout, layout, "{dir}");
     for (step, predicted, vllm, modelled) in &r.hits {
         assert!(modelled, "{dir} {step}: layout not modelled");
@@ -198,13 +199,13 @@ fn assert_exact(dir: &str, layout: &str) {
 #[test]
 fn gemma3_hits_are_vllms() {
     for dir in ["gemma3/session", "gemma3/pressure"] {
-        assert_exact(dir, "0:sliding_window 1:full_attention");
+        assert_exact(dir, "0:sliding_window 1:full_attention", None);
     }
     // The capture's point: conversation B shares only the system prompt
     // with A, which the full-attention group holds; vLLM gives it nothing
     // (the sliding group kept no tail there), and C then hits at the
     // junction B's prefill kept.
-    let r = replay("gemma3/session");
+    let r = replay("gemma3/session", None);
     let by_step: BTreeMap<&str, (u32, u32)> = r
         .hits
         .iter()
@@ -217,24 +218,33 @@ fn gemma3_hits_are_vllms() {
 #[test]
 fn gpt_oss_hits_are_vllms() {
     for dir in ["gpt-oss/session", "gpt-oss/pressure"] {
-        assert_exact(dir, "0:sliding_window 1:full_attention");
+        assert_exact(dir, "0:sliding_window 1:full_attention", None);
     }
 }
 
 #[test]
 fn qwen3_next_hits_are_vllms() {
     for dir in ["qwen3-next/session", "qwen3-next/pressure"] {
-        assert_exact(dir, "0:mamba 1:full_attention");
+        assert_exact(dir, "0:mamba 1:full_attention", None);
+    }
+}
+
+#[test]
+fn llama4_hits_are_vllms_with_its_chunk_configured() {
+    // The tier's Llama-4-style model has chunks of 1,024 tokens.
+    let layout = "0:chunked_local_attention 1:chunked_local_attention 2:chunked_local_attention 3:full_attention";
+    for dir in ["llama4/session", "llama4/pressure"] {
+        assert_exact(dir, layout, Some(1024));
     }
 }
 
 #[test]
 fn llama4_chunked_local_groups_are_reported_and_bounded() {
-    // vLLM's events do not carry the attention chunk: the chunked-local
-    // groups are not modelled, and the hit is the full-attention group's,
-    // an upper bound on vLLM's.
+    // vLLM's events do not carry the attention chunk: without it the
+    // chunked-local groups are not modelled, and the hit is the
+    // full-attention group's, an upper bound on vLLM's.
     for dir in ["llama4/session", "llama4/pressure"] {
-        let r = replay(dir);
+        let r = replay(dir, None);
         assert_eq!(
             r.layout,
             "0:chunked_local_attention 1:chunked_local_attention 2:chunked_local_attention 3:full_attention"
