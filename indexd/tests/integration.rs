@@ -1251,6 +1251,9 @@ mod kubernetes;
 #[path = "integration/metrics.rs"]
 mod metrics;
 
+#[path = "integration/hybrid.rs"]
+mod hybrid;
+
 /// Each thread of `pid` with its name and `Cpus_allowed_list`.
 #[cfg(target_os = "linux")]
 fn thread_cpus(pid: u32) -> Vec<(String, String)> {
