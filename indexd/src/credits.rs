@@ -155,6 +155,37 @@ impl Credits {
             .unwrap_or(0)
     }
 
+    /// Leading `keys` credited to `slot`, and where the credited prompts
+    /// that `keys` contain whole end (a prompt's last blocks are where a
+    /// sliding-window or Mamba group keeps what a later hit needs).
+    pub fn run_and_ends(
+        &self,
+        partition: PartitionId,
+        slot: ReplicaSlot,
+        keys: &[BlockKey],
+        now: Instant,
+    ) -> (usize, SmallVec<[usize; 4]>) {
+        let mut ends = SmallVec::new();
+        let Some(first) = keys.first() else {
+            return (0, ends);
+        };
+        let Some(ids) = self.by_start.get(&(partition, *first, slot)) else {
+            return (0, ends);
+        };
+        let mut run = 0;
+        for r in ids.iter().filter_map(|id| self.records.get(id)) {
+            if r.expires <= now {
+                continue;
+            }
+            let common = r.keys.iter().zip(keys).take_while(|(a, b)| a == b).count();
+            run = run.max(common);
+            if common == r.keys.len() && !ends.contains(&common) {
+                ends.push(common);
+            }
+        }
+        (run, ends)
+    }
+
     /// Leading `keys` credited to `slot`.
     pub fn run(
         &self,

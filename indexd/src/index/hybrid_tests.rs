@@ -503,3 +503,61 @@ fn parked_sliding_blocks_take_their_chain_from_the_full_group() {
         4
     );
 }
+
+#[test]
+fn a_picks_credit_on_a_sliding_model_stands_for_what_vllm_will_keep() {
+    // A Gemma-3-style replica (its layout learned from another prompt).
+    let specs = [Spec::Sliding(9), Spec::Full];
+    let mut ix = Index::new(1000, 1000);
+    let mut stats = ApplyStats::default();
+    let other = Prompt {
+        ids: vec![2, 2],
+        tail: 0,
+    };
+    for (_, _, ev) in store_events(&specs, &other, 0, &[vec![true; 2], vec![]]) {
+        ix.apply(ReplicaSlot(0), "m", &ev, &mut stats);
+    }
+    let lookup = ix.lookup();
+    let partition = lookup.partition_or_insert("m").unwrap();
+    let now = Instant::now();
+    // A pick sent an 8-block prompt there; its events are not in yet.
+    let first = Prompt {
+        ids: vec![0, 1, 2, 0, 1, 2, 0, 1],
+        tail: 1,
+    };
+    let keys = block_keys(&first.tokens(), BlockSize::new(B).unwrap(), None);
+    lookup.speculate(
+        partition,
+        &keys,
+        ReplicaSlot(0),
+        now,
+        now + std::time::Duration::from_secs(10),
+    );
+    let hit = |p: &Prompt| {
+        let keys = block_keys(&p.tokens(), BlockSize::new(B).unwrap(), None);
+        let q = Query {
+            partition: Some(partition),
+            keys: &keys,
+            block_size: B,
+            max_blocks: ((p.tokens().len() as u32 - 1) / B) as usize,
+            chunk_tokens: None,
+            now,
+        };
+        lookup.match_query(&q, &[ReplicaSlot(0)])[0].blocks
+    };
+    // Its next turn: the sliding group will keep the tail before the
+    // prompt's end, so the hit is all eight blocks.
+    let next = Prompt {
+        ids: vec![0, 1, 2, 0, 1, 2, 0, 1, 1, 1],
+        tail: 2,
+    };
+    assert_eq!(hit(&next), 8);
+    // A sibling sharing only the first four blocks: vLLM keeps no sliding
+    // tail there, so it gets nothing (the full-attention credit alone does
+    // not make a hit).
+    let sibling = Prompt {
+        ids: vec![0, 1, 2, 0, 2, 2, 2],
+        tail: 1,
+    };
+    assert_eq!(hit(&sibling), 0);
+}

@@ -295,6 +295,12 @@ impl Lookup {
                 .find(|(g, _)| *g == group)
                 .and_then(|(_, p)| *p)
         };
+        let rule_of = |group: u32| {
+            plan.groups
+                .iter()
+                .find(|(g, _)| *g == group)
+                .map_or(Rule::Full, |(_, r)| *r)
+        };
         // The leading run of the first full-attention group, by the walk
         // every Pick makes (speculative credit included); with none, every
         // block up to the bound.
@@ -339,12 +345,12 @@ impl Lookup {
         let mut out = Vec::with_capacity(candidates.len());
         for (slot, lead) in candidates.iter().zip(leading) {
             let local = store.locals.get(slot).copied();
-            let mut credited: Option<usize> = None;
+            let mut credited: Option<(usize, SmallVec<[usize; 4]>)> = None;
             let mut held = |group: u32, block: u32| -> bool {
                 let b = block as usize;
-                let credit =
-                    *credited.get_or_insert_with(|| credits.run(partition, *slot, q.keys, q.now));
-                if b < credit {
+                let (run, ends) = credited
+                    .get_or_insert_with(|| credits.run_and_ends(partition, *slot, q.keys, q.now));
+                if b < *run && credited_holds(rule_of(group), b, *run, ends) {
                     return true;
                 }
                 let (Some(local), Some(plane), Some(key)) = (local, plane_of(group), keys.get(b))
@@ -507,6 +513,21 @@ impl Lookup {
         }
         drop(credits);
         finish(out, counts, &first_of)
+    }
+}
+
+/// Whether picks' credit stands for block `b` of a group: what vLLM will
+/// cache of the prompts they sent there (their events not seen yet). `run`:
+/// the request's keys credited from the start; `ends`: where the credited
+/// prompts it contains whole end. Full and chunked-local attention keep
+/// every block; a sliding window only the tail it needs before a prompt's
+/// end (`reachable_block_mask`: a sibling sharing only a prefix of a prompt
+/// gets nothing from it there); Mamba the state at the end.
+fn credited_holds(rule: Rule, b: usize, run: usize, ends: &[usize]) -> bool {
+    match rule {
+        Rule::Full | Rule::Chunked { .. } => b < run,
+        Rule::Sliding { need } => ends.iter().any(|e| b < *e && b + need as usize >= *e),
+        Rule::Mamba => ends.iter().any(|e| b + 1 == *e),
     }
 }
 
