@@ -1,18 +1,18 @@
-//! Automatic prefix caching, vLLM style.
+//! Automatic prefix caching, vLLM style: block hashes and the block pool's residency.
 //!
 //! - Only full blocks of `block_size` tokens are hashed: `h_i = SHA-256(h_{i-1} ‖ tokens_i ‖ extra_i)`
-//!   with `h_{-1}` a per-process root (vLLM's `NONE_HASH`, seeded like `PYTHONHASHSEED`).
+//!   with `h_{-1}` a per-process root (vLLM's `NONE_HASH`, seeded like `PYTHONHASHSEED`). A block
+//!   has the same hash in every KV cache group.
 //! - Extra keys: the LoRA name on every block, the `cache_salt` on block 0 only (vLLM's order:
 //!   LoRA, then salt), so salts and adapters never share blocks while the chain carries them on.
-//! - A request reuses the longest run of cached leading blocks, capped so at least one prompt
-//!   token is computed: `min(run × B, ⌊(n−1)/B⌋ × B)`.
-//! - Capacity is in blocks; least recently used blocks are evicted first, and within one request
-//!   the tail block counts as older than the head (vLLM frees blocks tail first), so evictions come
-//!   out tail first.
-
-use std::collections::{BTreeMap, HashMap};
+//! - Residency is per `(hash, group)` (vLLM's `get_cached_block(hash, group_ids)`): each KV cache
+//!   group caches its own blocks of the one shared pool ([`crate::pool`]), possibly several
+//!   copies of one hash. Which blocks a request reuses, holds and caches is the coordinator's
+//!   business (`coordinator.rs`).
 
 use sha2::{Digest, Sha256};
+
+use crate::pool::BlockPool;
 
 /// A vLLM block hash: 32 bytes; the u64 wire form is its last 8 bytes, big-endian.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -42,24 +42,15 @@ pub struct BlockScope<'a> {
     pub lora_name: Option<&'a str>,
 }
 
-/// What storing a request's blocks did.
-#[derive(Debug, Default, PartialEq, Eq)]
-pub struct StoreOutcome {
-    /// Index of the first block announced as stored (the ones before were already a cached run).
-    pub first_new: usize,
-    /// Evicted blocks, in eviction order (tail first).
-    pub evicted: Vec<BlockHash>,
-}
+/// A block hash in one KV cache group: the key a copy is cached under.
+pub type GroupBlock = (BlockHash, u32);
 
-/// The prefix cache of one replica.
+/// The prefix cache of one replica: one block pool shared by its KV cache groups.
 #[derive(Debug)]
 pub struct PrefixCache {
     block_size: usize,
-    capacity: usize,
     root: [u8; 32],
-    stamps: HashMap<BlockHash, u64>,
-    lru: BTreeMap<u64, BlockHash>,
-    next_stamp: u64,
+    pool: BlockPool,
 }
 
 impl PrefixCache {
@@ -69,11 +60,8 @@ impl PrefixCache {
             Sha256::digest(format!("mock-vllm/none-hash\0{seed}").as_bytes()).into();
         Self {
             block_size: block_size.max(1),
-            capacity,
             root,
-            stamps: HashMap::new(),
-            lru: BTreeMap::new(),
-            next_stamp: 0,
+            pool: BlockPool::new(capacity),
         }
     }
 
@@ -82,16 +70,25 @@ impl PrefixCache {
     }
 
     pub fn capacity(&self) -> usize {
-        self.capacity
+        self.pool.capacity()
     }
 
-    /// Blocks held now.
+    /// Cached blocks now (physical copies), over all groups.
     pub fn len(&self) -> usize {
-        self.stamps.len()
+        self.pool.cached_blocks()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.stamps.is_empty()
+        self.len() == 0
+    }
+
+    /// The block pool.
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    pub fn pool_mut(&mut self) -> &mut BlockPool {
+        &mut self.pool
     }
 
     /// Hashes of the full blocks of `tokens`.
@@ -128,48 +125,14 @@ impl PrefixCache {
             .collect()
     }
 
-    /// How many leading blocks are cached now (no LRU update).
-    pub fn cached_run(&self, blocks: &[Block]) -> usize {
-        blocks
-            .iter()
-            .take_while(|b| self.stamps.contains_key(&b.hash))
-            .count()
+    /// Whether `group` holds some copy of the block `hash` (no LRU update).
+    pub fn holds(&self, hash: &BlockHash, group: u32) -> bool {
+        self.pool.holds(&(*hash, group))
     }
 
-    /// Tokens a request of `n_tokens` would reuse given `run` cached leading blocks.
-    pub fn hit_tokens(&self, n_tokens: usize, run: usize) -> usize {
-        let cap = n_tokens.saturating_sub(1) / self.block_size * self.block_size;
-        (run * self.block_size).min(cap)
-    }
-
-    /// Stores a request's blocks: touches them (head most recent), adds the missing ones and
-    /// evicts LRU blocks beyond capacity. Blocks beyond capacity are not stored.
-    pub fn store(&mut self, blocks: &[Block]) -> StoreOutcome {
-        let blocks = &blocks[..blocks.len().min(self.capacity)];
-        let first_new = self.cached_run(blocks);
-        for b in blocks.iter().rev() {
-            let stamp = self.next_stamp;
-            self.next_stamp += 1;
-            if let Some(old) = self.stamps.insert(b.hash, stamp) {
-                self.lru.remove(&old);
-            }
-            self.lru.insert(stamp, b.hash);
-        }
-        let mut evicted = Vec::new();
-        while self.stamps.len() > self.capacity {
-            let Some((_, hash)) = self.lru.pop_first() else {
-                break;
-            };
-            self.stamps.remove(&hash);
-            evicted.push(hash);
-        }
-        StoreOutcome { first_new, evicted }
-    }
-
-    /// Drops every block (prefix-cache reset).
+    /// Drops every block's hash (prefix-cache reset).
     pub fn clear(&mut self) {
-        self.stamps.clear();
-        self.lru.clear();
+        self.pool.clear();
     }
 }
 
@@ -179,15 +142,6 @@ mod tests {
 
     fn toks(n: u32, offset: u32) -> Vec<u32> {
         (0..n).map(|i| 100 + i + offset).collect()
-    }
-
-    #[test]
-    fn full_block_hits_cap_at_n_minus_one() {
-        let c = PrefixCache::new(64, 100, "s");
-        assert_eq!(c.hit_tokens(6_653, 1_000), 6_592);
-        assert_eq!(c.hit_tokens(128, 2), 64);
-        assert_eq!(c.hit_tokens(129, 2), 128);
-        assert_eq!(c.hit_tokens(63, 0), 0);
     }
 
     #[test]
@@ -240,40 +194,5 @@ mod tests {
             a[0].hash.as_u64(),
             u64::from_be_bytes(a[0].hash.0[24..].try_into().unwrap())
         );
-    }
-
-    #[test]
-    fn store_then_hit_and_lru_evicts_tail_first() {
-        let mut c = PrefixCache::new(4, 4, "s");
-        let a = c.blocks(&toks(12, 0), BlockScope::default());
-        let out = c.store(&a);
-        assert_eq!(
-            out,
-            StoreOutcome {
-                first_new: 0,
-                evicted: vec![]
-            }
-        );
-        assert_eq!(c.cached_run(&a), 3);
-        let b = c.blocks(&toks(12, 1_000), BlockScope::default());
-        let out = c.store(&b);
-        // 3 + 3 > 4: the two oldest go, A's tail first.
-        assert_eq!(out.evicted, vec![a[2].hash, a[1].hash]);
-        assert_eq!(c.len(), 4);
-        assert_eq!(c.cached_run(&a), 1);
-        assert_eq!(c.cached_run(&b), 3);
-        let again = c.store(&b);
-        assert_eq!(again.first_new, 3);
-        assert!(again.evicted.is_empty());
-    }
-
-    #[test]
-    fn clear_empties() {
-        let mut c = PrefixCache::new(4, 8, "s");
-        let a = c.blocks(&toks(8, 0), BlockScope::default());
-        c.store(&a);
-        c.clear();
-        assert!(c.is_empty());
-        assert_eq!(c.cached_run(&a), 0);
     }
 }

@@ -9,7 +9,9 @@ use crate::config::{
     ChatTemplate, Config, ConfigError, EventEncoding, HashForm, KvEventsConfig, invalid,
     offset_endpoint, offset_port, parse_events_endpoint, parse_replay_endpoint,
 };
+use crate::groups::Retention;
 use crate::latency::LatencyConfig;
+use crate::layout::KvCacheLayout;
 
 /// vLLM's `--kv-events-config` JSON (the fields the mock uses; others are ignored).
 #[derive(Debug, Deserialize)]
@@ -56,12 +58,25 @@ pub struct Cli {
     pub max_model_len: u32,
     #[arg(long, default_value_t = 16)]
     pub block_size: u32,
-    /// Prefix-cache capacity in blocks.
+    /// Physical KV blocks shared by all KV cache groups (vLLM's num_gpu_blocks less its null
+    /// block): cached, free or held by running requests.
     #[arg(long, default_value_t = 8_192)]
     pub num_gpu_blocks: usize,
     /// Turn automatic prefix caching off.
     #[arg(long)]
     pub no_enable_prefix_caching: bool,
+    /// KV cache groups in group_idx order: full_attention, sliding_window:W,
+    /// chunked_local_attention:C, mamba; e.g. `sliding_window:128,full_attention` (gpt-oss).
+    #[arg(long, visible_alias = "kv-layout", default_value = "full_attention")]
+    pub kv_cache_layout: KvCacheLayout,
+    /// Sliding-window and Mamba checkpoints kept every N tokens besides the resumable
+    /// boundaries (0: only those, vLLM's default; `none`: every block).
+    #[arg(long, default_value = "0")]
+    pub prefix_cache_retention_interval: Retention,
+    /// Prefill in steps of at most N tokens, one KV-event batch per step (vLLM on CPU: 2048).
+    /// Unset: the whole prompt in one step.
+    #[arg(long)]
+    pub max_num_batched_tokens: Option<u32>,
     #[arg(long, value_enum, default_value_t = ChatTemplate::RoleMarkers)]
     pub chat_template: ChatTemplate,
     /// Output tokens when a request sets no limit.
@@ -191,6 +206,9 @@ impl Cli {
             block_size: self.block_size,
             num_gpu_blocks: self.num_gpu_blocks,
             enable_prefix_caching: !self.no_enable_prefix_caching,
+            kv_cache_layout: self.kv_cache_layout,
+            prefix_cache_retention_interval: self.prefix_cache_retention_interval.0,
+            max_num_batched_tokens: self.max_num_batched_tokens,
             chat_template: self.chat_template,
             default_max_tokens: self.default_max_tokens,
             reasoning_tokens: self.reasoning_tokens,
@@ -233,6 +251,51 @@ mod tests {
         let ev = c.kv_events.unwrap();
         assert_eq!(ev.topic, "kv@r@m");
         assert_eq!(ev.replay, Some("127.0.0.1:5558".parse().unwrap()));
+    }
+
+    #[test]
+    fn kv_cache_flags() {
+        let parse = |args: &[&str]| Cli::try_parse_from(["mock-vllm"].iter().chain(args));
+        let c = parse(&[]).unwrap().into_config().unwrap();
+        assert_eq!(c.kv_cache_layout, KvCacheLayout::default());
+        assert_eq!(c.prefix_cache_retention_interval, Some(0));
+        assert_eq!(c.max_num_batched_tokens, None);
+        let c = parse(&[
+            "--block-size",
+            "64",
+            "--kv-layout",
+            "sliding_window:256,full_attention",
+            "--max-num-batched-tokens",
+            "2048",
+            "--prefix-cache-retention-interval",
+            "none",
+        ])
+        .unwrap()
+        .into_config()
+        .unwrap();
+        assert_eq!(
+            c.kv_cache_layout.to_string(),
+            "sliding_window:256,full_attention"
+        );
+        assert_eq!(c.max_num_batched_tokens, Some(2_048));
+        assert_eq!(c.prefix_cache_retention_interval, None);
+        let e = parse(&["--kv-cache-layout", "sliding_window"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--kv-cache-layout") && e.contains("needs its window"),
+            "{e}"
+        );
+        let e = parse(&["--kv-cache-layout", "linear_attention"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown KV cache group"), "{e}");
+        assert!(parse(&["--prefix-cache-retention-interval", "x"]).is_err());
+        let e = parse(&["--prefix-cache-retention-interval", "64"])
+            .unwrap()
+            .into_config()
+            .unwrap_err();
+        assert_eq!(e.field, "prefix_cache_retention_interval");
     }
 
     #[test]

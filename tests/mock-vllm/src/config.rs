@@ -11,6 +11,7 @@ use clap::ValueEnum;
 
 pub use crate::cli::Cli;
 use crate::latency::LatencyConfig;
+use crate::layout::KvCacheLayout;
 
 /// Which chat template the replica renders with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
@@ -120,9 +121,21 @@ pub struct Config {
     pub lora_modules: Vec<String>,
     pub max_model_len: u32,
     pub block_size: u32,
-    /// Prefix-cache capacity in blocks (LRU beyond it).
+    /// Physical KV blocks, shared by all KV cache groups: cached, free, or held by running
+    /// requests (vLLM's `num_gpu_blocks` less its null block). Cached blocks are evicted LRU as
+    /// blocks are needed.
     pub num_gpu_blocks: usize,
     pub enable_prefix_caching: bool,
+    /// The model's KV cache groups in `group_idx` order (default: one full-attention group).
+    pub kv_cache_layout: KvCacheLayout,
+    /// vLLM's `prefix_cache_retention_interval` for sliding-window and Mamba groups: `Some(0)`
+    /// (vLLM's default) keeps only the blocks a later request can resume at (the replay boundary
+    /// and shared-prefix junctions); `Some(n)` also one checkpoint per `n` tokens (a multiple of
+    /// `block_size`); `None` keeps them densely.
+    pub prefix_cache_retention_interval: Option<u32>,
+    /// vLLM's `max_num_batched_tokens`: prefill in steps of at most this many tokens, one event
+    /// batch per step (vLLM 0.32 on CPU: 2,048). `None`: the whole prompt in one step.
+    pub max_num_batched_tokens: Option<u32>,
     pub chat_template: ChatTemplate,
     /// Output tokens when a request sets no limit.
     pub default_max_tokens: u32,
@@ -151,6 +164,9 @@ impl Default for Config {
             block_size: 16,
             num_gpu_blocks: 8_192,
             enable_prefix_caching: true,
+            kv_cache_layout: KvCacheLayout::default(),
+            prefix_cache_retention_interval: Some(0),
+            max_num_batched_tokens: None,
             chat_template: ChatTemplate::RoleMarkers,
             default_max_tokens: 16,
             reasoning_tokens: 0,
@@ -195,16 +211,7 @@ impl Config {
         if self.max_model_len == 0 {
             return Err(invalid("max_model_len", "must be positive"));
         }
-        let needed = (self.max_model_len as usize).div_ceil(self.block_size as usize);
-        if self.num_gpu_blocks < needed {
-            return Err(invalid(
-                "num_gpu_blocks",
-                format!(
-                    "{} blocks cannot hold max_model_len (needs {needed})",
-                    self.num_gpu_blocks
-                ),
-            ));
-        }
+        self.check_kv_cache()?;
         if let Some(ev) = &self.kv_events
             && ev.buffer_steps == 0
         {
@@ -226,6 +233,46 @@ impl Config {
         }
         self.check_event_ports()?;
         self.latency.validate()
+    }
+
+    /// The pool must hold what one request of `max_model_len` tokens leaves cached in every group;
+    /// the retention interval and the step budget must be usable (vLLM's rules).
+    fn check_kv_cache(&self) -> Result<(), ConfigError> {
+        let bs = self.block_size as usize;
+        let layout = &self.kv_cache_layout;
+        let thin = self.prefix_cache_retention_interval == Some(0);
+        let needed = layout.max_cached_blocks(self.max_model_len as usize, bs, thin);
+        if self.num_gpu_blocks < needed {
+            return Err(invalid(
+                "num_gpu_blocks",
+                format!(
+                    "{} blocks cannot hold max_model_len in the KV cache groups `{layout}` (needs {needed})",
+                    self.num_gpu_blocks
+                ),
+            ));
+        }
+        match self.prefix_cache_retention_interval {
+            None | Some(0) => {}
+            Some(_) if !layout.has_sparse_group() => {
+                return Err(invalid(
+                    "prefix_cache_retention_interval",
+                    format!(
+                        "the KV cache groups `{layout}` have no sliding-window or Mamba group, so a retention interval has no effect; set it to 0"
+                    ),
+                ));
+            }
+            Some(n) if !n.is_multiple_of(self.block_size) => {
+                return Err(invalid(
+                    "prefix_cache_retention_interval",
+                    format!("{n} is not a multiple of block_size {}", self.block_size),
+                ));
+            }
+            Some(_) => {}
+        }
+        if self.max_num_batched_tokens == Some(0) {
+            return Err(invalid("max_num_batched_tokens", "must be positive"));
+        }
+        Ok(())
     }
 
     /// Every rank's bound PUB and replay ports must differ (a fixed replay port one above the PUB
@@ -399,6 +446,38 @@ mod tests {
             ..Config::default()
         };
         assert_eq!(c.validate().unwrap_err().field, "data_parallel_size");
+    }
+
+    #[test]
+    fn kv_cache_fields_are_checked() {
+        let gemma = |f: fn(&mut Config)| {
+            let mut c = Config {
+                block_size: 64,
+                kv_cache_layout: "sliding_window:256,full_attention".parse().unwrap(),
+                ..Config::default()
+            };
+            f(&mut c);
+            c.validate()
+        };
+        gemma(|_| {}).unwrap();
+        gemma(|c| c.prefix_cache_retention_interval = Some(512)).unwrap();
+        gemma(|c| c.prefix_cache_retention_interval = None).unwrap();
+        let e = gemma(|c| c.prefix_cache_retention_interval = Some(100)).unwrap_err();
+        assert_eq!(e.field, "prefix_cache_retention_interval");
+        let e = gemma(|c| c.max_num_batched_tokens = Some(0)).unwrap_err();
+        assert_eq!(e.field, "max_num_batched_tokens");
+        // 32,768 tokens: 512 full-attention blocks plus two 4-block sliding tails.
+        let e = gemma(|c| c.num_gpu_blocks = 519).unwrap_err();
+        assert_eq!(e.field, "num_gpu_blocks");
+        assert!(e.reason.contains("needs 520"), "{e}");
+        let plain = Config {
+            prefix_cache_retention_interval: Some(64),
+            ..Config::default()
+        };
+        assert_eq!(
+            plain.validate().unwrap_err().field,
+            "prefix_cache_retention_interval"
+        );
     }
 
     fn fixed_ports(pub_port: u16, replay_port: u16, size: u32) -> Config {

@@ -42,6 +42,14 @@ impl Job {
         }
     }
 
+    /// The LoRA adapter `(name, id)` the job runs under.
+    pub(crate) fn lora(&self) -> Option<(&str, u32)> {
+        self.model
+            .lora
+            .as_ref()
+            .map(|(name, id)| (name.as_str(), *id))
+    }
+
     /// [`crate::api::prompt_digest`] of this job's salt and prompt.
     pub(crate) fn digest(&self) -> String {
         crate::api::prompt_digest(self.cache_salt.as_deref(), &self.prompt)

@@ -6,9 +6,14 @@
 //!
 //! | event | fields |
 //! |---|---|
-//! | BlockStored | block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind |
+//! | BlockStored | block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window |
 //! | BlockRemoved | block_hashes, medium, group_idx |
 //! | AllBlocksCleared | — |
+//!
+//! vLLM encodes with msgspec's `omit_defaults`: a field at its default (`None`) is left out of a
+//! map, and out of an array when it trails. So `extra_keys` is absent when the event lists no
+//! block (vLLM's `to_event_extra_keys` turns an empty list into `None`; a legacy array carries nil
+//! there), and `kv_cache_spec_sliding_window` appears for sliding-window groups only.
 //!
 //! Hashes are u64 (the last 8 bytes of the 32-byte hash, big-endian) or 32-byte bin.
 
@@ -16,11 +21,10 @@ use rmpv::Value;
 
 use crate::cache::BlockHash;
 use crate::config::{EventEncoding, HashForm};
+use crate::layout::KvCacheSpec;
 
 /// The storage tier every mock block lives in.
 pub const MEDIUM_GPU: &str = "GPU";
-/// `kv_cache_spec_kind` of a plain decoder model.
-pub const FULL_ATTENTION: &str = "full_attention";
 /// Replay end-of-sequence marker (`-1` as 8 bytes).
 pub const END_SEQ: [u8; 8] = [0xff; 8];
 
@@ -34,10 +38,15 @@ pub enum KvEvent {
         block_size: u32,
         lora_id: Option<u32>,
         lora_name: Option<String>,
+        /// One entry per listed block (left out on the wire when there is none).
         extra_keys: Vec<Option<Vec<String>>>,
+        /// The KV cache group, and its spec (`kv_cache_spec_kind`, `kv_cache_spec_sliding_window`).
+        group_idx: u32,
+        spec: KvCacheSpec,
     },
     BlockRemoved {
         block_hashes: Vec<BlockHash>,
+        group_idx: u32,
     },
     AllBlocksCleared,
 }
@@ -69,8 +78,9 @@ fn opt<T>(v: Option<T>, f: impl FnOnce(T) -> Value) -> Value {
 }
 
 impl KvEvent {
-    /// `(tag, [(field, value)])` in vLLM's declaration order.
-    fn fields(&self, form: HashForm) -> (&'static str, Vec<(&'static str, Value)>) {
+    /// `(tag, [(field, value)])` in vLLM's declaration order; `None` is a field at its default,
+    /// which msgspec omits.
+    fn fields(&self, form: HashForm) -> (&'static str, Vec<(&'static str, Option<Value>)>) {
         let hashes =
             |hs: &[BlockHash]| Value::Array(hs.iter().map(|h| hash_value(h, form)).collect());
         match self {
@@ -82,45 +92,58 @@ impl KvEvent {
                 lora_id,
                 lora_name,
                 extra_keys,
+                group_idx,
+                spec,
             } => (
                 "BlockStored",
                 vec![
-                    ("block_hashes", hashes(block_hashes)),
+                    ("block_hashes", Some(hashes(block_hashes))),
                     (
                         "parent_block_hash",
-                        opt(parent_block_hash.as_ref(), |h| hash_value(h, form)),
+                        Some(opt(parent_block_hash.as_ref(), |h| hash_value(h, form))),
                     ),
                     (
                         "token_ids",
-                        Value::Array(token_ids.iter().map(|t| Value::from(*t)).collect()),
+                        Some(Value::Array(
+                            token_ids.iter().map(|t| Value::from(*t)).collect(),
+                        )),
                     ),
-                    ("block_size", Value::from(*block_size)),
-                    ("lora_id", opt(*lora_id, Value::from)),
-                    ("medium", s(MEDIUM_GPU)),
-                    ("lora_name", opt(lora_name.as_deref(), s)),
+                    ("block_size", Some(Value::from(*block_size))),
+                    ("lora_id", Some(opt(*lora_id, Value::from))),
+                    ("medium", Some(s(MEDIUM_GPU))),
+                    ("lora_name", Some(opt(lora_name.as_deref(), s))),
                     (
                         "extra_keys",
-                        Value::Array(
-                            extra_keys
-                                .iter()
-                                .map(|k| {
-                                    opt(k.as_ref(), |k| {
-                                        Value::Array(k.iter().map(|x| s(x)).collect())
+                        (!extra_keys.is_empty()).then(|| {
+                            Value::Array(
+                                extra_keys
+                                    .iter()
+                                    .map(|k| {
+                                        opt(k.as_ref(), |k| {
+                                            Value::Array(k.iter().map(|x| s(x)).collect())
+                                        })
                                     })
-                                })
-                                .collect(),
-                        ),
+                                    .collect(),
+                            )
+                        }),
                     ),
-                    ("group_idx", Value::from(0)),
-                    ("kv_cache_spec_kind", s(FULL_ATTENTION)),
+                    ("group_idx", Some(Value::from(*group_idx))),
+                    ("kv_cache_spec_kind", Some(s(spec.kind()))),
+                    (
+                        "kv_cache_spec_sliding_window",
+                        spec.sliding_window().map(Value::from),
+                    ),
                 ],
             ),
-            KvEvent::BlockRemoved { block_hashes } => (
+            KvEvent::BlockRemoved {
+                block_hashes,
+                group_idx,
+            } => (
                 "BlockRemoved",
                 vec![
-                    ("block_hashes", hashes(block_hashes)),
-                    ("medium", s(MEDIUM_GPU)),
-                    ("group_idx", Value::from(0)),
+                    ("block_hashes", Some(hashes(block_hashes))),
+                    ("medium", Some(s(MEDIUM_GPU))),
+                    ("group_idx", Some(Value::from(*group_idx))),
                 ],
             ),
             KvEvent::AllBlocksCleared => ("AllBlocksCleared", Vec::new()),
@@ -129,18 +152,21 @@ impl KvEvent {
 
     /// The event as a msgpack value in the chosen encoding.
     pub fn to_value(&self, encoding: EventEncoding, form: HashForm) -> Value {
-        let (tag, fields) = self.fields(form);
+        let (tag, mut fields) = self.fields(form);
         match encoding {
             EventEncoding::Tagged => {
                 let mut map = Vec::with_capacity(fields.len() + 1);
                 map.push((s("type"), s(tag)));
-                map.extend(fields.into_iter().map(|(k, v)| (s(k), v)));
+                map.extend(fields.into_iter().filter_map(|(k, v)| Some((s(k), v?))));
                 Value::Map(map)
             }
             EventEncoding::Legacy => {
+                while fields.last().is_some_and(|(_, v)| v.is_none()) {
+                    fields.pop();
+                }
                 let mut arr = Vec::with_capacity(fields.len() + 1);
                 arr.push(s(tag));
-                arr.extend(fields.into_iter().map(|(_, v)| v));
+                arr.extend(fields.into_iter().map(|(_, v)| v.unwrap_or(Value::Nil)));
                 Value::Array(arr)
             }
         }
@@ -183,20 +209,24 @@ mod tests {
             lora_id: None,
             lora_name: None,
             extra_keys: vec![Some(vec!["tenant-1".to_owned()])],
+            group_idx: 0,
+            spec: KvCacheSpec::FullAttention,
         }
+    }
+
+    fn keys_of(v: &Value) -> Vec<String> {
+        v.as_map()
+            .unwrap()
+            .iter()
+            .map(|(k, _)| k.as_str().unwrap().to_owned())
+            .collect()
     }
 
     #[test]
     fn tagged_map_has_vllm_field_order() {
         let v = stored().to_value(EventEncoding::Tagged, HashForm::Int);
-        let keys: Vec<_> = v
-            .as_map()
-            .unwrap()
-            .iter()
-            .map(|(k, _)| k.as_str().unwrap().to_owned())
-            .collect();
         assert_eq!(
-            keys,
+            keys_of(&v),
             [
                 "type",
                 "block_hashes",
@@ -222,6 +252,57 @@ mod tests {
         assert_eq!(a.len(), 11);
         let cleared = KvEvent::AllBlocksCleared.to_value(EventEncoding::Legacy, HashForm::Int);
         assert_eq!(cleared, Value::Array(vec![Value::from("AllBlocksCleared")]));
+    }
+
+    /// The captured sliding group's first event: no block listed, so no `extra_keys`; the window
+    /// last.
+    #[test]
+    fn sliding_group_with_nothing_listed_omits_extra_keys() {
+        let ev = KvEvent::BlockStored {
+            block_hashes: vec![],
+            parent_block_hash: None,
+            token_ids: vec![1, 2, 3, 4],
+            block_size: 4,
+            lora_id: None,
+            lora_name: None,
+            extra_keys: vec![],
+            group_idx: 0,
+            spec: KvCacheSpec::SlidingWindow { window: 256 },
+        };
+        let v = ev.to_value(EventEncoding::Tagged, HashForm::Int);
+        assert_eq!(
+            keys_of(&v),
+            [
+                "type",
+                "block_hashes",
+                "parent_block_hash",
+                "token_ids",
+                "block_size",
+                "lora_id",
+                "medium",
+                "lora_name",
+                "group_idx",
+                "kv_cache_spec_kind",
+                "kv_cache_spec_sliding_window"
+            ]
+        );
+        let map = v.as_map().unwrap();
+        assert_eq!(map[9].1.as_str(), Some("sliding_window"));
+        assert_eq!(map[10].1.as_u64(), Some(256));
+        // Legacy: nil holds extra_keys' place, the window trails.
+        let a = ev.to_value(EventEncoding::Legacy, HashForm::Int);
+        let a = a.as_array().unwrap();
+        assert_eq!(a.len(), 12);
+        assert!(a[8].is_nil());
+        assert_eq!(a[9].as_u64(), Some(0));
+        assert_eq!(a[11].as_u64(), Some(256));
+        let removed = KvEvent::BlockRemoved {
+            block_hashes: vec![BlockHash([1; 32])],
+            group_idx: 1,
+        };
+        let v = removed.to_value(EventEncoding::Tagged, HashForm::Int);
+        assert_eq!(keys_of(&v), ["type", "block_hashes", "medium", "group_idx"]);
+        assert_eq!(v.as_map().unwrap()[3].1.as_u64(), Some(1));
     }
 
     #[test]

@@ -1,21 +1,34 @@
 //! One data-parallel rank's engine: its prefix cache, prefill queue, KV-event publisher and
 //! metrics, and the life of one request through them.
 //!
-//! A request is prefilled in its turn of the [`PrefillQueue`]: the cache hit is taken when the turn
-//! starts, the prefill time slept, then the prompt's full blocks are stored and one event batch
-//! (`BlockRemoved`… tail first, then `BlockStored`) is published. After decoding,
-//! [`Engine::finish`] stores the blocks filled by decoded tokens as a second batch.
+//! A request is prefilled in its turn of the [`PrefillQueue`]: the cache hit (the coordinator's
+//! fixed point over the KV cache groups) is taken when the turn starts, and the request holds the
+//! hit's blocks from then on (its [`BlockTable`]); then each prefill step (one, or chunks of
+//! `max_num_batched_tokens`; see `schedule.rs`) sleeps its share of the prefill time, takes
+//! blocks for its tokens, stores the blocks filled so far and publishes one event batch
+//! (`BlockRemoved` for the evictions, then one `BlockStored` per group). After decoding,
+//! [`Engine::finish`] replays the decode steps (one token each) that take or fill blocks, one
+//! batch per step that has events. When the request's [`RequestGuard`] drops (finished, failed or
+//! abandoned), its blocks are freed.
+//!
+//! Running requests' blocks are never evicted. vLLM's scheduler would keep a request waiting
+//! while the pool has no free block; the mock's requests never wait for blocks, so the pool
+//! lends blocks beyond capacity then and takes them back as requests finish (`pool.rs`).
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use crate::cache::{Block, PrefixCache};
+use crate::cache::PrefixCache;
 use crate::config::Config;
+use crate::coordinator::{Coordinator, Hit, RequestBlocks};
 use crate::engine::Job;
 use crate::events::KvEvent;
 use crate::latency::{PrefillQueue, pause};
 use crate::publisher::Publisher;
+use crate::schedule::prefill_steps;
+use crate::table::BlockTable;
 
 /// Counters behind `/metrics` (one set per rank, labelled `engine="<rank>"`).
 #[derive(Debug, Default)]
@@ -103,6 +116,9 @@ struct State {
     cache: PrefixCache,
     /// The engine incarnation; a restart bumps it so in-flight requests store nothing.
     generation: u64,
+    /// Blocks of the requests admitted and not yet freed, by request number.
+    tables: HashMap<u64, BlockTable>,
+    next_request: u64,
 }
 
 /// One rank's engine.
@@ -113,6 +129,7 @@ pub struct Engine {
     pub config: Arc<Config>,
     pub publisher: Option<Publisher>,
     pub metrics: Metrics,
+    coordinator: Coordinator,
     queue: PrefillQueue,
     state: Mutex<State>,
 }
@@ -123,6 +140,12 @@ pub struct Prefilled {
     pub cached_tokens: usize,
     /// The engine incarnation the request ran in (a restart bumps it).
     pub generation: u64,
+    /// vLLM's `shared_prefix_boundary` of the request (0: none); decode-filled blocks are cached
+    /// with it too.
+    pub shared_prefix_boundary: usize,
+    /// The request's number in this incarnation (its block table), `None` without prefix
+    /// caching.
+    pub request: Option<u64>,
 }
 
 /// A request assigned to an engine: counted in flight and waiting, then running, until dropped.
@@ -131,6 +154,8 @@ pub struct RequestGuard {
     engine: Arc<Engine>,
     running: bool,
     blocks: usize,
+    /// `(generation, request)` of the blocks it holds, freed on drop.
+    table: Option<(u64, u64)>,
 }
 
 impl RequestGuard {
@@ -153,6 +178,9 @@ impl RequestGuard {
 
 impl Drop for RequestGuard {
     fn drop(&mut self) {
+        if let Some((generation, request)) = self.table.take() {
+            self.engine.release(generation, request);
+        }
         let m = &self.engine.metrics;
         if self.running {
             m.running.fetch_sub(1, Ordering::Relaxed);
@@ -178,10 +206,17 @@ impl Engine {
             rank,
             publisher,
             metrics: Metrics::default(),
+            coordinator: Coordinator::new(
+                &config.kv_cache_layout,
+                config.block_size as usize,
+                config.prefix_cache_retention_interval,
+            ),
             queue: PrefillQueue::default(),
             state: Mutex::new(State {
                 cache: fresh_cache(&config),
                 generation: 0,
+                tables: HashMap::new(),
+                next_request: 0,
             }),
             config,
         }
@@ -199,6 +234,7 @@ impl Engine {
             engine: self.clone(),
             running: false,
             blocks: 0,
+            table: None,
         }
     }
 
@@ -207,44 +243,82 @@ impl Engine {
         self.metrics.in_flight.load(Ordering::Relaxed)
     }
 
-    /// Waits for the prefill turn, takes the cache hit, sleeps the prefill time, stores the
-    /// prompt's blocks and publishes the batch.
+    /// Waits for the prefill turn, takes the cache hit (and holds its blocks), then runs the
+    /// prefill steps: each sleeps its share of the prefill time, takes blocks, stores the blocks
+    /// filled so far and publishes a batch.
     pub async fn prefill(&self, job: &Job, guard: &mut RequestGuard) -> Prefilled {
         let turn = self.queue.turn().await;
         let block_size = self.config.block_size as usize;
-        guard.admit(job.prompt.len().div_ceil(block_size));
-        let (cached_tokens, generation, blocks) = {
-            let st = self.state();
+        let n = job.prompt.len();
+        guard.admit(self.config.kv_cache_layout.blocks_held(n, block_size));
+        let (hit, generation, blocks, request) = {
+            let mut st = self.state();
             let blocks = st.cache.blocks(&job.prompt, job.scope());
-            let cached = if self.config.enable_prefix_caching {
-                st.cache
-                    .hit_tokens(job.prompt.len(), st.cache.cached_run(&blocks))
+            let (hit, request) = if self.config.enable_prefix_caching {
+                let hit = self
+                    .coordinator
+                    .longest_hit(&st.cache, &blocks, n.saturating_sub(1));
+                let table = self.coordinator.admit(&mut st.cache, &blocks, hit);
+                let request = st.next_request;
+                st.next_request += 1;
+                st.tables.insert(request, table);
+                (hit, Some(request))
             } else {
-                0
+                (Hit::default(), None)
             };
-            (cached, st.generation, blocks)
+            (hit, st.generation, blocks, request)
         };
+        guard.table = request.map(|r| (generation, r));
+        let cached_tokens = hit.tokens;
         let m = &self.metrics;
-        m.prefix_queries
-            .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+        m.prefix_queries.fetch_add(n as u64, Ordering::Relaxed);
         m.prefix_hits
             .fetch_add(cached_tokens as u64, Ordering::Relaxed);
-        m.prompt_tokens
-            .fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+        m.prompt_tokens.fetch_add(n as u64, Ordering::Relaxed);
         let latency = &self.config.latency;
         let scheduled = std::time::Instant::now();
-        pause(latency.scaled(latency.prefill_ms(job.prompt.len(), cached_tokens))).await;
+        let junction = hit.shared_prefix_boundary();
+        let req = RequestBlocks {
+            tokens: &job.prompt,
+            blocks: &blocks,
+            num_prompt_tokens: n,
+            shared_prefix_boundary: junction,
+            lora: job.lora(),
+        };
+        let mut steps = prefill_steps(
+            cached_tokens,
+            n,
+            self.config.max_num_batched_tokens.map(|t| t as usize),
+            block_size,
+            self.config.kv_cache_layout.has_mamba(),
+            junction,
+        );
+        if steps.is_empty() {
+            steps.push(n);
+        }
+        let mut done = cached_tokens;
+        for (i, end) in steps.into_iter().enumerate() {
+            let ms = if i == 0 {
+                latency.prefill_ms(end, done)
+            } else {
+                end.saturating_sub(done) as f64 * latency.prefill_ms_per_token
+            };
+            pause(latency.scaled(ms)).await;
+            self.store(req, request, &[end], generation);
+            done = end;
+        }
         m.prefill_time
             .observe(LATENCY_BUCKETS, scheduled.elapsed().as_secs_f64());
         m.prefill_computed.observe(
             &token_buckets(self.config.max_model_len),
-            job.prompt.len().saturating_sub(cached_tokens) as f64,
+            n.saturating_sub(cached_tokens) as f64,
         );
-        self.store(job, &job.prompt, &blocks, generation);
         drop(turn);
         Prefilled {
             cached_tokens,
             generation,
+            shared_prefix_boundary: junction,
+            request,
         }
     }
 
@@ -261,7 +335,9 @@ impl Engine {
     }
 
     /// Stores blocks filled by decoded tokens (the last sampled token is never in the cache) and
-    /// counts the request finished.
+    /// counts the request finished. Each decode step computes one token and publishes a batch
+    /// when it has events (a block taken, with its evictions, or a block filled). The blocks stay
+    /// held until the request's guard drops.
     pub fn finish(&self, job: &Job, pre: Prefilled, output: &[u32], finish_reason: &str) {
         let m = &self.metrics;
         m.generation_tokens
@@ -272,68 +348,71 @@ impl Engine {
         };
         let mut all = job.prompt.clone();
         all.extend_from_slice(&output[..output.len().saturating_sub(1)]);
-        let block_size = self.config.block_size as usize;
-        if all.len() / block_size <= job.prompt.len() / block_size {
+        if all.len() <= job.prompt.len() || pre.request.is_none() {
             return;
         }
         let blocks = self.state().cache.blocks(&all, job.scope());
-        self.store(job, &all, &blocks, pre.generation);
+        let req = RequestBlocks {
+            tokens: &all,
+            blocks: &blocks,
+            num_prompt_tokens: job.prompt.len(),
+            shared_prefix_boundary: pre.shared_prefix_boundary,
+            lora: job.lora(),
+        };
+        let steps: Vec<usize> = (job.prompt.len() + 1..=all.len()).collect();
+        self.store(req, pre.request, &steps, pre.generation);
     }
 
-    fn store(&self, job: &Job, tokens: &[u32], blocks: &[Block], generation: u64) {
-        if !self.config.enable_prefix_caching || blocks.is_empty() {
+    /// Runs the request's engine steps ending at `ends` (tokens computed after each) and
+    /// publishes each step's batch.
+    fn store(&self, req: RequestBlocks<'_>, request: Option<u64>, ends: &[usize], generation: u64) {
+        let Some(request) = request else {
             return;
-        }
+        };
         let mut st = self.state();
         if st.generation != generation {
             return; // the engine "restarted" meanwhile
         }
-        let outcome = st.cache.store(blocks);
-        let stored = blocks.len().min(st.cache.capacity());
-        let Some(publisher) = &self.publisher else {
+        let State { cache, tables, .. } = &mut *st;
+        let Some(table) = tables.get_mut(&request) else {
             return;
         };
-        let mut events: Vec<KvEvent> = outcome
-            .evicted
-            .iter()
-            .map(|h| KvEvent::BlockRemoved {
-                block_hashes: vec![*h],
-            })
-            .collect();
-        if outcome.first_new < stored {
-            let new = blocks.get(outcome.first_new..stored).unwrap_or_default();
-            let block_size = self.config.block_size as usize;
-            let token_ids = tokens
-                .get(outcome.first_new * block_size..stored * block_size)
-                .unwrap_or_default()
-                .to_vec();
-            events.push(KvEvent::BlockStored {
-                block_hashes: new.iter().map(|b| b.hash).collect(),
-                parent_block_hash: outcome
-                    .first_new
-                    .checked_sub(1)
-                    .and_then(|i| blocks.get(i))
-                    .map(|b| b.hash),
-                token_ids,
-                block_size: self.config.block_size,
-                lora_id: job.model.lora.as_ref().map(|(_, id)| *id),
-                lora_name: job.model.lora.as_ref().map(|(n, _)| n.clone()),
-                extra_keys: new.iter().map(|b| b.extra_keys.clone()).collect(),
-            });
+        for end in ends {
+            let events = self.coordinator.cache_blocks(cache, table, req, *end);
+            // Published under the state lock so batches follow the cache's order of changes.
+            if let Some(publisher) = &self.publisher {
+                publisher.publish(events);
+            }
         }
-        // Published under the state lock so batches follow the cache's order of changes.
-        publisher.publish(events);
     }
 
-    /// `(held, hit)`: prefix tokens this engine holds now for `job` (whole cached blocks, not
-    /// capped), and what a request would be served from the cache.
+    /// Frees a request's blocks (its guard dropped).
+    fn release(&self, generation: u64, request: u64) {
+        let mut st = self.state();
+        if st.generation != generation {
+            return;
+        }
+        let Some(table) = st.tables.remove(&request) else {
+            return;
+        };
+        let events = self.coordinator.free(&mut st.cache, table);
+        if let Some(publisher) = &self.publisher {
+            publisher.publish(events);
+        }
+    }
+
+    /// `(held, hit)`: prefix tokens this engine holds now for `job` (whole cached blocks a longer
+    /// request could reuse: the groups' fixed point, not capped), and what a request would be
+    /// served from the cache.
     pub fn probe(&self, job: &Job) -> (usize, usize) {
         let st = self.state();
         let blocks = st.cache.blocks(&job.prompt, job.scope());
-        let run = st.cache.cached_run(&blocks);
+        let c = &self.coordinator;
         (
-            run * st.cache.block_size(),
-            st.cache.hit_tokens(job.prompt.len(), run),
+            c.longest_hit(&st.cache, &blocks, blocks.len() * st.cache.block_size())
+                .tokens,
+            c.longest_hit(&st.cache, &blocks, job.prompt.len().saturating_sub(1))
+                .tokens,
         )
     }
 
@@ -357,6 +436,7 @@ impl Engine {
         let mut st = self.state();
         st.generation += 1;
         st.cache = fresh_cache(&self.config);
+        st.tables.clear();
         if let Some(p) = &self.publisher {
             p.restart();
         }
@@ -447,6 +527,46 @@ mod tests {
         assert_eq!(e.cached_blocks(), 0);
         e.finish(&j, pre, &[1, 2, 3, 4, 5, 6, 7], "length");
         assert_eq!(e.cached_blocks(), 0, "stored by the previous incarnation");
+    }
+
+    /// Chunked prefill: the same total time in steps, every full block cached.
+    #[tokio::test(start_paused = true)]
+    async fn chunked_prefill_takes_the_same_time_in_steps() {
+        let mut c = config(2048);
+        c.max_model_len = 4096;
+        c.latency.time_scale = 1.0;
+        c.max_num_batched_tokens = Some(400);
+        let e = engine(c);
+        let whole = e
+            .config
+            .latency
+            .scaled(e.config.latency.prefill_ms(1000, 0));
+        let start = tokio::time::Instant::now();
+        let j = job((0..1000).collect(), None);
+        let mut g = e.enter();
+        e.prefill(&j, &mut g).await;
+        let took = tokio::time::Instant::now() - start;
+        assert!(
+            took.abs_diff(whole) <= Duration::from_millis(3),
+            "{took:?} vs {whole:?}"
+        );
+        assert_eq!(e.cached_blocks(), 250);
+        assert_eq!(e.probe(&j), (1000, 996));
+    }
+
+    /// A hybrid layout: the hit is the groups' fixed point (here the sliding tail).
+    #[tokio::test]
+    async fn hybrid_layout_hits_through_the_coordinator() {
+        let mut c = config(64);
+        c.kv_cache_layout = "sliding_window:8,full_attention".parse().unwrap();
+        let e = engine(c);
+        let j = job((100..110).collect(), None);
+        let mut g = e.enter();
+        assert_eq!(e.prefill(&j, &mut g).await.cached_tokens, 0);
+        // 2 full blocks; the window needs cdiv(7, 4) = 2 blocks ending at ⌊9 / 4⌋ = 2.
+        assert_eq!(e.cached_blocks(), 2 + 2);
+        let mut g = e.enter();
+        assert_eq!(e.prefill(&j, &mut g).await.cached_tokens, 8);
     }
 
     /// Virtual time (tokio's paused clock): exact, not wall-clock timing.

@@ -5,5 +5,7 @@
 mod dp;
 mod faults;
 mod http;
+mod hybrid;
+mod real_captures;
 mod support;
 mod wire;

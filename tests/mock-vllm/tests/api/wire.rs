@@ -264,7 +264,8 @@ async fn salted_block_zero_carries_the_salt_and_removals_are_tail_first() {
     assert_eq!(ids.len(), keys.len() * BS);
     assert_eq!(ids[0].as_u64(), Some(1), "BOS first");
 
-    // Evictions: BlockRemoved events precede the store that caused them in the same batch, one
+    // Evictions: BlockRemoved events come first in the batch of the step that took the blocks
+    // (a prefill step's, with its stores; a decode step's that only starts a block, alone), one
     // hash each, tail first (the reverse of the order the evicted blocks were stored in).
     let stored_order: Vec<u64> = all
         .iter()
@@ -289,12 +290,10 @@ async fn salted_block_zero_carries_the_salt_and_removals_are_tail_first() {
             .iter()
             .take_while(|e| event_type(e) == "BlockRemoved")
             .count();
-        assert_eq!(
-            event_type(batch.last().unwrap()),
-            "BlockStored",
-            "removals ride with the store"
+        assert!(
+            batch[n..].iter().all(|e| event_type(e) == "BlockStored"),
+            "removals come first"
         );
-        assert_eq!(n + 1, batch.len());
         for e in &batch[..n] {
             let hs = field(e, "block_hashes").as_array().unwrap();
             assert_eq!(hs.len(), 1);
