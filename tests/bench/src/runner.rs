@@ -23,6 +23,7 @@ use crate::added::{self, AddedRow};
 use crate::client::{self, Reply};
 use crate::fleet::{self, Fleet};
 use crate::history::{Msg, apply, request_body};
+use crate::indexd_metrics::IndexdRow;
 use crate::overhead::histogram::{PICK_LATENCY, TOKENIZE_LOCAL, parse_prometheus_seconds};
 use crate::peers::{self, Peer, Worker};
 use crate::sample::{Sample, millis};
@@ -211,6 +212,9 @@ fn mock_stack(
         reasoning_tokens: workload.reasoning_tokens,
         gateways: workload.gateways.max(1),
         filter_overrides: profile.filter_overrides(&defaults),
+        kv_cache_layout: workload.kv_cache_layout.clone(),
+        max_num_batched_tokens: workload.max_num_batched_tokens,
+        max_model_len: workload.mock_max_model_len(defaults.max_model_len),
         ..defaults
     })?;
     let replicas = stack
@@ -254,7 +258,7 @@ fn fleet_stack(
             routing,
             seed: options.seed,
             gateways: workload.gateways.max(1),
-            tokenizers: fleet::tokenizers(),
+            tokenizers: fleet::tokenizers(fleet.options().model),
             thread_label: Some(load_cpu::THREAD_LABEL.to_owned()),
             indexd_unix_socket: options.indexd_unix_socket,
             scrape_interval: options.scrape_interval.unwrap_or(defaults.scrape_interval),
@@ -394,14 +398,23 @@ pub fn run(
             &end,
         )
     });
-    let added = match (target, profile) {
-        (Target::Vllm { .. }, Profile::Precise | Profile::PreciseLocal | Profile::Approximate) => {
-            let stack = stack
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
-            filter_histograms(&stack, workload, profile, &samples, progress)
-        }
-        _ => Vec::new(),
+    let kvroute = profile.routing() != Routing::LeastRequest;
+    let (added, indexd) = {
+        let stack = stack
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let added = match target {
+            Target::Vllm { .. } if kvroute => {
+                filter_histograms(&stack, workload, profile, &samples, progress)
+            }
+            _ => Vec::new(),
+        };
+        let indexd = if kvroute {
+            indexd_readings(&stack, workload, profile)
+        } else {
+            Vec::new()
+        };
+        (added, indexd)
     };
     drop(routers);
     drop(stack);
@@ -427,6 +440,7 @@ pub fn run(
         samples,
         added,
         cpu,
+        indexd,
     })
 }
 
@@ -439,6 +453,20 @@ pub struct Outcome {
     pub added: Vec<AddedRow>,
     /// On real replicas: the CPU of the load.
     pub cpu: Option<load_cpu::CpuRow>,
+    /// kvroute: each gateway's indexd at the end of the run.
+    pub indexd: Vec<IndexdRow>,
+}
+
+/// Each gateway's indexd as its `/metrics` page reads at the end of the run
+/// (gateway i's indexd is the stack's i-th; after an indexd restart, the
+/// restarted one's).
+fn indexd_readings(stack: &Stack, workload: &Workload, profile: Profile) -> Vec<IndexdRow> {
+    (0u32..)
+        .zip(stack.indexd_handles())
+        .map(|(gateway, h)| {
+            IndexdRow::parse(&h.metrics_text()).of_run(&workload.name, profile.name(), gateway)
+        })
+        .collect()
 }
 
 /// Each gateway's filter histograms once its Envoy has merged the requests

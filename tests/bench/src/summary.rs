@@ -19,13 +19,23 @@
 //! - for workloads run with the sticky oracle: each profile's mean latency
 //!   over the sticky oracle's, its mid-conversation moves, and the moves that
 //!   did not pay (they re-prefilled what the best replica held and came out
-//!   slower than the same turn under the sticky oracle).
+//!   slower than the same turn under the sticky oracle);
+//! - for runs of several rounds ([`crate::rounds`]): the oracle ratio round
+//!   by round with its worst round, and the hit's difference to the sticky
+//!   oracle pooled over the rounds they shared;
+//! - with the run's `indexd.csv` ([`crate::indexd_metrics`]): each kvroute
+//!   profile's indexd at the end of its runs (the chosen replicas' matched
+//!   blocks by source, index entries, KV cache groups, block outcomes).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
+use crate::indexd_metrics::{self, IndexdGroup, IndexdRow};
+use crate::rounds::{
+    Form, by_round, round_hits, round_means, round_of, round_oracle_ratios, worst_round,
+};
 use crate::runner::STICKY_ORACLE;
 use crate::sample::Sample;
 use crate::stats::{Dist, ratio};
@@ -70,7 +80,8 @@ pub struct Group {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vs_sticky: Option<f64>,
     /// The same ratio round by round (`kvroute-bench vllm --rounds`: round
-    /// k's conversations are numbered from (k − 1) × [`ROUND_CONVERSATIONS`]),
+    /// k's conversations are numbered from (k − 1) ×
+    /// [`crate::rounds::ROUND_CONVERSATIONS`]),
     /// when there are two rounds or more: how far one round's ratio moves on
     /// the machine, which the pooled ratio's CI does not show.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -81,6 +92,15 @@ pub struct Group {
     /// point or more whatever the placement.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub hit_vs_sticky_rounds: Vec<f64>,
+    /// Its hit ratio less the sticky oracle's over the rounds they shared,
+    /// pooled, in percentage points.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hit_vs_sticky: Option<f64>,
+    /// Cached over what the oracle held, round by round (two rounds or
+    /// more), in percent, keyed by round (from 1): the worst round is the
+    /// bound's reading, which the pooled ratio can hide.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub oracle_ratio_rounds: BTreeMap<u32, f64>,
     /// Continuations served by another replica than the request they continue.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub moves: Option<usize>,
@@ -116,6 +136,10 @@ pub struct Summary {
     /// Per fault phase, for workloads with faults.
     #[serde(default)]
     pub phases: Vec<PhaseGroup>,
+    /// Each kvroute profile's indexds at the end of its runs (runs that
+    /// wrote `indexd.csv`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub indexd: Vec<IndexdGroup>,
 }
 
 /// The phase label of requests sent before any fault.
@@ -136,6 +160,11 @@ pub fn grouped(samples: &[Sample]) -> Vec<((String, String), Vec<&Sample>)> {
 
 /// Summarises samples.
 pub fn summarize(samples: &[Sample]) -> Summary {
+    summarize_run(samples, &[])
+}
+
+/// Summarises a run's samples and its gateways' indexd readings.
+pub fn summarize_run(samples: &[Sample], indexd: &[IndexdRow]) -> Summary {
     let by_profile = grouped(samples);
     let mut groups: Vec<Group> = by_profile
         .iter()
@@ -168,43 +197,11 @@ pub fn summarize(samples: &[Sample]) -> Summary {
             });
         }
     }
-    Summary { groups, phases }
-}
-
-/// Round k's conversations are numbered from (k − 1) × this in a
-/// multi-round run's samples (a workload has far fewer conversations).
-pub const ROUND_CONVERSATIONS: u32 = 1_000;
-
-/// The round a sample belongs to (module docs of `ROUND_CONVERSATIONS`).
-const fn round_of(s: &Sample) -> u32 {
-    s.conversation / ROUND_CONVERSATIONS
-}
-
-/// Hit ratio of the continuations per round, in percent: `(round, hit)`,
-/// ascending (rounds without prompt tokens left out).
-fn round_hits(rows: &[&Sample]) -> BTreeMap<u32, f64> {
-    let mut by_round: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
-    for s in rows.iter().filter(|s| s.ok() && s.is_continuation()) {
-        let e = by_round.entry(round_of(s)).or_default();
-        e.0 += s.cached_tokens;
-        e.1 += s.prompt_tokens;
+    Summary {
+        groups,
+        phases,
+        indexd: indexd_metrics::groups(indexd),
     }
-    by_round
-        .into_iter()
-        .filter_map(|(r, (cached, prompt))| ratio(cached, prompt).map(|h| (r, 100.0 * h)))
-        .collect()
-}
-
-/// Mean continuation latency per round: `(round, mean)`, ascending.
-fn round_means(rows: &[&Sample]) -> BTreeMap<u32, f64> {
-    let mut by_round: BTreeMap<u32, Vec<f64>> = BTreeMap::new();
-    for s in rows.iter().filter(|s| s.ok() && s.is_continuation()) {
-        by_round.entry(round_of(s)).or_default().push(s.latency_ms);
-    }
-    by_round
-        .into_iter()
-        .map(|(r, v)| (r, Dist::of(&v).mean))
-        .collect()
 }
 
 /// For workloads run with the sticky oracle: each profile's mean latency
@@ -258,6 +255,16 @@ fn against_sticky(by_profile: &[((String, String), Vec<&Sample>)], groups: &mut 
                 .filter_map(|(r, hit)| sticky_hits.get(r).map(|s| hit - s))
                 .collect();
         }
+        let shared: Vec<&Sample> = sticky_rows
+            .iter()
+            .copied()
+            .filter(|s| s.ok() && s.is_continuation() && rounds.contains(&round_of(s)))
+            .collect();
+        let sticky_hit = ratio(
+            shared.iter().map(|s| s.cached_tokens).sum(),
+            shared.iter().map(|s| s.prompt_tokens).sum(),
+        );
+        g.hit_vs_sticky = g.hit_ratio.zip(sticky_hit).map(|(h, s)| 100.0 * (h - s));
         let moves: Vec<&&Sample> = rows.iter().filter(|s| s.ok() && s.moved()).collect();
         let unpaid = moves
             .iter()
@@ -292,35 +299,6 @@ fn against_sticky(by_profile: &[((String, String), Vec<&Sample>)], groups: &mut 
     }
 }
 
-/// Round-by-round figures as `"6: 0.82–1.30, 1.02 ± 0.18"` (rounds, range,
-/// mean ± CI95), or `–` for fewer than two rounds; `Signed` for
-/// differences in percentage points (`"6: -1.2–+0.8, -0.10 ± 0.60"`).
-fn by_round(values: &[f64], form: Form) -> String {
-    if values.len() < 2 {
-        return "–".to_owned();
-    }
-    let d = Dist::of(values);
-    match form {
-        Form::Ratio => format!(
-            "{}: {:.2}–{:.2}, {:.2} ± {:.2}",
-            d.n, d.min, d.max, d.mean, d.ci95
-        ),
-        Form::Signed => format!(
-            "{}: {:+.1}–{:+.1}, {:+.2} ± {:.2}",
-            d.n, d.min, d.max, d.mean, d.ci95
-        ),
-    }
-}
-
-/// How [`by_round`] writes its figures.
-#[derive(Clone, Copy)]
-enum Form {
-    /// Ratios.
-    Ratio,
-    /// Signed differences.
-    Signed,
-}
-
 fn group(workload: String, profile: String, rows: &[&Sample]) -> Group {
     let ok: Vec<&Sample> = rows.iter().copied().filter(|s| s.ok()).collect();
     let cont: Vec<&Sample> = ok.iter().copied().filter(|s| s.is_continuation()).collect();
@@ -330,6 +308,12 @@ fn group(workload: String, profile: String, rows: &[&Sample]) -> Group {
     let latency: Vec<f64> = cont.iter().map(|s| s.latency_ms).collect();
     let ttft: Vec<f64> = cont.iter().map(|s| s.ttft_ms).collect();
     let all: Vec<f64> = ok.iter().map(|s| s.latency_ms).collect();
+    let rounds: BTreeSet<u32> = rows.iter().map(|s| round_of(s)).collect();
+    let oracle_ratio_rounds = if rounds.len() >= 2 {
+        round_oracle_ratios(rows)
+    } else {
+        BTreeMap::new()
+    };
     Group {
         workload,
         profile,
@@ -353,6 +337,8 @@ fn group(workload: String, profile: String, rows: &[&Sample]) -> Group {
         vs_sticky: None,
         vs_sticky_rounds: Vec::new(),
         hit_vs_sticky_rounds: Vec::new(),
+        hit_vs_sticky: None,
+        oracle_ratio_rounds,
         moves: None,
         unpaid_moves: None,
         moves_reprefilled_tokens: None,
@@ -396,6 +382,16 @@ impl Summary {
                  Σ (oracle − cached) tokens over the moves; load split: answered requests per \
                  replica (r0/r1/…) and the busiest one's share.\n",
             );
+        }
+        if self
+            .groups
+            .iter()
+            .any(|g| !g.oracle_ratio_rounds.is_empty())
+        {
+            out.push_str(ROUNDS_LEGEND);
+        }
+        if !self.indexd.is_empty() {
+            out.push_str(indexd_metrics::LEGEND);
         }
         for w in workloads {
             let sticky = self
@@ -459,6 +455,8 @@ impl Summary {
                     g.ttft_ms.p99,
                 );
             }
+            out.push_str(&rounds_markdown(&self.groups, w));
+            out.push_str(&indexd_metrics::markdown(w, &self.indexd));
             let phases: Vec<&PhaseGroup> = self
                 .phases
                 .iter()
@@ -499,6 +497,43 @@ impl Summary {
     }
 }
 
+/// What the by-round tables' columns mean (once, above the first workload).
+const ROUNDS_LEGEND: &str = "\nBy round (runs of several rounds): vs oracle in each round \
+    (the round's continuations pooled): its worst round, and rounds: min–max, mean ± CI95 (t); \
+    hit Δ vs sticky: the hit ratio less the sticky oracle's over the rounds they both ran, \
+    pooled, in percentage points.\n";
+
+/// One workload's by-round table (empty when no profile ran two rounds).
+fn rounds_markdown(groups: &[Group], w: &str) -> String {
+    let these: Vec<&Group> = groups
+        .iter()
+        .filter(|g| g.workload == w && !g.oracle_ratio_rounds.is_empty())
+        .collect();
+    if these.is_empty() {
+        return String::new();
+    }
+    let mut out = format!(
+        "\n### {w} by round\n\n\
+             | profile | rounds | vs oracle | worst round | by round | hit Δ vs sticky |\n\
+             |---|---:|---:|---:|---:|---:|\n"
+    );
+    for g in these {
+        let values: Vec<f64> = g.oracle_ratio_rounds.values().copied().collect();
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {} | {} | {} |",
+            g.profile,
+            values.len(),
+            percent(g.oracle_ratio),
+            worst_round(&g.oracle_ratio_rounds),
+            by_round(&values, Form::Percent),
+            g.hit_vs_sticky
+                .map_or_else(|| "n/a".to_owned(), |d| format!("{d:+.2}")),
+        );
+    }
+    out
+}
+
 /// Requests per replica in name order, and the busiest one's share:
 /// `25/23 (52%)`.
 fn load_split(load: &BTreeMap<String, usize>) -> String {
@@ -519,202 +554,5 @@ pub fn percent(r: Option<f64>) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::sample::example;
-
-    fn pair(
-        profile: &str,
-        c: u32,
-        first: &str,
-        second: &str,
-        cached: u64,
-        oracle: u64,
-    ) -> [Sample; 2] {
-        let a = example(profile, c, 0, first);
-        let mut b = example(profile, c, 1, second);
-        b.prev_replica = first.into();
-        b.cached_tokens = cached;
-        b.oracle_cached_tokens = oracle;
-        b.latency_ms = 10.0 + f64::from(c);
-        [a, b]
-    }
-
-    #[test]
-    fn warm_returns_hits_and_oracle() {
-        let mut samples = Vec::new();
-        samples.extend(pair("lr", 0, "r0", "r0", 90, 90));
-        samples.extend(pair("lr", 1, "r0", "r1", 0, 90));
-        let mut failed = example("lr", 2, 1, "");
-        failed.status = 502;
-        samples.push(failed);
-        samples.extend(pair("precise", 0, "r1", "r1", 96, 96));
-        let s = summarize(&samples);
-        assert_eq!(s.groups.len(), 2);
-        let lr = &s.groups[0];
-        assert_eq!((lr.requests, lr.errors, lr.continuations), (5, 1, 2));
-        assert_eq!((lr.warm_returns, lr.missed_oracle), (1, 1));
-        assert_eq!(lr.hit_ratio, Some(0.45));
-        assert_eq!(lr.oracle_ratio, Some(0.5));
-        assert_eq!(lr.latency_ms.n, 2);
-        assert_eq!(lr.latency_ms.mean, 10.5);
-        assert_eq!(lr.all_latency_ms.n, 4);
-        let p = &s.groups[1];
-        assert_eq!(p.oracle_ratio, Some(1.0));
-        let md = s.to_markdown();
-        assert!(
-            md.contains("| lr | 5 | 1 | 0 | 1/2 (50.00%) | 45.00% | 50.00% | 1 |"),
-            "{md}"
-        );
-    }
-
-    #[test]
-    fn rewritten_requests_and_fault_phases_are_counted() {
-        let mut samples = Vec::new();
-        samples.extend(pair("sg", 0, "r0", "r0", 90, 0));
-        samples[1].intact = "no".into();
-        let mut later = pair("sg", 1, "r1", "r0", 0, 90);
-        for s in &mut later {
-            s.phase = "replica-restart".into();
-        }
-        samples.extend(later);
-        let s = summarize(&samples);
-        assert_eq!(s.groups[0].rewritten, 1);
-        assert_eq!(s.phases.len(), 2);
-        assert_eq!(s.phases[0].phase, BEFORE_FAULTS);
-        assert_eq!(
-            (s.phases[1].group.requests, s.phases[1].group.warm_returns),
-            (2, 0)
-        );
-        let md = s.to_markdown();
-        assert!(md.contains("### w by fault phase"), "{md}");
-        assert!(
-            md.contains("| sg | replica-restart | 2 | 0 | 0/1 (0.00%) | 0.00% | 1 |"),
-            "{md}"
-        );
-        // Without phases there is no phase table.
-        assert!(summarize(&samples[..2]).phases.is_empty());
-    }
-
-    #[test]
-    fn moves_are_judged_against_the_sticky_oracle() {
-        let mut samples = Vec::new();
-        // The sticky oracle: warm, 100 ms per continuation.
-        for c in 0..2 {
-            let mut p = pair(STICKY_ORACLE, c, "r0", "r0", 90, 90);
-            p[1].latency_ms = 100.0;
-            samples.extend(p);
-        }
-        // A router that moved both: one lost the held prefix and was slower
-        // (did not pay), one lost it but was faster than the sticky turn.
-        let mut slow = pair("lr", 0, "r0", "r1", 10, 90);
-        slow[1].latency_ms = 300.0;
-        let mut fast = pair("lr", 1, "r0", "r1", 10, 90);
-        fast[1].latency_ms = 50.0;
-        samples.extend(slow);
-        samples.extend(fast);
-        let s = summarize(&samples);
-        let lr = s.groups.iter().find(|g| g.profile == "lr").unwrap();
-        assert_eq!((lr.moves, lr.unpaid_moves), (Some(2), Some(1)));
-        assert_eq!(lr.moves_reprefilled_tokens, Some(160));
-        assert_eq!(lr.vs_sticky, Some(1.75));
-        let sticky = s
-            .groups
-            .iter()
-            .find(|g| g.profile == STICKY_ORACLE)
-            .unwrap();
-        assert_eq!((sticky.moves, sticky.vs_sticky), (Some(0), Some(1.0)));
-        let md = s.to_markdown();
-        assert!(
-            md.contains("| 1.75× | – | – | 2 | 1 | 160 | 2/2 (50%) |"),
-            "{md}"
-        );
-        assert!(lr.vs_sticky_rounds.is_empty(), "one round: no spread");
-        // Without the sticky oracle the table and JSON keep their old shape.
-        let plain = summarize(&samples[4..]);
-        assert!(plain.groups.iter().all(|g| g.moves.is_none()));
-        assert!(!plain.to_markdown().contains("vs sticky"));
-        assert!(!plain.to_json().unwrap().contains("vs_sticky"));
-    }
-
-    #[test]
-    fn the_sticky_ratio_is_also_given_round_by_round() {
-        let mut samples = Vec::new();
-        // Two rounds; the sticky oracle 100 then 200 ms, the router 150
-        // then 200 ms: 1.5× and 1.0× by round, 350 / 300 pooled.
-        // Of 100 prompt tokens, the oracle caches 90 both times, the router
-        // 80 then 95: −10 and +5 points.
-        for (round, sticky_ms, lr_ms, lr_cached) in [(0, 100.0, 150.0, 80), (1, 200.0, 200.0, 95)] {
-            let c = round * ROUND_CONVERSATIONS;
-            let mut s = pair(STICKY_ORACLE, c, "r0", "r0", 90, 90);
-            s[1].latency_ms = sticky_ms;
-            let mut l = pair("lr", c, "r0", "r0", lr_cached, 90);
-            l[1].latency_ms = lr_ms;
-            samples.extend(s);
-            samples.extend(l);
-        }
-        let s = summarize(&samples);
-        let lr = s.groups.iter().find(|g| g.profile == "lr").unwrap();
-        assert_eq!(lr.vs_sticky_rounds, vec![1.5, 1.0]);
-        let pooled = lr.vs_sticky.unwrap();
-        assert!((pooled - 350.0 / 300.0).abs() < 1e-9, "{pooled}");
-        let md = s.to_markdown();
-        assert!(md.contains("| 2: 1.00–1.50, 1.25 ± "), "{md}");
-        assert_eq!(lr.hit_vs_sticky_rounds.len(), 2);
-        assert!((lr.hit_vs_sticky_rounds[0] + 10.0).abs() < 1e-9);
-        assert!((lr.hit_vs_sticky_rounds[1] - 5.0).abs() < 1e-9);
-        assert!(md.contains("| 2: -10.0–+5.0, -2.50 ± "), "{md}");
-        let json: serde_json::Value = serde_json::from_str(&s.to_json().unwrap()).unwrap();
-        let rounds = json["groups"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|g| g["profile"] == "lr")
-            .map(|g| g["vs_sticky_rounds"].clone());
-        assert_eq!(rounds, Some(serde_json::json!([1.5, 1.0])));
-    }
-
-    #[test]
-    fn a_profile_is_held_to_the_sticky_rounds_it_shared() {
-        // The sticky oracle ran three rounds (100, 200, 600 ms), the router
-        // only the first two (150, 200 ms): (150 + 200) / (100 + 200), not its
-        // mean over the sticky oracle's three rounds (175 / 300).
-        let mut samples = Vec::new();
-        for (round, sticky_ms) in [(0, 100.0), (1, 200.0), (2, 600.0)] {
-            let mut s = pair(
-                STICKY_ORACLE,
-                round * ROUND_CONVERSATIONS,
-                "r0",
-                "r0",
-                90,
-                90,
-            );
-            s[1].latency_ms = sticky_ms;
-            samples.extend(s);
-        }
-        for (round, lr_ms) in [(0, 150.0), (1, 200.0)] {
-            let mut l = pair("lr", round * ROUND_CONVERSATIONS, "r0", "r0", 90, 90);
-            l[1].latency_ms = lr_ms;
-            samples.extend(l);
-        }
-        let s = summarize(&samples);
-        let lr = s.groups.iter().find(|g| g.profile == "lr").unwrap();
-        let pooled = lr.vs_sticky.unwrap();
-        assert!((pooled - 350.0 / 300.0).abs() < 1e-9, "{pooled}");
-        assert_eq!(lr.vs_sticky_rounds, vec![1.5, 1.0]);
-        let sticky = s
-            .groups
-            .iter()
-            .find(|g| g.profile == STICKY_ORACLE)
-            .unwrap();
-        assert_eq!(sticky.vs_sticky, Some(1.0));
-        assert_eq!(sticky.latency_ms.n, 3);
-    }
-
-    #[test]
-    fn no_oracle_tokens_is_not_a_ratio() {
-        let s = summarize(&pair("lr", 0, "r0", "r1", 0, 0));
-        assert_eq!(s.groups[0].oracle_ratio, None);
-        assert!(s.to_markdown().contains("n/a"));
-    }
-}
+#[path = "summary_tests.rs"]
+mod tests;

@@ -21,6 +21,7 @@
 //!   of the requests has been sent.
 
 use clap::ValueEnum;
+use mock_vllm::KvCacheLayout;
 use serde_json::{Value, json};
 
 use crate::rng::Rng;
@@ -206,9 +207,78 @@ pub struct Workload {
     pub gateway_choice: GatewayChoice,
     /// Faults, in order of `at_request`.
     pub faults: Vec<Fault>,
+    /// The mock replicas' KV cache groups (default: one full-attention
+    /// group; `kvroute-bench run --kv-cache-layout`). Real replicas have
+    /// their model's ([`crate::fleet::FleetModel`]).
+    pub kv_cache_layout: KvCacheLayout,
+    /// The mock replicas' prefill chunk, vLLM's `max_num_batched_tokens`
+    /// (None: a prompt in one step).
+    pub max_num_batched_tokens: Option<u32>,
 }
 
+/// What a workload's name gets on mock replicas of another KV cache layout
+/// than one full-attention group.
+pub const HYBRID_SUFFIX: &str = "-hybrid";
+
 impl Workload {
+    /// This workload on mock replicas with the KV cache groups `layout`,
+    /// prefilling in steps of `chunk` tokens when set; named
+    /// `<name>-hybrid` unless `layout` is one full-attention group (the
+    /// samples of either then never mix under one name).
+    ///
+    /// The groups share each replica's pool, so the pool grows by what the
+    /// groups other than full attention hold for the conversations a replica
+    /// serves when they are split evenly (a sliding window's
+    /// `cdiv(window − 1, block) + 1` blocks each, a Mamba state's one): the
+    /// full-attention group keeps the pressure it has alone (W3: 2,048
+    /// blocks for it, plus 8 × 17 for a 256-token window at block size 16),
+    /// as `make bench-vllm`'s hybrid W3 is sized.
+    #[must_use]
+    pub fn on_mock_layout(mut self, layout: &KvCacheLayout, chunk: Option<u32>) -> Self {
+        if *layout != KvCacheLayout::default() && !self.name.ends_with(HYBRID_SUFFIX) {
+            self.name.push_str(HYBRID_SUFFIX);
+        }
+        if self.kv_cache_layout == KvCacheLayout::default() {
+            let bs = self.block_size.max(1) as usize;
+            // Long enough that every group other than full attention is at
+            // its running bound.
+            let long = 1usize << 24;
+            let full = layout
+                .groups()
+                .iter()
+                .filter(|g| g.is_full_attention())
+                .count();
+            let others = layout
+                .blocks_held(long, bs)
+                .saturating_sub(full * long.div_ceil(bs));
+            let per_replica = self.conversations.len().div_ceil(self.replicas.max(1));
+            self.gpu_blocks += per_replica * others;
+        }
+        self.kv_cache_layout = layout.clone();
+        self.max_num_batched_tokens = chunk;
+        self
+    }
+
+    /// The mock replicas' `max_model_len`: `ceiling`, or less when their
+    /// pool (`gpu_blocks`, shared by the KV cache groups) cannot hold what
+    /// one request that long leaves cached in every group (the mock refuses
+    /// to start then, as vLLM does): W3's 2,048 blocks hold 32,768 tokens of
+    /// one full-attention group, 32,256 beside a 256-token sliding window.
+    /// A multiple of the block size (0 when not even one block fits).
+    pub fn mock_max_model_len(&self, ceiling: u32) -> u32 {
+        let bs = self.block_size.max(1);
+        let mut len = ceiling / bs * bs;
+        while len > 0
+            && self
+                .kv_cache_layout
+                .max_cached_blocks(len as usize, bs as usize, true)
+                > self.gpu_blocks
+        {
+            len -= bs;
+        }
+        len
+    }
+
     /// Requests the workload sends.
     pub fn requests(&self) -> usize {
         self.conversations.iter().map(Conversation::requests).sum()
@@ -371,6 +441,8 @@ fn w1(api: Api, scale: Scale, seed: u64) -> Workload {
         gateways: 1,
         gateway_choice: GatewayChoice::Drawn,
         faults: Vec::new(),
+        kv_cache_layout: KvCacheLayout::default(),
+        max_num_batched_tokens: None,
     }
 }
 
@@ -492,6 +564,8 @@ fn w2(scale: Scale, seed: u64) -> Workload {
         gateways: 1,
         gateway_choice: GatewayChoice::Drawn,
         faults: Vec::new(),
+        kv_cache_layout: KvCacheLayout::default(),
+        max_num_batched_tokens: None,
     }
 }
 
@@ -598,5 +672,63 @@ mod tests {
         assert!(w.conversations.iter().any(|c| c.salt.is_none()));
         assert!(w.conversations.iter().any(|c| c.salt.is_some()));
         assert!(w.reasoning_tokens > 0);
+    }
+
+    #[test]
+    fn a_hybrid_mock_layout_renames_the_workload_and_keeps_its_script() {
+        let w4 = build(WorkloadKind::W4, Scale::Smoke, 42).remove(0);
+        let layout: KvCacheLayout = "sliding_window:256,full_attention".parse().unwrap();
+        let hybrid = w4.clone().on_mock_layout(&layout, Some(2_048));
+        assert_eq!(hybrid.name, "w4-hybrid");
+        assert_eq!(hybrid.kv_cache_layout, layout);
+        assert_eq!(hybrid.max_num_batched_tokens, Some(2_048));
+        assert_eq!(hybrid.requests(), w4.requests());
+        assert_eq!(hybrid.gateways, 3);
+        // Applied twice, one suffix; the default layout keeps the name.
+        assert_eq!(hybrid.on_mock_layout(&layout, None).name, "w4-hybrid");
+        let plain = w4.on_mock_layout(&KvCacheLayout::default(), None);
+        assert_eq!(plain.name, "w4");
+        assert_eq!(plain.kv_cache_layout, KvCacheLayout::default());
+    }
+
+    #[test]
+    fn the_mock_s_max_model_len_fits_its_pool_with_every_group() {
+        let layout: KvCacheLayout = "sliding_window:256,full_attention".parse().unwrap();
+        let w3 = build(WorkloadKind::W3, Scale::Full, 42).remove(0);
+        assert_eq!(w3.mock_max_model_len(32_768), 32_768);
+        // One full-attention group: the pool as it is.
+        let plain = w3.clone().on_mock_layout(&KvCacheLayout::default(), None);
+        assert_eq!(plain.gpu_blocks, 2_048);
+        // 8 conversations per replica, each with a 256-token window of
+        // 16-token blocks (16 + 1) beside W3's 2,048 full-attention blocks.
+        let hybrid = w3.clone().on_mock_layout(&layout, None);
+        assert_eq!(hybrid.gpu_blocks, 2_048 + 8 * 17);
+        assert_eq!(hybrid.mock_max_model_len(32_768), 32_768);
+        // Applied again, the pool does not grow again.
+        let again = hybrid.clone().on_mock_layout(&layout, None);
+        assert_eq!(again.gpu_blocks, hybrid.gpu_blocks);
+        // A pool below what a 32k request leaves cached: max_model_len shrinks.
+        let mut tight = hybrid;
+        tight.gpu_blocks = 2_048;
+        let len = tight.mock_max_model_len(32_768);
+        assert_eq!(len, (2_048 - 32) * 16);
+        let cached = |n: u32| {
+            tight
+                .kv_cache_layout
+                .max_cached_blocks(n as usize, 16, true)
+        };
+        assert!(cached(len) <= 2_048 && cached(len + 16) > 2_048);
+        // Smoke W3's 256 blocks: far below the 32k ceiling, yet above its
+        // prompts, hybrid or not.
+        let smoke = build(WorkloadKind::W3, Scale::Smoke, 42).remove(0);
+        assert_eq!(smoke.mock_max_model_len(32_768), 256 * 16);
+        let smoke_hybrid = smoke.on_mock_layout(&layout, None);
+        assert!(smoke_hybrid.mock_max_model_len(32_768) >= 256 * 16);
+        // A roomy pool leaves the ceiling.
+        let w2 = build(WorkloadKind::W2, Scale::Full, 42).remove(0);
+        assert_eq!(
+            w2.on_mock_layout(&layout, None).mock_max_model_len(32_768),
+            32_768
+        );
     }
 }

@@ -30,11 +30,17 @@ fn bench(args: &[&str]) {
     );
 }
 
+/// The files a run derives from its records (`samples.csv` and
+/// `indexd.csv`, which `summarize` reads and does not write).
 fn derived(dir: &Path) -> Vec<(String, Vec<u8>)> {
     let mut files: Vec<(String, Vec<u8>)> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
-        .filter(|p| p.file_name().is_some_and(|n| n != "samples.csv"))
+        .filter(|p| {
+            p.file_name().is_some_and(|n| {
+                n != "samples.csv" && n != kvroute_bench::indexd_metrics::INDEXD_CSV
+            })
+        })
         .map(|p| {
             (
                 p.file_name().unwrap().to_string_lossy().into_owned(),
@@ -105,13 +111,32 @@ fn summarize_reproduces_the_run_exactly() {
         names.contains(&"latency_cdf_w1-chat.svg") && names.contains(&"hit_ratio_w1-responses.svg")
     );
     assert_eq!(first, second, "summarize must reproduce every derived file");
+    // Each precise run read its gateway's indexd: the index answered the
+    // continuations.
+    let indexd: Vec<kvroute_bench::indexd_metrics::IndexdRow> = kvroute_bench::sample::read_csv(
+        &run.path().join(kvroute_bench::indexd_metrics::INDEXD_CSV),
+    )
+    .unwrap();
+    assert_eq!(indexd.len(), 2, "one gateway per W1 API: {indexd:#?}");
+    assert!(
+        indexd
+            .iter()
+            .all(|r| r.profile == "kvroute-precise" && r.index_entries > 0 && r.indexed_blocks > 0),
+        "{indexd:#?}"
+    );
     let json = std::fs::read_to_string(run.path().join("summary.json")).unwrap();
-    assert_eq!(json, kvroute_bench::summarize(&samples).to_json().unwrap());
+    assert_eq!(
+        json,
+        kvroute_bench::summarize_run(&samples, &indexd)
+            .to_json()
+            .unwrap()
+    );
     let md = std::fs::read_to_string(run.path().join("summary.md")).unwrap();
     assert!(
         md.contains("| vs sticky | by round | hit Δ by round | moves | did not pay |"),
         "{md}"
     );
+    assert!(md.contains("### w1-chat: indexd"), "{md}");
 }
 
 #[test]

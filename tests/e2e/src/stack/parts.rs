@@ -39,6 +39,8 @@ pub(super) fn mock_config(options: &StackOptions) -> mock_vllm::Config {
         hash_seed: Some("kvroute-e2e".into()),
         data_parallel_size: options.data_parallel_size,
         max_model_len: options.max_model_len,
+        kv_cache_layout: options.kv_cache_layout.clone(),
+        max_num_batched_tokens: options.max_num_batched_tokens,
         ..mock_vllm::Config::default()
     };
     config.latency.time_scale = options.time_scale;
@@ -111,6 +113,9 @@ pub(super) fn indexd_config(
     }
     config.http_listen = SocketAddr::from(([127, 0, 0, 1], 0));
     config.scrape_interval = options.scrape_interval;
+    if let Some(ttl) = options.indexd_speculative_ttl {
+        config.speculative_ttl = ttl;
+    }
     config.seed = Some(options.seed);
     if let Some(bs) = kvroute_proto::BlockSize::new(options.block_size) {
         config.block_size = bs;
