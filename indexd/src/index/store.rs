@@ -295,12 +295,10 @@ impl Store {
     }
 
     /// Whether the replica with local id `local` holds `key` (in any tier).
-    #[inline]
+    /// Through the holder list, not [`Store::holder_masks`]: a second caller
+    /// of that one made the compiler stop inlining its table probe into the
+    /// Pick's walk.
     pub(super) fn holds(&self, key: Key, local: u16) -> bool {
-        if local < MASK_IDS {
-            let [gpu, cpu, storage] = self.holder_masks(key);
-            return (gpu | cpu | storage) >> local & 1 == 1;
-        }
         let mut held = false;
         self.for_each_holder(key, |replica, tiers| {
             held |= replica == local && tiers != 0;
@@ -435,7 +433,7 @@ impl Store {
 
     /// The holders of `key` with a local id below 64, by best tier. One
     /// probe: the record that matches the key gives its masks as it is
-    /// compared (the Pick's walk calls this once per block).
+    /// compared (the Pick's walk calls this once per block, inlined).
     #[inline]
     pub(super) fn holder_masks(&self, key: Key) -> [u64; 3] {
         let mut masks = [0u64; 3];
