@@ -369,7 +369,7 @@ fn tool_calls(calls: &Value, origin: Origin, at: &str) -> Result<Value, RequestE
                 &format!("{here}.function.arguments"),
             )?;
         }
-        let args = parse_arguments(get(&function, "arguments"));
+        let args = parse_arguments(get(&function, "arguments"))?;
         let mut f = Map::new();
         let mut c = Map::new();
         match origin {
@@ -414,21 +414,28 @@ fn tool_calls(calls: &Value, origin: Origin, at: &str) -> Result<Value, RequestE
 }
 
 /// `arguments` as vLLM hands it to templates: the parsed object; `{}` when
-/// missing, empty, not valid JSON or not an object.
-fn parse_arguments(args: Option<Value>) -> Value {
+/// missing, empty, not valid JSON (Python's `JSONDecodeError`) or not an
+/// object. JSON Python reads but this parser cannot hold (and nesting past
+/// [`crate::MAX_DEPTH`], which Python reads) is a local refusal.
+fn parse_arguments(args: Option<Value>) -> Result<Value, RequestError> {
     let empty = || object(Map::new());
     let Some(a) = args.filter(Value::is_true) else {
-        return empty();
+        return Ok(empty());
     };
     if a.kind() == ValueKind::Map {
-        return a;
+        return Ok(a);
     }
     let Some(text) = a.as_str() else {
-        return empty();
+        return Ok(empty());
     };
-    match crate::json::parse(text.as_bytes()) {
-        Ok(v) if v.kind() == ValueKind::Map => v,
-        _ => empty(),
+    match crate::loads::parse_str(text.as_bytes()) {
+        Ok(v) if v.kind() == ValueKind::Map => Ok(v),
+        Ok(_) | Err(RequestError::InvalidJson(_)) => Ok(empty()),
+        Err(RequestError::TooDeep { limit }) => Err(RequestError::Inexact {
+            kind: crate::error::InexactKind::Json,
+            detail: format!("tool call arguments nest deeper than {limit} levels"),
+        }),
+        Err(e) => Err(e),
     }
 }
 

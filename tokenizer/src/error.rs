@@ -91,6 +91,86 @@ pub enum RequestError {
     /// reproduce (multimodal content, harmony models, …).
     #[error("{0}")]
     Unsupported(String),
+    /// An input whose ids cannot be guaranteed equal to vLLM's here (a JSON
+    /// value Python reads but a Rust string or number cannot hold, template
+    /// text where Python 3.11's string functions are not reproduced,
+    /// truncation vLLM applies in a way not reproduced). A local refusal:
+    /// ask a replica.
+    #[error("not reproduced exactly ({kind}): {detail}")]
+    Inexact {
+        /// What kind of input.
+        kind: InexactKind,
+        /// What exactly.
+        detail: String,
+    },
+    /// The request is larger than a cap of the caller's [`crate::Budget`]
+    /// (checked before anything is encoded). A local refusal.
+    #[error("{cap} over the cap: {actual} > {limit}")]
+    OverCap {
+        /// Which cap.
+        cap: Cap,
+        /// The cap.
+        limit: usize,
+        /// What the request has (at least: counting stops past the cap).
+        actual: usize,
+    },
+    /// The budget's deadline passed before the ids were complete. A local
+    /// refusal.
+    #[error("the tokenizer's deadline passed")]
+    DeadlineExceeded,
+    /// The budget's cancellation flag was set. A local refusal.
+    #[error("cancelled")]
+    Cancelled,
+}
+
+/// The kinds of [`RequestError::Inexact`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum InexactKind {
+    /// JSON Python accepts and this parser cannot represent: lone
+    /// surrogates, bodies that are not UTF-8, integers past 128 bits.
+    Json,
+    /// Template string functions on text whose Python 3.11 result is not
+    /// reproduced (e.g. `isalpha()` on non-ASCII text).
+    Text,
+    /// `truncate_prompt_tokens` / `truncation` in a form not reproduced.
+    Truncation,
+}
+
+impl std::fmt::Display for InexactKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Json => "json",
+            Self::Text => "text",
+            Self::Truncation => "truncation",
+        })
+    }
+}
+
+/// The caps of a [`crate::Caps`], named in [`RequestError::OverCap`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Cap {
+    /// Chat messages.
+    Messages,
+    /// Responses input items.
+    Items,
+    /// Tools.
+    Tools,
+    /// Bytes of text in the request's strings (keys included).
+    TextBytes,
+    /// Bytes of the rendered prompt.
+    PromptBytes,
+}
+
+impl std::fmt::Display for Cap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Messages => "messages",
+            Self::Items => "input items",
+            Self::Tools => "tools",
+            Self::TextBytes => "text bytes",
+            Self::PromptBytes => "prompt bytes",
+        })
+    }
 }
 
 impl RequestError {
@@ -120,10 +200,35 @@ impl RequestError {
     }
 
     /// Whether vLLM itself would have answered (so this request cannot be
-    /// served by vLLM either), as opposed to a local limitation
-    /// ([`RequestError::Unsupported`]) where the caller should fall back to
-    /// a replica.
+    /// served by vLLM either), as opposed to a local refusal
+    /// ([`RequestError::Unsupported`], [`RequestError::Inexact`],
+    /// [`RequestError::OverCap`], [`RequestError::DeadlineExceeded`],
+    /// [`RequestError::Cancelled`]) where the caller should fall back to a
+    /// replica.
     pub fn is_client_error(&self) -> bool {
-        !matches!(self, Self::Unsupported(_))
+        !matches!(
+            self,
+            Self::Unsupported(_)
+                | Self::Inexact { .. }
+                | Self::OverCap { .. }
+                | Self::DeadlineExceeded
+                | Self::Cancelled
+        )
+    }
+
+    /// A short, fixed label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Self::InvalidJson(_) => "invalid_json",
+            Self::TooDeep { .. } => "too_deep",
+            Self::Invalid { .. } => "invalid",
+            Self::Template(_) => "template",
+            Self::TooLong { .. } => "too_long",
+            Self::Unsupported(_) => "unsupported",
+            Self::Inexact { .. } => "inexact",
+            Self::OverCap { .. } => "over_cap",
+            Self::DeadlineExceeded => "deadline",
+            Self::Cancelled => "cancelled",
+        }
     }
 }

@@ -1,65 +1,13 @@
-//! JSON the way Python sees it: request bodies parsed into ordered values
-//! (keys keep their order; a repeated key keeps its first place and its last
-//! value, as `json.loads` builds a dict), `json.dumps` for the templates'
-//! `tojson`, and `str()` for values printed with `{{ … }}`.
+//! JSON the way Python writes it: `json.dumps` for the templates' `tojson`,
+//! and `str()` for values printed with `{{ … }}` (request bodies are read in
+//! `loads`).
 
 use std::fmt::Write as _;
 
 use minijinja::Value;
 use minijinja::value::ValueKind;
 
-use crate::error::RequestError;
-
-/// How deeply request JSON may nest (objects and arrays).
-pub const MAX_DEPTH: usize = 64;
-
-/// Parses a request body into an ordered value, refusing nesting deeper than
-/// [`MAX_DEPTH`].
-pub fn parse(body: &[u8]) -> Result<Value, RequestError> {
-    check_depth(body)?;
-    let mut de = serde_json::Deserializer::from_slice(body);
-    let value = serde::Deserialize::deserialize(&mut de)
-        .map_err(|e| RequestError::InvalidJson(e.to_string()))?;
-    de.end()
-        .map_err(|e| RequestError::InvalidJson(e.to_string()))?;
-    Ok(value)
-}
-
-/// Rejects bodies nesting deeper than the limit before building anything.
-/// Strings (most of a chat body) are skipped to their next quote or
-/// backslash at memchr speed.
-fn check_depth(body: &[u8]) -> Result<(), RequestError> {
-    let mut depth = 0usize;
-    let mut at = 0usize;
-    while let Some(&b) = body.get(at) {
-        at += 1;
-        match b {
-            b'"' => {
-                // Inside a string: to its closing quote, escapes skipped.
-                loop {
-                    let rest = body.get(at..).unwrap_or_default();
-                    match memchr::memchr2(b'"', b'\\', rest) {
-                        None => return Ok(()),
-                        Some(i) if rest.get(i) == Some(&b'\\') => at += i + 2,
-                        Some(i) => {
-                            at += i + 1;
-                            break;
-                        }
-                    }
-                }
-            }
-            b'[' | b'{' => {
-                depth = depth.saturating_add(1);
-                if depth > MAX_DEPTH {
-                    return Err(RequestError::TooDeep { limit: MAX_DEPTH });
-                }
-            }
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    Ok(())
-}
+use crate::loads::MAX_DEPTH;
 
 /// Options of Python's `json.dumps` that chat templates pass to `tojson`.
 #[derive(Debug, Clone, Default)]
@@ -357,7 +305,7 @@ mod tests {
     use super::*;
 
     fn dumps_str(json: &str, opts: &DumpOptions) -> String {
-        dumps(&parse(json.as_bytes()).unwrap(), opts).unwrap()
+        dumps(&crate::loads::parse(json.as_bytes()).unwrap(), opts).unwrap()
     }
 
     #[test]
@@ -407,70 +355,8 @@ mod tests {
     }
 
     #[test]
-    fn keys_keep_order_and_repeats_keep_first_place() {
-        let d = DumpOptions::default();
-        assert_eq!(
-            dumps_str(r#"{"z": 1, "a": 2, "z": 3}"#, &d),
-            r#"{"z": 3, "a": 2}"#
-        );
-    }
-
-    #[test]
-    fn deep_nesting_is_refused() {
-        let deep = "[".repeat(MAX_DEPTH + 1) + &"]".repeat(MAX_DEPTH + 1);
-        assert!(matches!(
-            parse(deep.as_bytes()),
-            Err(RequestError::TooDeep { .. })
-        ));
-        let ok = "[".repeat(MAX_DEPTH) + &"]".repeat(MAX_DEPTH);
-        assert!(parse(ok.as_bytes()).is_ok());
-        // Brackets inside strings do not count.
-        let s = format!("[\"{}\"]", "[".repeat(200));
-        assert!(parse(s.as_bytes()).is_ok());
-    }
-
-    /// The byte-at-a-time depth check the skipping one must equal.
-    fn depth_reference(body: &[u8]) -> bool {
-        let (mut depth, mut in_string, mut escaped) = (0usize, false, false);
-        for &b in body {
-            if in_string {
-                match (escaped, b) {
-                    (true, _) => escaped = false,
-                    (false, b'\\') => escaped = true,
-                    (false, b'"') => in_string = false,
-                    _ => {}
-                }
-                continue;
-            }
-            match b {
-                b'"' => in_string = true,
-                b'[' | b'{' => {
-                    depth += 1;
-                    if depth > MAX_DEPTH {
-                        return false;
-                    }
-                }
-                b']' | b'}' => depth = depth.saturating_sub(1),
-                _ => {}
-            }
-        }
-        true
-    }
-
-    proptest::proptest! {
-        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(20_000))]
-        #[test]
-        fn the_skipping_depth_check_equals_the_byte_loop(
-            body in proptest::collection::vec(
-                proptest::sample::select(b"[]{}\"\\ a".to_vec()), 0..400)
-        ) {
-            proptest::prop_assert_eq!(check_depth(&body).is_ok(), depth_reference(&body));
-        }
-    }
-
-    #[test]
     fn python_str_of_values() {
-        let v = parse(br#"[true, null, 1.5, "it's", {"a": "b"}]"#).unwrap();
+        let v = crate::loads::parse(br#"[true, null, 1.5, "it's", {"a": "b"}]"#).unwrap();
         let mut out = String::new();
         py_str(&mut out, &v);
         assert_eq!(out, r#"[True, None, 1.5, "it's", {'a': 'b'}]"#);

@@ -16,8 +16,9 @@
 //!   ([`Encoder`], [`Boundaries`], [`CacheStats`]).
 //! - `model`: reading `tokenizer.json`, `tokenizer_config.json`,
 //!   `chat_template.jinja` and `config.json`.
-//! - `json`, `value`, `clock`: ordered JSON, Python's `json.dumps` and
-//!   `str()`, and `strftime_now`.
+//! - `loads`, `json`, `value`, `clock`: request JSON read as Python's
+//!   `json.loads` reads it, Python's `json.dumps` and `str()`, ordered
+//!   values, and `strftime_now`.
 //! - `error`: [`LoadError`] and [`RequestError`].
 #![deny(clippy::indexing_slicing)]
 
@@ -27,6 +28,7 @@ mod clock;
 mod encode;
 mod error;
 mod json;
+mod loads;
 mod model;
 mod pretok;
 mod protocol;
@@ -40,8 +42,8 @@ mod value;
 
 pub use cache::CacheStats;
 pub use encode::{Encoder, EncoderStats, Mode, Truncation};
-pub use error::{LoadError, RequestError};
-pub use json::MAX_DEPTH;
+pub use error::{Cap, InexactKind, LoadError, RequestError};
+pub use loads::MAX_DEPTH;
 pub use protocol::{
     RenderResponse, ResponsesRequest, SamplingParams, TokenizeRequest, TokenizeResponse,
 };

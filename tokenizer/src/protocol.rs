@@ -22,9 +22,9 @@ pub struct ResponsesRequest {
 }
 
 impl TokenizeRequest {
-    /// Parses a JSON body (nesting limited to [`crate::json::MAX_DEPTH`]).
+    /// Parses a JSON body (nesting limited to [`crate::loads::MAX_DEPTH`]).
     pub fn from_json(body: &[u8]) -> Result<Self, RequestError> {
-        let body = crate::json::parse(body)?;
+        let body = crate::loads::parse(body)?;
         if body.kind() != minijinja::value::ValueKind::Map {
             return Err(RequestError::message("the body must be a JSON object"));
         }
@@ -43,9 +43,9 @@ impl TokenizeRequest {
 }
 
 impl ResponsesRequest {
-    /// Parses a JSON body (nesting limited to [`crate::json::MAX_DEPTH`]).
+    /// Parses a JSON body (nesting limited to [`crate::loads::MAX_DEPTH`]).
     pub fn from_json(body: &[u8]) -> Result<Self, RequestError> {
-        let body = crate::json::parse(body)?;
+        let body = crate::loads::parse(body)?;
         if body.kind() != minijinja::value::ValueKind::Map {
             return Err(RequestError::message("the body must be a JSON object"));
         }

@@ -314,5 +314,5 @@ fn wrap(function: Value) -> Value {
 
 fn custom_tool_parameters() -> Value {
     let text = r#"{"type": "object", "properties": {"input": {"type": "string", "description": "The freeform text payload for this tool."}}, "required": ["input"], "additionalProperties": false}"#;
-    crate::json::parse(text.as_bytes()).unwrap_or_default()
+    crate::loads::parse(text.as_bytes()).unwrap_or_default()
 }

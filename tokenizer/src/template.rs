@@ -257,7 +257,7 @@ mod tests {
 
     #[test]
     fn renders_as_python_jinja() {
-        let ctx = crate::json::parse(
+        let ctx = crate::loads::parse(
             r#"{"a": true, "b": null, "x": [1, "y"], "f": 1.0, "t": {"k": "é", "n": 1}}"#
                 .as_bytes(),
         )

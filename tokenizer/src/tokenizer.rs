@@ -468,7 +468,7 @@ impl Tokenizer {
             .default_chat_template_kwargs
             .as_ref()
             .and_then(|d| serde_json::to_vec(d).ok())
-            .and_then(|b| crate::json::parse(&b).ok());
+            .and_then(|b| crate::loads::parse(&b).ok());
         match (defaults, request) {
             (None, r) => r,
             (Some(d), None) => Some(d),
