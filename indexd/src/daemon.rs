@@ -251,7 +251,7 @@ impl Bound {
         for model in models {
             shared
                 .tasks
-                .spawn(tokenize::gate::run(Arc::clone(&shared), model));
+                .spawn(tokenize::probe::run(Arc::clone(&shared), model));
         }
         // Either server stopping (shutdown, or an error) stops the other.
         let local = shutdown.child_token();

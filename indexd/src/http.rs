@@ -43,12 +43,7 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
         "no healthy, fresh replica\n".to_owned()
     };
     for (model, local) in shared.tokenizers.locals() {
-        let state = local.gate.state();
-        let _ = write!(body, "tokenizer {model}: {}", state.label());
-        if state == crate::tokenize::GateState::Closed {
-            let _ = write!(body, " ({})", local.gate.detail());
-        }
-        body.push('\n');
+        let _ = writeln!(body, "tokenizer {model}: {}", local.gate.describe());
     }
     for (replica, groups, unmodelled) in shared.layouts() {
         // A model with one full-attention group is the common case: only

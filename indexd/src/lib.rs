@@ -58,6 +58,7 @@ pub mod index;
 pub mod kubernetes;
 pub mod listen;
 pub mod load;
+mod machine;
 pub mod message;
 mod metrics;
 pub mod pick;

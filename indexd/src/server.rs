@@ -17,7 +17,7 @@ use tonic::{Request, Response, Status};
 use crate::auth::GrpcAuth;
 use crate::pick;
 use crate::state::Shared;
-use crate::tokenize::{Api, Source};
+use crate::tokenize::{Api, Source, Via};
 
 /// The tonic service over the shared state.
 #[derive(Debug, Clone)]
@@ -92,7 +92,7 @@ impl IndexService {
         let tokenized = self
             .shared
             .tokenizers
-            .tokenize(&self.shared, api, &req.model, body)
+            .tokenize(&self.shared, Via::Pick, api, &req.model, body)
             .await;
         let t = match tokenized {
             Ok(t) => t,

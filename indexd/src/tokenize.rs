@@ -10,20 +10,31 @@
 //!   a healthy replica serving it ([`replica`]): vLLM's own `/tokenize` or
 //!   `/v1/responses/render`, as before, one hop further.
 //! - The gate compares the local tokenizer with a replica's on a probe set at
-//!   start and periodically, and on a sample of live requests (shadow
-//!   checks). Any difference closes it for that model: requests then go to
-//!   the replicas, a metric and a log line say where the ids first differ.
+//!   start and periodically ([`probe`]), and on a sample of live requests
+//!   (shadow checks, inline: a sampled request whose ids differ is answered
+//!   with the replica's). A probe mismatch, or live mismatches from several
+//!   distinct bodies within a window, close it for that model; clean probe
+//!   rounds reopen it ([`gate`]).
 //! - [`http`] serves vLLM-compatible `POST /tokenize` and
 //!   `POST /v1/responses/render` on indexd's HTTP port, by the same rules.
+//! - Every body, Pick or HTTP, is first admitted to a budget of bytes and
+//!   bodies in flight ([`admission`]); over it, a Pick is answered at once
+//!   UNTOKENIZED (the filter routes it without an override) and HTTP with 503
+//!   and `Retry-After`. An admitted body's work stops when its caller goes
+//!   away and at `tokenize.time_budget`.
 //!
-//! Local tokenization runs on the worker that took the Pick, inside
-//! `block_in_place` (tokio moves the worker's other tasks to another thread
-//! meanwhile, so a cold 32k-token conversation's milliseconds stall no one);
-//! on a current-thread runtime, on tokio's blocking pool.
+//! Local tokenization of a body up to [`INLINE_BODY_BYTES`] runs on the
+//! worker that took the Pick, inside `block_in_place` (tokio moves the
+//! worker's other tasks to another thread meanwhile, so a cold 32k-token
+//! conversation's milliseconds stall no one); a larger body, or any body on a
+//! current-thread runtime, on tokio's blocking pool, where the caller's going
+//! away can be seen while it runs.
 
+pub mod admission;
 pub mod config;
 pub mod gate;
 pub mod http;
+pub mod probe;
 pub mod replica;
 
 use std::collections::BTreeMap;
@@ -37,7 +48,13 @@ use kvroute_tokenizer::{LoadOptions, ResponsesRequest, TokenizeRequest, Tokenize
 
 use crate::metrics::{CounterVec, Histogram};
 use crate::state::{Replica, Shared, read};
-pub use gate::{Gate, GateState};
+pub use admission::{Admission, AdmissionConfig, Cancel, Refusal, Via};
+pub use gate::{Gate, GateRules, GateState};
+
+/// Bodies up to this size are tokenized on the worker that took them
+/// (`block_in_place`); larger ones on the blocking pool, so that a caller
+/// going away is seen while the work runs.
+pub const INLINE_BODY_BYTES: usize = 256 << 10;
 
 /// One model's local tokenizer, as configured.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -64,13 +81,16 @@ pub struct TokenizeConfig {
     pub cache_bytes: usize,
     /// Timeout of a replica's tokenizer call.
     pub replica_timeout: Duration,
-    /// How often the probe set is checked again.
-    pub gate_interval: Duration,
-    /// Live requests checked against a replica, at most this many a second
-    /// per model (0: no shadow checks).
-    pub shadow_per_second: f64,
+    /// The exactness gate's rules (`gate_interval`, `shadow_per_second`,
+    /// `gate_close_after_mismatches`, …).
+    pub gate: GateRules,
     /// Largest request body accepted.
     pub max_body_bytes: usize,
+    /// The budget of bodies in flight (`admission:`).
+    pub admission: AdmissionConfig,
+    /// How long one body's local tokenization may take before it is given
+    /// up (checked between its segments).
+    pub time_budget: Duration,
 }
 
 impl Default for TokenizeConfig {
@@ -79,9 +99,10 @@ impl Default for TokenizeConfig {
             tokenizers: Vec::new(),
             cache_bytes: 64 << 20,
             replica_timeout: Duration::from_secs(2),
-            gate_interval: Duration::from_secs(600),
-            shadow_per_second: 1.0,
+            gate: GateRules::default(),
             max_body_bytes: 16 << 20,
+            admission: AdmissionConfig::default(),
+            time_budget: Duration::from_secs(2),
         }
     }
 }
@@ -146,6 +167,20 @@ pub enum TokenizeError {
     /// (vLLM would take it): a replica must tokenize it.
     #[error("not reproduced locally: {0}")]
     Unsupported(String),
+    /// Over the admission budget: refused before any work.
+    #[error("{0}")]
+    Busy(Refusal),
+    /// Over a cap of the local tokenizer (sizes checked before encoding) or
+    /// its time budget: a Pick goes on unrouted rather than handing the
+    /// work to a replica.
+    #[error("over the tokenizer's budget: {0}")]
+    OverBudget(String),
+    /// The caller went away.
+    #[error("cancelled: the caller went away")]
+    Cancelled,
+    /// indexd's own forwarding came back to it.
+    #[error("forwarded by an indexd already: refusing to forward it again")]
+    Loop,
 }
 
 impl TokenizeError {
@@ -155,6 +190,10 @@ impl TokenizeError {
             Self::Refused { .. } => "refused",
             Self::Unavailable(_) => "unavailable",
             Self::Unsupported(_) => "unsupported",
+            Self::Busy(_) => "busy",
+            Self::OverBudget(_) => "over_budget",
+            Self::Cancelled => "cancelled",
+            Self::Loop => "loop",
         }
     }
 }
@@ -218,6 +257,8 @@ pub struct Tokenizers {
     /// Whether replicas serve `/v1/chat/completions/render` (cleared by the
     /// first 404: then chat bodies go to `/tokenize`).
     chat_render: AtomicBool,
+    /// The budget of bodies in flight.
+    pub admission: Arc<Admission>,
     /// Metrics.
     pub metrics: TokenizeMetrics,
 }
@@ -267,13 +308,14 @@ impl Tokenizers {
                 spec.model.clone(),
                 LocalModel {
                     tokenizer: Arc::new(tokenizer),
-                    gate: Gate::new(config.shadow_per_second),
+                    gate: Gate::new(&spec.model, config.gate.clone()),
                 },
             );
         }
         Ok(Self {
             models,
             client: replica::client(),
+            admission: Admission::new(config.admission.clone()),
             config,
             next_replica: AtomicUsize::new(0),
             chat_render: AtomicBool::new(true),
@@ -286,6 +328,7 @@ impl Tokenizers {
         Self {
             models: BTreeMap::new(),
             client: replica::client(),
+            admission: Admission::new(TokenizeConfig::default().admission),
             config: TokenizeConfig::default(),
             next_replica: AtomicUsize::new(0),
             chat_render: AtomicBool::new(true),
@@ -322,77 +365,172 @@ impl Tokenizers {
         candidates.get(n % candidates.len()).cloned()
     }
 
-    /// The token ids of `body` (a request of `api` for `model`): locally if
-    /// the model's gate is open, else from a replica.
+    /// The token ids of `body` (a request of `api` for `model`, come in by
+    /// `via`): admitted to the budget first, then locally if the model's
+    /// gate is open, else from a replica. A local refusal over the
+    /// tokenizer's caps or time budget is not handed to a replica: the Pick
+    /// goes on unrouted.
     pub async fn tokenize(
         &self,
         shared: &Arc<Shared>,
+        via: Via,
         api: Api,
         model: &str,
         body: Bytes,
     ) -> Result<Tokenized, TokenizeError> {
-        let salt = salt_of(&body)?;
-        let result = match self.local(model) {
-            Some(local) if local.gate.state() == GateState::Open => {
-                let started = Instant::now();
-                let ids = if on_multi_thread_runtime() {
-                    // On this very thread: tokio hands the worker's other
-                    // tasks to another thread meanwhile. Handing the work to
-                    // a blocking thread instead costs two thread wake-ups,
-                    // which on a node whose CPUs the replicas keep busy
-                    // took longer than a continuation's tokenization.
-                    tokio::task::block_in_place(|| local_ids(&local.tokenizer, api, &body))
-                } else {
-                    let tokenizer = local.tokenizer.clone();
-                    let input = body.clone();
-                    tokio::task::spawn_blocking(move || local_ids(&tokenizer, api, &input))
-                        .await
-                        .map_err(|e| TokenizeError::Unavailable(format!("tokenizer task: {e}")))?
-                };
-                self.metrics.local_latency.observe(started.elapsed());
-                if let Ok(ids) = &ids
-                    && local.gate.take_shadow_slot()
-                {
-                    gate::spawn_shadow_check(
-                        shared.clone(),
-                        model.to_owned(),
-                        api,
-                        body.clone(),
-                        ids.clone(),
-                    );
-                }
-                match ids {
-                    Err(TokenizeError::Unsupported(why)) => {
-                        tracing::debug!(model, reason = %why, "request not reproduced locally; asking a replica");
-                        let started = Instant::now();
-                        let ids = self.replica_ids(shared, api, model, &body).await;
-                        self.metrics.replica_latency.observe(started.elapsed());
-                        ids.map(|ids| (ids, Source::Replica))
-                    }
-                    other => other.map(|ids| (ids, Source::Local)),
-                }
-            }
-            _ => {
-                let started = Instant::now();
-                let ids = self.replica_ids(shared, api, model, &body).await;
-                self.metrics.replica_latency.observe(started.elapsed());
-                ids.map(|ids| (ids, Source::Replica))
-            }
-        };
+        let result = self.admitted(shared, via, api, model, body).await;
         match result {
-            Ok((ids, source)) => {
+            Ok((ids, salt, source)) => {
                 self.metrics.requests.inc([source.label(), "ok"]);
                 Ok(Tokenized { ids, salt, source })
             }
-            Err(e) => {
-                let source = match self.local(model) {
-                    Some(l) if l.gate.state() == GateState::Open => Source::Local,
-                    _ => Source::Replica,
-                };
+            Err((e, source)) => {
                 self.metrics.requests.inc([source.label(), e.label()]);
                 Err(e)
             }
         }
+    }
+
+    /// [`Tokenizers::tokenize`] without its metric: the ids, the salt and
+    /// who tokenized; or the error and who failed.
+    async fn admitted(
+        &self,
+        shared: &Arc<Shared>,
+        via: Via,
+        api: Api,
+        model: &str,
+        body: Bytes,
+    ) -> Result<(Vec<u32>, Option<String>, Source), (TokenizeError, Source)> {
+        let open = self
+            .local(model)
+            .filter(|l| l.gate.state() == GateState::Open);
+        let tried = if open.is_some() {
+            Source::Local
+        } else {
+            Source::Replica
+        };
+        let (ticket, caller) = self
+            .admission
+            .try_admit(via, body.len())
+            .map_err(|r| (TokenizeError::Busy(r), tried))?;
+        let salt = salt_of(&body).map_err(|e| (e, tried))?;
+        let answer = match open {
+            Some(local) => {
+                self.local_or_replica(shared, local, api, model, body, ticket)
+                    .await
+            }
+            None => {
+                let ids = self.timed_replica_ids(shared, api, model, &body).await;
+                drop(ticket);
+                ids.map(|ids| (ids, Source::Replica))
+                    .map_err(|e| (e, Source::Replica))
+            }
+        };
+        caller.finish();
+        answer.map(|(ids, source)| (ids, salt, source))
+    }
+
+    /// An open gate's path: the local ids, checked inline against a
+    /// replica's when a shadow check is due (a difference answers this
+    /// request with the replica's ids and counts toward closing the gate);
+    /// a replica's ids where the local tokenizer does not reproduce the
+    /// request.
+    async fn local_or_replica(
+        &self,
+        shared: &Arc<Shared>,
+        local: &LocalModel,
+        api: Api,
+        model: &str,
+        body: Bytes,
+        ticket: admission::Ticket,
+    ) -> Result<(Vec<u32>, Source), (TokenizeError, Source)> {
+        let started = Instant::now();
+        let limits = Limits {
+            cancel: ticket.cancel().clone(),
+            deadline: started.checked_add(self.config.time_budget),
+        };
+        let ids = if body.len() <= INLINE_BODY_BYTES && on_multi_thread_runtime() {
+            // On this very thread: tokio hands the worker's other tasks to
+            // another thread meanwhile. Handing the work to a blocking
+            // thread instead costs two thread wake-ups, which on a node
+            // whose CPUs the replicas keep busy took longer than a
+            // continuation's tokenization.
+            let ids =
+                tokio::task::block_in_place(|| local_ids(&local.tokenizer, api, &body, &limits));
+            drop(ticket);
+            ids
+        } else {
+            // The share of the budget travels with the work and returns
+            // when it ends, even if this future is dropped meanwhile.
+            let tokenizer = local.tokenizer.clone();
+            let input = body.clone();
+            tokio::task::spawn_blocking(move || {
+                let ids = local_ids(&tokenizer, api, &input, &limits);
+                drop(ticket);
+                ids
+            })
+            .await
+            .unwrap_or_else(|e| Err(TokenizeError::Unavailable(format!("tokenizer task: {e}"))))
+        };
+        self.metrics.local_latency.observe(started.elapsed());
+        match ids {
+            Ok(ids) => Ok(self
+                .shadow_checked(shared, local, api, model, &body, ids)
+                .await),
+            Err(TokenizeError::Unsupported(why)) => {
+                tracing::debug!(model, reason = %why, "request not reproduced locally; asking a replica");
+                self.timed_replica_ids(shared, api, model, &body)
+                    .await
+                    .map(|ids| (ids, Source::Replica))
+                    .map_err(|e| (e, Source::Replica))
+            }
+            Err(e) => Err((e, Source::Local)),
+        }
+    }
+
+    /// `ids`, or a replica's where a due shadow check finds they differ.
+    async fn shadow_checked(
+        &self,
+        shared: &Arc<Shared>,
+        local: &LocalModel,
+        api: Api,
+        model: &str,
+        body: &[u8],
+        ids: Vec<u32>,
+    ) -> (Vec<u32>, Source) {
+        let Some(_slot) = local.gate.take_shadow_slot() else {
+            return (ids, Source::Local);
+        };
+        let theirs = self.timed_replica_ids(shared, api, model, body).await;
+        let mine = Ok(ids);
+        let verdict = probe::compare(&mine, &theirs);
+        local.gate.count(true, &verdict);
+        let Ok(ids) = mine else {
+            return (Vec::new(), Source::Local);
+        };
+        match (verdict, theirs) {
+            (probe::Verdict::Mismatch(why), Ok(replica)) => {
+                local
+                    .gate
+                    .shadow_mismatch(body_hash(body), &why, Instant::now());
+                (replica, Source::Replica)
+            }
+            _ => (ids, Source::Local),
+        }
+    }
+
+    /// [`Tokenizers::replica_ids`], timed.
+    async fn timed_replica_ids(
+        &self,
+        shared: &Shared,
+        api: Api,
+        model: &str,
+        body: &[u8],
+    ) -> Result<Vec<u32>, TokenizeError> {
+        let started = Instant::now();
+        let ids = self.replica_ids(shared, api, model, body).await;
+        self.metrics.replica_latency.observe(started.elapsed());
+        ids
     }
 
     /// The token ids a healthy replica serving `model` computes for `body`.
@@ -430,35 +568,89 @@ impl Tokenizers {
         self.metrics.requests.render(out);
         self.metrics.local_latency.render(out);
         self.metrics.replica_latency.render(out);
+        self.admission.render(out);
         gate::render_metrics(self, out);
     }
 }
 
-/// The ids `tokenizer` computes for a body of `api`.
-pub fn local_ids(tokenizer: &Tokenizer, api: Api, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
-    let refused = |e: kvroute_tokenizer::RequestError| {
-        if e.is_client_error() {
-            TokenizeError::Refused {
-                status: 400,
-                message: e.to_string(),
-            }
-        } else {
-            TokenizeError::Unsupported(e.to_string())
+/// What bounds one body's local tokenization.
+#[derive(Clone, Debug, Default)]
+pub struct Limits {
+    /// Set once the caller has gone away.
+    pub cancel: Cancel,
+    /// When to give up.
+    pub deadline: Option<Instant>,
+}
+
+impl Limits {
+    /// No bounds (the probe set, tests).
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Whether the work should stop now.
+    fn check(&self) -> Result<(), TokenizeError> {
+        if self.cancel.is_cancelled() {
+            return Err(TokenizeError::Cancelled);
         }
-    };
+        if self.deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(TokenizeError::OverBudget(
+                "tokenize.time_budget passed".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The tokenizer's error as indexd's: what vLLM refuses is refused, a
+/// local refusal asks a replica, over a cap or the time budget is over
+/// budget.
+fn from_request_error(e: kvroute_tokenizer::RequestError) -> TokenizeError {
+    use kvroute_tokenizer::RequestError as E;
+    match e {
+        E::Cancelled => TokenizeError::Cancelled,
+        E::OverCap { .. } | E::DeadlineExceeded => TokenizeError::OverBudget(e.to_string()),
+        e if e.is_client_error() => TokenizeError::Refused {
+            status: 400,
+            message: e.to_string(),
+        },
+        e => TokenizeError::Unsupported(e.to_string()),
+    }
+}
+
+/// A body's hash (telling distinct bodies apart in the gate's window).
+fn body_hash(body: &[u8]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    body.hash(&mut h);
+    h.finish()
+}
+
+/// The ids `tokenizer` computes for a body of `api`, within `limits`.
+pub fn local_ids(
+    tokenizer: &Tokenizer,
+    api: Api,
+    body: &[u8],
+    limits: &Limits,
+) -> Result<Vec<u32>, TokenizeError> {
+    limits.check()?;
+    let refused = from_request_error;
     match api {
         Api::Completions => {
             let req = TokenizeRequest::from_json(body).map_err(refused)?;
+            limits.check()?;
             tokenizer.tokenize(&req).map(|r| r.tokens).map_err(refused)
         }
         // What the chat completion itself renders (`/tokenize` ignores the
         // few fields only chat completions hand the template).
         Api::Chat => {
             let req = TokenizeRequest::from_json(body).map_err(refused)?;
+            limits.check()?;
             tokenizer.chat_completion_tokens(&req).map_err(refused)
         }
         Api::Responses => {
             let req = ResponsesRequest::from_json(body).map_err(refused)?;
+            limits.check()?;
             tokenizer
                 .render_responses(&req)
                 .map(|r| r.token_ids)

@@ -1236,6 +1236,9 @@ mod libzmq;
 #[path = "integration/tokenize.rs"]
 mod tokenize;
 
+#[path = "integration/tokenize_hostile.rs"]
+mod tokenize_hostile;
+
 #[path = "integration/snapshot.rs"]
 mod snapshot;
 

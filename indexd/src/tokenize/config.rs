@@ -12,14 +12,26 @@
 //!   replica_timeout: 2s              # a replica's /tokenize or render call
 //!   gate_interval: 10m               # the probe set runs again this often
 //!   shadow_per_second: 1             # live requests compared, per model (0: none)
+//!   gate_close_after_mismatches: 3   # distinct live bodies differing within…
+//!   gate_mismatch_window: 10m        # …this window close the gate
+//!   gate_reopen_after_rounds: 2      # clean probe rounds in a row reopen it
+//!   gate_reopen_backoff: 30s         # a closed gate's first pause (doubles)
 //!   max_body_bytes: 16777216         # largest body tokenized (HTTP and Pick)
+//!   time_budget: 2s                  # one body's local tokenization, at most
+//!   admission:                       # bodies in flight (defaults: the machine's)
+//!     max_bytes: 16777216            # memory/1024, 16–256 MiB
+//!     max_concurrent: 8              # 4 per CPU, at least 8
+//!     small_body_bytes: 1048576      # bodies this small may use the reserve
+//!     reserved_bytes: 4194304        # a quarter of max_bytes
+//!     reserved_concurrent: 4         # half of max_concurrent
+//!     retry_after: 1s                # HTTP 503's Retry-After
 //! ```
 
 use std::path::PathBuf;
 
 use serde::Deserialize;
 
-use super::{TokenizeConfig, TokenizerSpec};
+use super::{AdmissionConfig, GateRules, TokenizeConfig, TokenizerSpec};
 use crate::config::{RawDuration, duration};
 use crate::error::ConfigError;
 
@@ -33,7 +45,24 @@ pub(crate) struct RawTokenize {
     replica_timeout: Option<RawDuration>,
     gate_interval: Option<RawDuration>,
     shadow_per_second: Option<f64>,
+    gate_close_after_mismatches: Option<u32>,
+    gate_mismatch_window: Option<RawDuration>,
+    gate_reopen_after_rounds: Option<u32>,
+    gate_reopen_backoff: Option<RawDuration>,
     max_body_bytes: Option<usize>,
+    time_budget: Option<RawDuration>,
+    admission: Option<RawAdmission>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAdmission {
+    max_bytes: Option<usize>,
+    max_concurrent: Option<usize>,
+    small_body_bytes: Option<usize>,
+    reserved_bytes: Option<usize>,
+    reserved_concurrent: Option<usize>,
+    retry_after: Option<RawDuration>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -51,6 +80,40 @@ impl RawTokenize {
     pub(crate) fn into_config(self) -> Result<TokenizeConfig, ConfigError> {
         let d = TokenizeConfig::default();
         let f = |name: &str| format!("tokenize.{name}");
+        let g = &d.gate;
+        let gate = GateRules {
+            interval: duration(&f("gate_interval"), self.gate_interval, g.interval)?,
+            shadow_per_second: self.shadow_per_second.unwrap_or(g.shadow_per_second),
+            close_after_mismatches: self
+                .gate_close_after_mismatches
+                .unwrap_or(g.close_after_mismatches),
+            mismatch_window: duration(
+                &f("gate_mismatch_window"),
+                self.gate_mismatch_window,
+                g.mismatch_window,
+            )?,
+            reopen_after_rounds: self
+                .gate_reopen_after_rounds
+                .unwrap_or(g.reopen_after_rounds),
+            reopen_backoff: duration(
+                &f("gate_reopen_backoff"),
+                self.gate_reopen_backoff,
+                g.reopen_backoff,
+            )?,
+        };
+        let a = self.admission.unwrap_or_default();
+        let da = &d.admission;
+        // Reserves default to their share of the totals given.
+        let max_bytes = a.max_bytes.unwrap_or(da.max_bytes);
+        let max_concurrent = a.max_concurrent.unwrap_or(da.max_concurrent);
+        let admission = AdmissionConfig {
+            max_bytes,
+            max_concurrent,
+            small_body_bytes: a.small_body_bytes.unwrap_or(da.small_body_bytes),
+            reserved_bytes: a.reserved_bytes.unwrap_or(max_bytes / 4),
+            reserved_concurrent: a.reserved_concurrent.unwrap_or(max_concurrent / 2),
+            retry_after: duration(&f("admission.retry_after"), a.retry_after, da.retry_after)?,
+        };
         Ok(TokenizeConfig {
             tokenizers: self
                 .tokenizers
@@ -69,9 +132,10 @@ impl RawTokenize {
                 self.replica_timeout,
                 d.replica_timeout,
             )?,
-            gate_interval: duration(&f("gate_interval"), self.gate_interval, d.gate_interval)?,
-            shadow_per_second: self.shadow_per_second.unwrap_or(d.shadow_per_second),
+            gate,
             max_body_bytes: self.max_body_bytes.unwrap_or(d.max_body_bytes),
+            admission,
+            time_budget: duration(&f("time_budget"), self.time_budget, d.time_budget)?,
         })
     }
 }
@@ -113,13 +177,50 @@ pub fn validate(c: &TokenizeConfig) -> Result<(), ConfigError> {
             "must be positive",
         ));
     }
-    if c.gate_interval.is_zero() {
+    let g = &c.gate;
+    for (name, d) in [
+        ("gate_interval", g.interval),
+        ("gate_mismatch_window", g.mismatch_window),
+        ("gate_reopen_backoff", g.reopen_backoff),
+        ("time_budget", c.time_budget),
+        ("admission.retry_after", c.admission.retry_after),
+    ] {
+        if d.is_zero() {
+            return Err(ConfigError::field(
+                format!("tokenize.{name}"),
+                "must be positive",
+            ));
+        }
+    }
+    for (name, n) in [
+        ("gate_close_after_mismatches", g.close_after_mismatches),
+        ("gate_reopen_after_rounds", g.reopen_after_rounds),
+    ] {
+        if n == 0 {
+            return Err(ConfigError::field(
+                format!("tokenize.{name}"),
+                "must be at least 1",
+            ));
+        }
+    }
+    let a = &c.admission;
+    if a.max_bytes == 0 || a.max_concurrent == 0 {
         return Err(ConfigError::field(
-            "tokenize.gate_interval",
-            "must be positive",
+            "tokenize.admission",
+            "max_bytes and max_concurrent must be positive",
         ));
     }
-    if !(c.shadow_per_second >= 0.0 && c.shadow_per_second.is_finite()) {
+    if a.reserved_bytes >= a.max_bytes || a.reserved_concurrent >= a.max_concurrent {
+        return Err(ConfigError::field(
+            "tokenize.admission",
+            format!(
+                "the reserves must be smaller than the totals (reserved_bytes {} < max_bytes {}, reserved_concurrent {} < max_concurrent {})",
+                a.reserved_bytes, a.max_bytes, a.reserved_concurrent, a.max_concurrent
+            ),
+        ));
+    }
+    let g_sps = g.shadow_per_second;
+    if !(g_sps >= 0.0 && g_sps.is_finite()) {
         return Err(ConfigError::field(
             "tokenize.shadow_per_second",
             "must be a non-negative number",
@@ -157,7 +258,28 @@ mod tests {
             c.tokenize.replica_timeout,
             std::time::Duration::from_millis(500)
         );
-        assert_eq!(c.tokenize.shadow_per_second, 0.0);
+        assert_eq!(c.tokenize.gate.shadow_per_second, 0.0);
+        let c = Config::from_yaml(
+            "tokenize:\n  gate_close_after_mismatches: 5\n  gate_reopen_backoff: 5s\n  time_budget: 300ms\n  admission: {max_bytes: 1000, max_concurrent: 4}\n",
+        )
+        .unwrap();
+        assert_eq!(c.tokenize.gate.close_after_mismatches, 5);
+        assert_eq!(
+            c.tokenize.gate.reopen_backoff,
+            std::time::Duration::from_secs(5)
+        );
+        assert_eq!(
+            c.tokenize.time_budget,
+            std::time::Duration::from_millis(300)
+        );
+        assert_eq!(
+            (
+                c.tokenize.admission.reserved_bytes,
+                c.tokenize.admission.reserved_concurrent
+            ),
+            (250, 2),
+            "the reserves follow the totals given"
+        );
         assert_eq!(parse_flag("a=/x/y").unwrap().dir, PathBuf::from("/x/y"));
         assert!(parse_flag("nodir").is_err());
         for (bad, field) in [
@@ -166,6 +288,14 @@ mod tests {
                 "tokenizers[1].model",
             ),
             ("tokenize:\n  shadow_per_second: -1\n", "shadow_per_second"),
+            (
+                "tokenize:\n  gate_close_after_mismatches: 0\n",
+                "gate_close_after_mismatches",
+            ),
+            (
+                "tokenize:\n  admission: {max_bytes: 100, reserved_bytes: 100}\n",
+                "admission",
+            ),
             (
                 "tokenize:\n  tokenizers:\n    - {model: a, dri: /x}\n",
                 "dri",

@@ -1,50 +1,51 @@
 //! The exactness gate of a local tokenizer: local ids are used for routing
-//! only while they are proven equal to a replica's.
+//! only while they are proven equal to a replica's. Its evidence comes from
+//! [`super::probe`]: probe rounds (indexd's own requests) and shadow checks
+//! (a sample of live requests, compared with a replica inline).
 //!
-//! - **Pending** at start: requests go to a replica. Once a healthy replica
-//!   serves the model, the probe set ([`probes`]: chat with system prompts,
-//!   content parts, tools, tool calls and results, generation-prompt and
-//!   continue-final-message flags, special-token look-alikes; completions
-//!   with and without special tokens; Responses with instructions, input
-//!   items, function calls and outputs) is tokenized both ways.
-//! - **Open** when every probe agrees (same ids, or both refuse the
-//!   request). The probe set runs again every `gate_interval`, and live
-//!   requests are compared too, at most `shadow_per_second` per model, in
-//!   the background (shadow checks).
-//! - **Closed** on any difference, until indexd restarts: routing goes on
-//!   with the replicas' tokenizers. The log line says where the ids first
-//!   differ; `indexd_tokenizer_gate{model}` and
-//!   `indexd_tokenizer_checks_total{…,result="mismatch"}` count it, and
-//!   `/readyz` names the closed models.
+//! - **Pending** at start: requests go to a replica. The first clean probe
+//!   round (every probe agrees, same ids or both refuse) opens it.
+//! - **Open**: the local tokenizer answers. Probe rounds run every
+//!   `gate_interval`; up to `shadow_per_second` live requests per model are
+//!   tokenized both ways, and each such request is answered with the
+//!   replica's ids when the two differ (that request alone falls back:
+//!   counted, logged at most every 10 s with the first differing position).
+//! - **Closed** by a probe mismatch (the probe set is indexd's own: a
+//!   difference there is the tokenizer's), or by live requests with
+//!   `gate_close_after_mismatches` distinct bodies whose ids differed within
+//!   `gate_mismatch_window` (one client's odd input cannot close it; a real
+//!   difference shows on many). The replicas tokenize meanwhile.
+//! - **Reopened** by `gate_reopen_after_rounds` clean probe rounds in a row.
+//!   A closed gate's rounds come after a pause: `gate_reopen_backoff`,
+//!   doubled with each strike (a close, or a mismatching round while closed)
+//!   up to `gate_interval`; strikes are forgiven once the gate has stayed
+//!   open for a whole `gate_interval` (a clean periodic round).
 //!
-//! A probe the replica cannot answer (unreachable, 5xx) proves nothing: the
-//! round is retried shortly. A probe the replica refuses (4xx) while the
-//! local tokenizer takes it is left out of the round (and counted as
-//! `result="refused"`): replicas refuse by their serving flags (tools
-//! without `--enable-auto-tool-choice`, a shorter `--max-model-len`), and a
-//! request a replica refuses is never served, so its ids misroute nothing.
-//! A round needs at least one agreeing probe to open the gate.
+//! Every change of state is counted
+//! (`indexd_tokenizer_gate_transitions_total{model,from,to,reason}`) and
+//! logged; `indexd_tokenizer_gate{model}` is the state, and `/readyz` says
+//! why a gate is closed.
 
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
-use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-
-use super::{Api, TokenizeError, Tokenizers, local_ids};
+use super::Tokenizers;
+use super::probe::Verdict;
 use crate::metrics::label_value as escape;
-use crate::state::Shared;
+use crate::state::{WarnGate, lock};
 
 /// Where a gate stands.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum GateState {
     /// Not yet checked: the replicas tokenize.
     Pending,
     /// Checked: the local tokenizer is used.
     Open,
-    /// A difference was seen: the replicas tokenize until restart.
+    /// A difference was seen: the replicas tokenize until clean probe
+    /// rounds reopen it.
     Closed,
 }
 
@@ -57,7 +58,8 @@ impl GateState {
         }
     }
 
-    const fn as_u8(self) -> u8 {
+    /// The gauge's value: 0 pending, 1 open, 2 closed.
+    pub const fn as_u8(self) -> u8 {
         match self {
             Self::Pending => 0,
             Self::Open => 1,
@@ -75,25 +77,76 @@ impl GateState {
     }
 }
 
-/// How one comparison ended.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Verdict {
-    /// Same ids, or both refused the request.
-    Agree,
-    /// Different ids, or one refused what the other took.
-    Mismatch(String),
-    /// The replica could not answer.
-    Inconclusive(String),
-    /// The replica refused what the local tokenizer took: a request its
-    /// serving flags turn away (tools without `--enable-auto-tool-choice`,
-    /// a prompt over its `--max-model-len`, …). Such a request is never
-    /// served, so its ids cannot misroute anything; says nothing either way.
-    Refused(String),
+/// Why a gate changed state (the transition metric's `reason`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Why {
+    /// A pending gate's first clean probe round.
+    ProbesAgree,
+    /// A probe's ids differed.
+    ProbeMismatch,
+    /// Live requests of enough distinct bodies differed within the window.
+    ShadowMismatches,
+    /// Clean probe rounds in a row reopened a closed gate.
+    ProbesClean,
+}
+
+impl Why {
+    /// The metric label.
+    pub const fn label(self) -> &'static str {
+        match self {
+            Self::ProbesAgree => "probes_agree",
+            Self::ProbeMismatch => "probe_mismatch",
+            Self::ShadowMismatches => "shadow_mismatches",
+            Self::ProbesClean => "probes_clean",
+        }
+    }
+}
+
+/// A change of state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Transition {
+    /// Before.
+    pub from: GateState,
+    /// After.
+    pub to: GateState,
+    /// Why.
+    pub why: Why,
+}
+
+/// The rules a gate follows (from `tokenize:`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GateRules {
+    /// The probe set's period while open; the cap of a closed gate's pause.
+    pub interval: Duration,
+    /// Live requests compared per second at most (0: none).
+    pub shadow_per_second: f64,
+    /// Distinct live bodies whose ids differ within `mismatch_window` that
+    /// close the gate (at least 1).
+    pub close_after_mismatches: u32,
+    /// See `close_after_mismatches`.
+    pub mismatch_window: Duration,
+    /// Clean probe rounds in a row that reopen a closed gate (at least 1).
+    pub reopen_after_rounds: u32,
+    /// A closed gate's first pause between probe rounds.
+    pub reopen_backoff: Duration,
+}
+
+impl Default for GateRules {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(600),
+            shadow_per_second: 1.0,
+            close_after_mismatches: 3,
+            mismatch_window: Duration::from_secs(600),
+            reopen_after_rounds: 2,
+            reopen_backoff: Duration::from_secs(30),
+        }
+    }
 }
 
 /// Checks counted by kind (probe, shadow) and verdict.
 #[derive(Debug, Default)]
-struct Counts {
+pub(super) struct Counts {
     probe_agree: AtomicU64,
     probe_mismatch: AtomicU64,
     shadow_agree: AtomicU64,
@@ -102,30 +155,57 @@ struct Counts {
     refused: AtomicU64,
 }
 
+/// What changes with the gate's state, under one lock.
+#[derive(Debug, Default)]
+struct Inner {
+    /// Why it is closed (empty otherwise).
+    detail: String,
+    /// Live requests whose ids differed lately: when, and their body's hash.
+    mismatches: VecDeque<(Instant, u64)>,
+    /// Clean probe rounds in a row while closed.
+    clean_rounds: u32,
+    /// Closes and mismatching rounds since the gate last stayed open a whole
+    /// interval: the closed gate's pause doubles with each.
+    strikes: u32,
+    /// Transitions so far, by (from, to, why).
+    transitions: BTreeMap<(GateState, GateState, Why), u64>,
+}
+
 /// One model's gate.
 #[derive(Debug)]
 pub struct Gate {
+    model: String,
+    rules: GateRules,
+    /// The state, read on every request without the lock; written under it.
     state: AtomicU8,
-    /// Why it is closed (the first difference), for logs and `/readyz`.
-    detail: Mutex<String>,
-    counts: Counts,
+    inner: Mutex<Inner>,
+    pub(super) counts: Counts,
     shadow_every: Option<Duration>,
     last_shadow: Mutex<Option<Instant>>,
     shadow_busy: AtomicBool,
+    mismatch_log: WarnGate,
+    /// Told of every change of state, so that the probe task, asleep for a
+    /// whole interval, learns that live requests closed the gate.
+    changed: tokio::sync::Notify,
 }
 
 impl Gate {
-    /// A pending gate allowing `shadow_per_second` shadow checks.
-    pub fn new(shadow_per_second: f64) -> Self {
-        let shadow_every = (shadow_per_second > 0.0 && shadow_per_second.is_finite())
-            .then(|| Duration::from_secs_f64(1.0 / shadow_per_second));
+    /// A pending gate for `model`.
+    pub fn new(model: &str, rules: GateRules) -> Self {
+        let every = rules.shadow_per_second;
+        let shadow_every =
+            (every > 0.0 && every.is_finite()).then(|| Duration::from_secs_f64(1.0 / every));
         Self {
+            model: model.to_owned(),
+            rules,
             state: AtomicU8::new(GateState::Pending.as_u8()),
-            detail: Mutex::new(String::new()),
+            inner: Mutex::new(Inner::default()),
             counts: Counts::default(),
             shadow_every,
             last_shadow: Mutex::new(None),
             shadow_busy: AtomicBool::new(false),
+            mismatch_log: WarnGate::default(),
+            changed: tokio::sync::Notify::new(),
         }
     }
 
@@ -134,59 +214,169 @@ impl Gate {
         GateState::from_u8(self.state.load(Ordering::Acquire))
     }
 
-    /// Why it closed (empty unless closed).
+    /// Why it is closed (empty unless closed).
     pub fn detail(&self) -> String {
-        self.detail.lock().map(|d| d.clone()).unwrap_or_default()
+        lock(&self.inner).detail.clone()
     }
 
-    fn open(&self) {
-        // Never reopens a closed gate.
-        let _ = self.state.compare_exchange(
-            GateState::Pending.as_u8(),
-            GateState::Open.as_u8(),
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        );
+    /// Its state for `/readyz`: the name, and for a closed gate why and what
+    /// reopens it.
+    pub fn describe(&self) -> String {
+        let inner = lock(&self.inner);
+        match self.state() {
+            GateState::Closed => format!(
+                "closed ({}; reopens after {} clean probe rounds in a row, {} so far)",
+                inner.detail, self.rules.reopen_after_rounds, inner.clean_rounds
+            ),
+            other => other.label().to_owned(),
+        }
     }
 
-    fn close(&self, why: &str) -> bool {
-        let was = self.state.swap(GateState::Closed.as_u8(), Ordering::AcqRel);
-        if let Ok(mut d) = self.detail.lock()
-            && d.is_empty()
+    /// Moves to `to` (the lock held), counts and logs the change.
+    fn transition(&self, inner: &mut Inner, to: GateState, why: Why) -> Transition {
+        let from = self.state();
+        self.state.store(to.as_u8(), Ordering::Release);
+        *inner.transitions.entry((from, to, why)).or_insert(0) += 1;
+        let t = Transition { from, to, why };
+        self.changed.notify_one();
+        let model = &self.model;
+        match to {
+            GateState::Closed => {
+                tracing::warn!(model, from = from.label(), reason = why.label(), difference = %inner.detail, "local tokenizer differs from the replicas: the gate is closed, the replicas' tokenizer serves this model until clean probe rounds reopen it");
+            }
+            GateState::Open if from == GateState::Closed => {
+                tracing::info!(
+                    model,
+                    rounds = self.rules.reopen_after_rounds,
+                    "clean probe rounds: the gate is open again, the local tokenizer serves"
+                );
+            }
+            GateState::Open | GateState::Pending => {
+                tracing::info!(
+                    model,
+                    "local tokenizer agrees with the replicas on the probe set; using it"
+                );
+            }
+        }
+        t
+    }
+
+    /// Applies a probe round's verdict (at `now`); the change, if any.
+    pub fn probe_round(&self, verdict: &Verdict, now: Instant) -> Option<Transition> {
+        let _ = now;
+        let mut inner = lock(&self.inner);
+        match (verdict, self.state()) {
+            (Verdict::Agree, GateState::Pending) => {
+                Some(self.transition(&mut inner, GateState::Open, Why::ProbesAgree))
+            }
+            (Verdict::Agree, GateState::Open) => {
+                // A periodic round: the gate stayed open a whole interval.
+                inner.strikes = 0;
+                None
+            }
+            (Verdict::Agree, GateState::Closed) => {
+                inner.clean_rounds = inner.clean_rounds.saturating_add(1);
+                if inner.clean_rounds < self.rules.reopen_after_rounds {
+                    return None;
+                }
+                inner.clean_rounds = 0;
+                inner.detail.clear();
+                inner.mismatches.clear();
+                Some(self.transition(&mut inner, GateState::Open, Why::ProbesClean))
+            }
+            (Verdict::Mismatch(why), state) => {
+                inner.strikes = inner.strikes.saturating_add(1);
+                inner.clean_rounds = 0;
+                inner.detail = why.clone();
+                (state != GateState::Closed)
+                    .then(|| self.transition(&mut inner, GateState::Closed, Why::ProbeMismatch))
+            }
+            (Verdict::Inconclusive(_) | Verdict::Refused(_), _) => None,
+        }
+    }
+
+    /// A live request (its body hashed to `body`) whose local ids differed
+    /// from a replica's by `why`, at `now`: counted and logged sparingly;
+    /// the gate closes once enough distinct bodies differed within the
+    /// window. The change, if any.
+    pub fn shadow_mismatch(&self, body: u64, why: &str, now: Instant) -> Option<Transition> {
+        if self.mismatch_log.open() {
+            tracing::warn!(model = %self.model, difference = %why, "a live request's local ids differ from a replica's: the replica's ids serve it (logged at most every 10 s; indexd_tokenizer_checks_total counts them)");
+        }
+        let mut inner = lock(&self.inner);
+        if self.state() != GateState::Open {
+            return None;
+        }
+        let window = self.rules.mismatch_window;
+        while inner
+            .mismatches
+            .front()
+            .is_some_and(|(at, _)| now.saturating_duration_since(*at) > window)
         {
-            why.clone_into(&mut d);
+            inner.mismatches.pop_front();
         }
-        was != GateState::Closed.as_u8()
+        if !inner.mismatches.iter().any(|(_, b)| *b == body) {
+            inner.mismatches.push_back((now, body));
+        }
+        let distinct = inner.mismatches.len();
+        if distinct < self.rules.close_after_mismatches as usize {
+            return None;
+        }
+        inner.mismatches.clear();
+        inner.strikes = inner.strikes.saturating_add(1);
+        inner.clean_rounds = 0;
+        inner.detail = format!(
+            "live requests of {distinct} distinct bodies differed within {window:?}; the last: {why}"
+        );
+        Some(self.transition(&mut inner, GateState::Closed, Why::ShadowMismatches))
     }
 
-    /// Whether a live request may be shadow-checked now (then one is in
-    /// flight until [`Gate::shadow_done`]).
-    pub fn take_shadow_slot(&self) -> bool {
-        let Some(every) = self.shadow_every else {
-            return false;
-        };
-        if self.shadow_busy.load(Ordering::Acquire) {
-            return false;
+    /// How long until the next probe round: a closed gate waits its backoff
+    /// (`reopen_backoff` doubled per strike, up to `interval`); otherwise an
+    /// inconclusive round is retried after `retry`, a conclusive one after
+    /// `interval`.
+    pub fn pause(&self, inconclusive: bool, retry: Duration) -> Duration {
+        let strikes = lock(&self.inner).strikes;
+        match self.state() {
+            GateState::Closed => {
+                let doublings = strikes.saturating_sub(1).min(20);
+                self.rules
+                    .reopen_backoff
+                    .saturating_mul(1 << doublings)
+                    .min(self.rules.interval)
+            }
+            GateState::Pending | GateState::Open if inconclusive => retry,
+            GateState::Pending | GateState::Open => self.rules.interval,
         }
-        let Ok(mut last) = self.last_shadow.lock() else {
-            return false;
-        };
+    }
+
+    /// Resolves at the gate's next change of state (or at once, if one
+    /// happened since the last call).
+    pub async fn changed(&self) {
+        self.changed.notified().await;
+    }
+
+    /// A shadow check's turn for a live request now, if one is due (at most
+    /// `shadow_per_second`, one at a time): held until dropped.
+    pub fn take_shadow_slot(&self) -> Option<ShadowSlot<'_>> {
+        let every = self.shadow_every?;
+        if self.shadow_busy.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut last = lock(&self.last_shadow);
         let now = Instant::now();
         if last.is_some_and(|t| now.saturating_duration_since(t) < every) {
-            return false;
+            return None;
         }
         if self.shadow_busy.swap(true, Ordering::AcqRel) {
-            return false;
+            return None;
         }
         *last = Some(now);
-        true
+        Some(ShadowSlot(self))
     }
 
-    fn shadow_done(&self) {
-        self.shadow_busy.store(false, Ordering::Release);
-    }
-
-    fn count(&self, shadow: bool, verdict: &Verdict) {
+    /// Counts one comparison.
+    pub(super) fn count(&self, shadow: bool, verdict: &Verdict) {
         let c = &self.counts;
         let counter = match (shadow, verdict) {
             (_, Verdict::Inconclusive(_)) => &c.inconclusive,
@@ -198,218 +388,28 @@ impl Gate {
         };
         counter.fetch_add(1, Ordering::Relaxed);
     }
-}
 
-/// Compares local and replica outcomes for one request.
-pub fn compare(
-    local: &Result<Vec<u32>, TokenizeError>,
-    replica: &Result<Vec<u32>, TokenizeError>,
-) -> Verdict {
-    match (local, replica) {
-        (_, Err(TokenizeError::Unavailable(why))) => Verdict::Inconclusive(why.clone()),
-        // The local tokenizer declines these and lets a replica tokenize.
-        (Err(TokenizeError::Unsupported(_)), _) => Verdict::Agree,
-        (Ok(a), Ok(b)) if a == b => Verdict::Agree,
-        (Ok(a), Ok(b)) => Verdict::Mismatch(first_difference(a, b)),
-        (Err(TokenizeError::Refused { .. }), Err(TokenizeError::Refused { .. })) => Verdict::Agree,
-        (Ok(a), Err(e @ TokenizeError::Refused { .. })) => Verdict::Refused(format!(
-            "local gave {} ids, the replica refused: {e}",
-            a.len()
-        )),
-        (Ok(a), Err(e)) => Verdict::Mismatch(format!(
-            "local gave {} ids, the replica failed: {e}",
-            a.len()
-        )),
-        (Err(e), Ok(b)) => Verdict::Mismatch(format!(
-            "local refused ({e}), the replica gave {} ids",
-            b.len()
-        )),
-        (Err(e), Err(_)) => Verdict::Inconclusive(format!("local failed: {e}")),
+    /// Transitions so far, by (from, to, why).
+    fn transitions(&self) -> Vec<((GateState, GateState, Why), u64)> {
+        lock(&self.inner)
+            .transitions
+            .iter()
+            .map(|(k, v)| (*k, *v))
+            .collect()
     }
 }
 
-/// Where two id sequences first differ.
-pub fn first_difference(local: &[u32], replica: &[u32]) -> String {
-    let at = local
-        .iter()
-        .zip(replica)
-        .position(|(a, b)| a != b)
-        .unwrap_or(local.len().min(replica.len()));
-    let window = |ids: &[u32]| -> Vec<u32> { ids.iter().skip(at).take(4).copied().collect() };
-    format!(
-        "ids differ at position {at}: local {:?}, replica {:?} (lengths {} and {})",
-        window(local),
-        window(replica),
-        local.len(),
-        replica.len()
-    )
-}
+/// A shadow check in flight (one per gate at a time), ended when dropped.
+#[derive(Debug)]
+pub struct ShadowSlot<'a>(&'a Gate);
 
-/// The probe set for `model`.
-pub fn probes(model: &str) -> Vec<(Api, String)> {
-    let m = serde_json::to_string(model).unwrap_or_else(|_| "\"\"".to_owned());
-    let text = "Routing keeps a conversation where its cache is. Ünïcödé, 中文, emoji 🚀, tabs\tand  double  spaces,\nnew lines\n\n and trailing space ";
-    let long = "All work and no play makes a cache cold. ".repeat(60);
-    let chat = |rest: &str| (Api::Chat, format!("{{\"model\":{m},{rest}}}"));
-    vec![
-        chat(r#""messages":[{"role":"user","content":"Hello, world!"}]"#),
-        chat(&format!(
-            r#""messages":[{{"role":"system","content":"You are terse."}},{{"role":"user","content":{t}}},{{"role":"assistant","content":"Noted."}},{{"role":"user","content":"And now?"}}]"#,
-            t = serde_json::to_string(text).unwrap_or_default()
-        )),
-        chat(
-            r#""messages":[{"role":"user","content":[{"type":"text","text":"first part"},{"type":"text","text":"second part"}]}]"#,
-        ),
-        chat(
-            r#""messages":[{"role":"system","content":"Use tools."},{"role":"user","content":"Weather in Paris?"},{"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function","function":{"name":"get_weather","arguments":"{\"city\": \"Paris\"}"}}]},{"role":"tool","tool_call_id":"call_1","content":"{\"temp\": 21}"}],"tools":[{"type":"function","function":{"name":"get_weather","description":"Weather by city","parameters":{"type":"object","properties":{"city":{"type":"string"}},"required":["city"]}}}]"#,
-        ),
-        chat(
-            r#""messages":[{"role":"user","content":"No generation prompt."}],"add_generation_prompt":false"#,
-        ),
-        chat(
-            r#""messages":[{"role":"user","content":"Finish this:"},{"role":"assistant","content":"Once upon a"}],"add_generation_prompt":false,"continue_final_message":true"#,
-        ),
-        chat(
-            r#""messages":[{"role":"user","content":"<s> </s> [INST] <|im_start|> <｜User｜> look-alikes"}]"#,
-        ),
-        chat(&format!(
-            r#""messages":[{{"role":"user","content":{}}}]"#,
-            serde_json::to_string(&long).unwrap_or_default()
-        )),
-        (
-            Api::Completions,
-            format!(r#"{{"model":{m},"prompt":"The quick brown fox jumps over the lazy dog."}}"#),
-        ),
-        (
-            Api::Completions,
-            format!(r#"{{"model":{m},"prompt":"  \n\tindented\r\nlines  "}}"#),
-        ),
-        (
-            Api::Completions,
-            format!(r#"{{"model":{m},"prompt":"no special tokens","add_special_tokens":false}}"#),
-        ),
-        (
-            Api::Responses,
-            format!(r#"{{"model":{m},"instructions":"Be brief.","input":"What is a KV cache?"}}"#),
-        ),
-        (
-            Api::Responses,
-            format!(
-                r#"{{"model":{m},"input":[{{"role":"user","content":[{{"type":"input_text","text":"Weather?"}}]}},{{"type":"function_call","call_id":"c1","name":"get_weather","arguments":"{{\"city\":\"Oslo\"}}"}},{{"type":"function_call_output","call_id":"c1","output":"cold"}}],"tools":[{{"type":"function","name":"get_weather","parameters":{{"type":"object","properties":{{"city":{{"type":"string"}}}}}}}}]}}"#
-            ),
-        ),
-    ]
-}
-
-/// One round of the probe set; the verdict of the round: the first
-/// mismatch, else inconclusive if any probe was or none agreed, else agree.
-/// Probes the replica refuses by its serving flags (tools, say) are left out.
-pub async fn probe_round(shared: &Shared, tokenizers: &Tokenizers, model: &str) -> Verdict {
-    let Some(local) = tokenizers.local(model) else {
-        return Verdict::Inconclusive("no local tokenizer".to_owned());
-    };
-    let mut inconclusive = None;
-    let mut agreed = 0usize;
-    for (api, body) in probes(model) {
-        let tokenizer = local.tokenizer.clone();
-        let input = body.clone();
-        let mine =
-            tokio::task::spawn_blocking(move || local_ids(&tokenizer, api, input.as_bytes()))
-                .await
-                .unwrap_or_else(|e| {
-                    Err(TokenizeError::Unavailable(format!("tokenizer task: {e}")))
-                });
-        let theirs = tokenizers
-            .replica_ids(shared, api, model, body.as_bytes())
-            .await;
-        let verdict = compare(&mine, &theirs);
-        local.gate.count(false, &verdict);
-        match verdict {
-            Verdict::Agree => agreed += 1,
-            Verdict::Mismatch(why) => {
-                return Verdict::Mismatch(format!("probe {api:?} {body}: {why}"));
-            }
-            Verdict::Inconclusive(why) => inconclusive = Some(why),
-            Verdict::Refused(why) => {
-                tracing::debug!(model, probe = %body, reason = %why, "probe refused by the replica; left out");
-            }
-        }
-    }
-    match (inconclusive, agreed) {
-        (Some(why), _) => Verdict::Inconclusive(why),
-        (None, 0) => Verdict::Inconclusive("the replica refused every probe".to_owned()),
-        (None, _) => Verdict::Agree,
+impl Drop for ShadowSlot<'_> {
+    fn drop(&mut self) {
+        self.0.shadow_busy.store(false, Ordering::Release);
     }
 }
 
-/// Applies a verdict to `model`'s gate (logging a change).
-fn settle(tokenizers: &Tokenizers, model: &str, verdict: &Verdict, what: &str) {
-    let Some(local) = tokenizers.local(model) else {
-        return;
-    };
-    match verdict {
-        Verdict::Agree => {
-            if local.gate.state() == GateState::Pending {
-                tracing::info!(
-                    model,
-                    "local tokenizer agrees with the replicas on the probe set; using it"
-                );
-            }
-            local.gate.open();
-        }
-        Verdict::Mismatch(why) => {
-            if local.gate.close(why) {
-                tracing::warn!(model, check = what, difference = %why, "local tokenizer differs from the replicas; using the replicas' tokenizer for this model until indexd restarts");
-            }
-        }
-        Verdict::Inconclusive(why) | Verdict::Refused(why) => {
-            tracing::debug!(model, check = what, reason = %why, "tokenizer check inconclusive");
-        }
-    }
-}
-
-/// The gate task of `model`: probe rounds at start (retried while
-/// inconclusive) and every `gate_interval`, until shutdown.
-pub async fn run(shared: Arc<Shared>, model: String) {
-    let retry = Duration::from_secs(2);
-    loop {
-        let tokenizers = &shared.tokenizers;
-        let verdict = probe_round(&shared, tokenizers, &model).await;
-        settle(tokenizers, &model, &verdict, "probe");
-        let pause = match (&verdict, tokenizers.local(&model).map(|l| l.gate.state())) {
-            (_, Some(GateState::Closed) | None) => return,
-            (Verdict::Inconclusive(_), _) => retry,
-            _ => tokenizers.config().gate_interval,
-        };
-        tokio::select! {
-            () = shared.shutdown.cancelled() => return,
-            () = tokio::time::sleep(pause) => {}
-        }
-    }
-}
-
-/// Compares a live request's local ids with a replica's, in the background.
-pub fn spawn_shadow_check(
-    shared: Arc<Shared>,
-    model: String,
-    api: Api,
-    body: Bytes,
-    local: Vec<u32>,
-) {
-    let tasks = shared.tasks.clone();
-    tasks.spawn(async move {
-        let tokenizers = &shared.tokenizers;
-        let theirs = tokenizers.replica_ids(&shared, api, &model, &body).await;
-        let verdict = compare(&Ok(local), &theirs);
-        if let Some(l) = tokenizers.local(&model) {
-            l.gate.count(true, &verdict);
-            settle(tokenizers, &model, &verdict, "shadow");
-            l.gate.shadow_done();
-        }
-    });
-}
-
-/// The per-model series: gate, checks, cache.
+/// The per-model series: gate, its transitions, checks, cache.
 pub fn render_metrics(tokenizers: &Tokenizers, out: &mut String) {
     let models: Vec<_> = tokenizers.locals().collect();
     if models.is_empty() {
@@ -426,6 +426,22 @@ pub fn render_metrics(tokenizers: &Tokenizers, out: &mut String) {
             escape(model),
             l.gate.state().as_u8()
         );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP indexd_tokenizer_gate_transitions_total Changes of a local tokenizer's gate, by from, to and reason (probes_agree, probe_mismatch, shadow_mismatches, probes_clean).\n# TYPE indexd_tokenizer_gate_transitions_total counter"
+    );
+    for (model, l) in &models {
+        for ((from, to, why), n) in l.gate.transitions() {
+            let _ = writeln!(
+                out,
+                "indexd_tokenizer_gate_transitions_total{{model=\"{}\",from=\"{}\",to=\"{}\",reason=\"{}\"}} {n}",
+                escape(model),
+                from.label(),
+                to.label(),
+                why.label()
+            );
+        }
     }
     let _ = writeln!(
         out,
@@ -494,74 +510,5 @@ pub fn render_metrics(tokenizers: &Tokenizers, out: &mut String) {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn refused() -> TokenizeError {
-        TokenizeError::Refused {
-            status: 400,
-            message: "x".into(),
-        }
-    }
-
-    #[test]
-    fn verdicts() {
-        assert_eq!(compare(&Ok(vec![1, 2]), &Ok(vec![1, 2])), Verdict::Agree);
-        assert_eq!(compare(&Err(refused()), &Err(refused())), Verdict::Agree);
-        assert!(matches!(
-            compare(&Ok(vec![1, 2, 3]), &Ok(vec![1, 9, 3])),
-            Verdict::Mismatch(m) if m.contains("position 1")
-        ));
-        assert!(matches!(
-            compare(&Ok(vec![1]), &Err(refused())),
-            Verdict::Refused(_)
-        ));
-        assert!(matches!(
-            compare(&Err(refused()), &Ok(vec![1])),
-            Verdict::Mismatch(_)
-        ));
-        assert!(matches!(
-            compare(
-                &Ok(vec![1]),
-                &Err(TokenizeError::Unavailable("down".into()))
-            ),
-            Verdict::Inconclusive(_)
-        ));
-        assert_eq!(
-            first_difference(&[1, 2], &[1, 2, 3]),
-            "ids differ at position 2: local [], replica [3] (lengths 2 and 3)"
-        );
-    }
-
-    #[test]
-    fn a_closed_gate_never_reopens_and_keeps_its_first_reason() {
-        let g = Gate::new(1.0);
-        assert_eq!(g.state(), GateState::Pending);
-        g.open();
-        assert_eq!(g.state(), GateState::Open);
-        assert!(g.close("first"));
-        assert!(!g.close("second"));
-        g.open();
-        assert_eq!(g.state(), GateState::Closed);
-        assert_eq!(g.detail(), "first");
-    }
-
-    #[test]
-    fn shadow_slots_are_rate_limited_and_one_at_a_time() {
-        let g = Gate::new(1000.0);
-        assert!(g.take_shadow_slot());
-        assert!(!g.take_shadow_slot(), "one in flight");
-        g.shadow_done();
-        std::thread::sleep(Duration::from_millis(2));
-        assert!(g.take_shadow_slot());
-        assert!(!Gate::new(0.0).take_shadow_slot(), "0 disables them");
-    }
-
-    #[test]
-    fn probes_are_valid_json_naming_the_model() {
-        for (_, body) in probes("m\"odel") {
-            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-            assert_eq!(v["model"], "m\"odel");
-        }
-    }
-}
+#[path = "gate_tests.rs"]
+mod tests;

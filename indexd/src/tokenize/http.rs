@@ -4,7 +4,11 @@
 //! returned as it came. The `x-kvroute-tokenizer` response header says which
 //! (`local` or `replica`). Errors are vLLM's error objects: 400 for a body
 //! vLLM would refuse, 404 for a model nobody serves, 413 for a body over
-//! `max_body_bytes`, 503 when no tokenizer can answer.
+//! `max_body_bytes`, 503 when no tokenizer can answer, and 503 with
+//! `Retry-After` for a body over the admission budget ([`super::admission`]).
+//! A request carrying [`replica::HOP_HEADER`] (an indexd forwarded it) is
+//! refused with 508: it is never forwarded again. A closed connection
+//! cancels its body's work.
 
 use std::sync::Arc;
 
@@ -12,13 +16,15 @@ use axum::Router;
 use axum::body::Bytes;
 use axum::extract::Request;
 use axum::extract::{DefaultBodyLimit, State};
+use axum::http::HeaderMap;
 use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use kvroute_tokenizer::{ResponsesRequest, TokenizeRequest};
 
-use super::{Api, GateState, Source, replica};
+use super::admission::{Refusal, Via};
+use super::{Api, GateState, Limits, Source, replica};
 use crate::state::{Shared, read};
 
 /// The routes, with the body limit of the configuration. A request whose
@@ -60,6 +66,7 @@ pub fn error(status: StatusCode, message: &str, param: Option<&str>) -> Response
     let kind = match status.as_u16() {
         404 => "NotFoundError",
         413 => "RequestEntityTooLarge",
+        503 => "ServiceUnavailableError",
         400..=499 => "BadRequestError",
         _ => "InternalServerError",
     };
@@ -116,19 +123,65 @@ fn model_of(shared: &Shared, body: &[u8]) -> Result<String, Box<Response>> {
     }
 }
 
-async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
-    let is_chat = serde_json::from_slice::<serde_json::Value>(&body)
-        .map(|v| v.get("messages").is_some())
-        .unwrap_or(false);
+async fn tokenize(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    #[derive(serde::Deserialize)]
+    struct Shape {
+        messages: Option<serde::de::IgnoredAny>,
+    }
+    let is_chat = serde_json::from_slice::<Shape>(&body).is_ok_and(|s| s.messages.is_some());
     let api = if is_chat { Api::Chat } else { Api::Completions };
-    serve(&shared, api, body).await
+    admitted(&shared, Via::Tokenize, &headers, api, body).await
 }
 
-async fn render(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
-    serve(&shared, Api::Responses, body).await
+async fn render(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    admitted(&shared, Via::Render, &headers, Api::Responses, body).await
 }
 
-async fn serve(shared: &Arc<Shared>, api: Api, body: Bytes) -> Response {
+/// Refuses a forwarded body and a body over the budget; serves the rest,
+/// telling its work to stop if the connection closes first.
+async fn admitted(
+    shared: &Arc<Shared>,
+    via: Via,
+    headers: &HeaderMap,
+    api: Api,
+    body: Bytes,
+) -> Response {
+    let admission = &shared.tokenizers.admission;
+    if headers.contains_key(replica::HOP_HEADER) {
+        admission.count_refused(via, "loop");
+        return error(
+            StatusCode::LOOP_DETECTED,
+            "this request was forwarded by an indexd already: indexd does not forward it again (is an endpoint's address indexd's own?)",
+            None,
+        );
+    }
+    let (ticket, caller) = match admission.try_admit(via, body.len()) {
+        Ok(admitted) => admitted,
+        Err(refusal) => return busy(refusal, admission.config().retry_after),
+    };
+    let response = serve(shared, api, body, ticket).await;
+    caller.finish();
+    response
+}
+
+/// 503 with `Retry-After` (whole seconds, at least 1).
+fn busy(refusal: Refusal, retry_after: std::time::Duration) -> Response {
+    let mut response = error(StatusCode::SERVICE_UNAVAILABLE, &refusal.to_string(), None);
+    let secs = retry_after.as_secs().max(1);
+    if let Ok(v) = HeaderValue::from_str(&secs.to_string()) {
+        response
+            .headers_mut()
+            .insert(axum::http::header::RETRY_AFTER, v);
+    }
+    response
+}
+
+async fn serve(
+    shared: &Arc<Shared>,
+    api: Api,
+    body: Bytes,
+    ticket: super::admission::Ticket,
+) -> Response {
     let model = match model_of(shared, &body) {
         Ok(m) => m,
         Err(response) => return *response,
@@ -139,13 +192,25 @@ async fn serve(shared: &Arc<Shared>, api: Api, body: Bytes) -> Response {
     {
         let tokenizer = local.tokenizer.clone();
         let input = body.clone();
-        let answer = tokio::task::spawn_blocking(move || match api {
-            Api::Responses => ResponsesRequest::from_json(&input)
-                .and_then(|r| tokenizer.render_responses(&r))
-                .map(|r| serde_json::to_vec(&r)),
-            Api::Chat | Api::Completions => TokenizeRequest::from_json(&input)
-                .and_then(|r| tokenizer.tokenize(&r))
-                .map(|r| serde_json::to_vec(&r)),
+        let limits = Limits {
+            cancel: ticket.cancel().clone(),
+            deadline: std::time::Instant::now().checked_add(tokenizers.config().time_budget),
+        };
+        // The budget's share goes with the work: a closed connection sets
+        // the cancel flag, and the share returns when the work stops.
+        let answer = tokio::task::spawn_blocking(move || {
+            let _ticket = ticket;
+            if limits.cancel.is_cancelled() {
+                return Err(kvroute_tokenizer::RequestError::Cancelled);
+            }
+            match api {
+                Api::Responses => ResponsesRequest::from_json(&input)
+                    .and_then(|r| tokenizer.render_responses(&r))
+                    .map(|r| serde_json::to_vec(&r)),
+                Api::Chat | Api::Completions => TokenizeRequest::from_json(&input)
+                    .and_then(|r| tokenizer.tokenize(&r))
+                    .map(|r| serde_json::to_vec(&r)),
+            }
         })
         .await;
         match answer {
@@ -163,7 +228,8 @@ async fn serve(shared: &Arc<Shared>, api: Api, body: Bytes) -> Response {
                     Source::Local,
                 );
             }
-            // Not reproduced locally, or the task failed: a replica answers.
+            // Not reproduced locally, over the local caps or time budget, or
+            // the task failed: a replica answers.
             _ => {}
         }
     }

@@ -146,6 +146,12 @@ fn error_message(answer: &[u8]) -> String {
     msg.unwrap_or_else(|| String::from_utf8_lossy(answer.get(..200).unwrap_or(answer)).into_owned())
 }
 
+/// The header every body indexd forwards carries. indexd's own HTTP refuses
+/// a request that carries it: a body forwarded once is never forwarded
+/// again, so an endpoint that turns out to be an indexd (its own port, by
+/// misconfiguration or a hostile discovery entry) cannot make a loop.
+pub const HOP_HEADER: &str = "x-kvroute-hop";
+
 /// What a replica answered: its status and body, read up to a bound.
 pub async fn call(
     client: &reqwest::Client,
@@ -159,6 +165,7 @@ pub async fn call(
         let mut response = client
             .post(&url)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(HOP_HEADER, "1")
             .body(body)
             .send()
             .await

@@ -23,11 +23,11 @@ use tokio_util::sync::CancellationToken;
 
 use super::eventually;
 
-const MODEL: &str = "tiny";
+pub(super) const MODEL: &str = "tiny";
 
 /// The tiny-llama model directory (`KVROUTE_VLLM_MODEL`, default
 /// `~/.cache/kvroute/tiny-llama`, written by tests/vllm/ and .ci/deps.sh).
-fn model_dir() -> PathBuf {
+pub(super) fn model_dir() -> PathBuf {
     let dir = std::env::var_os("KVROUTE_VLLM_MODEL").map_or_else(
         || {
             PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
@@ -171,7 +171,7 @@ async fn start_indexd(replica: std::net::SocketAddr, local_dir: &Path) -> Daemon
     }
 }
 
-async fn get(url: &str) -> String {
+pub(super) async fn get(url: &str) -> String {
     reqwest::get(url).await.unwrap().text().await.unwrap()
 }
 
@@ -186,7 +186,7 @@ async fn wait_for_gate(d: &Daemon, state: u8) {
     .await;
 }
 
-fn chat(content: &str) -> Vec<u8> {
+pub(super) fn chat(content: &str) -> Vec<u8> {
     serde_json::json!({
         "model": MODEL,
         "messages": [
@@ -247,7 +247,7 @@ async fn gate_open(dir: &Path) -> (Replica, Daemon, Tokenizer) {
 }
 
 /// The token ids `truth` gives a `/tokenize` body.
-fn tokens_of(truth: &Tokenizer, body: &[u8]) -> Vec<u32> {
+pub(super) fn tokens_of(truth: &Tokenizer, body: &[u8]) -> Vec<u32> {
     truth
         .tokenize(&TokenizeRequest::from_json(body).unwrap())
         .unwrap()

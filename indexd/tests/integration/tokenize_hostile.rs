@@ -1,0 +1,341 @@
+//! Tokenization under bodies a client controls: a live request whose ids
+//! differ from a replica's falls back alone and one client cannot close the
+//! exactness gate; a real difference on the probe set still closes it and
+//! clean rounds reopen it; bodies over the admission budget are answered at
+//! once (a Pick unrouted, HTTP 503 with `Retry-After`); a Pick whose caller
+//! goes away gives its share back; a body an indexd forwarded is not
+//! forwarded again.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes as Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use indexd::config::EndpointConfig;
+use indexd::tokenize::{AdmissionConfig, GateRules, TokenizeConfig, TokenizerSpec};
+use indexd::{Config, Server};
+use kvroute_proto::v1::index_client::IndexClient;
+use kvroute_proto::v1::{Api, DecisionKind, Mode, PickRequest, PickResponse, TokenizerSource};
+use kvroute_tokenizer::{LoadOptions, TokenizeRequest, Tokenizer};
+use tokio_util::sync::CancellationToken;
+
+use super::eventually;
+use super::tokenize::{MODEL, chat, get, model_dir, tokens_of};
+
+/// A replica's `/tokenize`, answered by the real tokenizer, except:
+/// - a body containing `DIVERGE`, or any body while `diverge` is set, gets
+///   one id more than the truth (a tokenizer difference);
+/// - a body containing `SLOW` is answered after 10 s.
+#[derive(Clone)]
+struct Stub {
+    tokenizer: Arc<Tokenizer>,
+    diverge: Arc<AtomicBool>,
+    calls: Arc<AtomicUsize>,
+    /// Calls that carried indexd's hop header.
+    hops: Arc<AtomicUsize>,
+}
+
+async fn stub_tokenize(
+    State(s): State<Stub>,
+    headers: HeaderMap,
+    body: Body,
+) -> (StatusCode, String) {
+    s.calls.fetch_add(1, Ordering::Relaxed);
+    if headers.contains_key("x-kvroute-hop") {
+        s.hops.fetch_add(1, Ordering::Relaxed);
+    }
+    let text = String::from_utf8_lossy(&body);
+    if text.contains("SLOW") {
+        tokio::time::sleep(Duration::from_secs(10)).await;
+    }
+    let mut answer = TokenizeRequest::from_json(&body)
+        .and_then(|r| s.tokenizer.tokenize(&r))
+        .unwrap();
+    if text.contains("DIVERGE") || s.diverge.load(Ordering::Relaxed) {
+        answer.tokens.push(1);
+        answer.count += 1;
+    }
+    (StatusCode::OK, serde_json::to_string(&answer).unwrap())
+}
+
+async fn start_stub(dir: &Path) -> (SocketAddr, Stub) {
+    let stub = Stub {
+        tokenizer: Arc::new(Tokenizer::load(dir, MODEL, LoadOptions::default()).unwrap()),
+        diverge: Arc::default(),
+        calls: Arc::default(),
+        hops: Arc::default(),
+    };
+    let app = Router::new()
+        .route("/tokenize", post(stub_tokenize))
+        .with_state(stub.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr, stub)
+}
+
+struct Daemon {
+    client: IndexClient<tonic::transport::Channel>,
+    http: String,
+    stop: CancellationToken,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// indexd with the stub as its replica; `local` tokenizes locally.
+async fn start(
+    replica: SocketAddr,
+    local: Option<&Path>,
+    tweak: impl FnOnce(&mut TokenizeConfig),
+) -> Daemon {
+    let mut config = Config::new(vec![EndpointConfig::new(replica, MODEL)]);
+    config.grpc_listen = "127.0.0.1:0".parse().unwrap();
+    config.http_listen = "127.0.0.1:0".parse().unwrap();
+    config.block_size = kvroute_proto::BlockSize::new(4).unwrap();
+    config.tokenize.tokenizers = local
+        .map(|dir| TokenizerSpec {
+            model: MODEL.into(),
+            dir: dir.to_path_buf(),
+            max_model_len: None,
+            chat_template: None,
+            trust_request_chat_template: false,
+        })
+        .into_iter()
+        .collect();
+    tweak(&mut config.tokenize);
+    let bound = Server::bind(config).await.unwrap();
+    let (grpc, http) = (bound.grpc_addr(), bound.http_addr());
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    tokio::spawn(async move { bound.serve(s).await });
+    let client = IndexClient::connect(format!("http://{grpc}"))
+        .await
+        .unwrap();
+    Daemon {
+        client,
+        http: format!("http://{http}"),
+        stop,
+    }
+}
+
+fn pick(body: Vec<u8>) -> PickRequest {
+    PickRequest {
+        model: MODEL.into(),
+        block_size: 4,
+        mode: Mode::Precise.into(),
+        request_id: "r".into(),
+        body,
+        api: Api::Chat.into(),
+        ..PickRequest::default()
+    }
+}
+
+async fn pick_body(d: &mut Daemon, body: Vec<u8>) -> PickResponse {
+    d.client.pick(pick(body)).await.unwrap().into_inner()
+}
+
+async fn metric_shows(d: &Daemon, line: &str) {
+    let url = format!("{}/metrics", d.http);
+    eventually(line, || {
+        let url = url.clone();
+        async move { get(&url).await.lines().any(|l| l == line) }
+    })
+    .await;
+}
+
+fn gate_line(state: u8) -> String {
+    format!("indexd_tokenizer_gate{{model=\"{MODEL}\"}} {state}")
+}
+
+/// Rules under which every live request is shadow-checked and a closed gate
+/// retries its probes within a fraction of a second.
+fn eager(c: &mut TokenizeConfig) {
+    c.gate = GateRules {
+        shadow_per_second: 1e6,
+        close_after_mismatches: 3,
+        mismatch_window: Duration::from_secs(600),
+        reopen_after_rounds: 2,
+        reopen_backoff: Duration::from_millis(100),
+        ..GateRules::default()
+    };
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_client_cannot_close_the_gate_and_clean_rounds_reopen_it() {
+    let dir = model_dir();
+    let (addr, stub) = start_stub(&dir).await;
+    let mut d = start(addr, Some(&dir), eager).await;
+    metric_shows(&d, &gate_line(1)).await;
+    let truth = Tokenizer::load(&dir, MODEL, LoadOptions::default()).unwrap();
+
+    // One odd body sent again and again: each time it is answered with the
+    // replica's ids, and the gate stays open.
+    let odd = chat("DIVERGE: an input the local tokenizer gets wrong");
+    let want = tokens_of(&truth, &odd).len() + 1;
+    for _ in 0..8 {
+        let a = pick_body(&mut d, odd.clone()).await;
+        assert_eq!(a.tokenizer, TokenizerSource::Replica as i32);
+        assert_eq!(a.prompt_tokens as usize, want, "the replica's ids serve it");
+    }
+    // Ordinary requests are answered locally (and agree).
+    let plain = chat("an ordinary request");
+    let a = pick_body(&mut d, plain.clone()).await;
+    assert_eq!(a.tokenizer, TokenizerSource::Local as i32);
+    assert_eq!(a.prompt_tokens as usize, tokens_of(&truth, &plain).len());
+    let metrics = get(&format!("{}/metrics", d.http)).await;
+    assert!(metrics.lines().any(|l| l == gate_line(1)), "{metrics}");
+    assert!(
+        metrics.contains(&format!(
+            "indexd_tokenizer_checks_total{{model=\"{MODEL}\",kind=\"shadow\",result=\"mismatch\"}} 8"
+        )),
+        "{metrics}"
+    );
+
+    // Differences on three distinct bodies are the tokenizer's: closed.
+    pick_body(&mut d, chat("DIVERGE: a second body")).await;
+    pick_body(&mut d, chat("DIVERGE: a third body")).await;
+    metric_shows(&d, &gate_line(2)).await;
+    let ready = get(&format!("{}/readyz", d.http)).await;
+    assert!(
+        ready.contains("tokenizer tiny: closed (live requests of 3 distinct bodies"),
+        "{ready}"
+    );
+    // The probe set agrees: two clean rounds after the backoff reopen it.
+    metric_shows(&d, &gate_line(1)).await;
+    let metrics = get(&format!("{}/metrics", d.http)).await;
+    for transition in [
+        "from=\"open\",to=\"closed\",reason=\"shadow_mismatches\"} 1",
+        "from=\"closed\",to=\"open\",reason=\"probes_clean\"} 1",
+    ] {
+        assert!(
+            metrics.contains(&format!(
+                "indexd_tokenizer_gate_transitions_total{{model=\"{MODEL}\",{transition}"
+            )),
+            "{transition}\n{metrics}"
+        );
+    }
+    assert!(stub.calls.load(Ordering::Relaxed) > 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_probe_mismatch_closes_the_gate_until_clean_rounds_reopen_it() {
+    let dir = model_dir();
+    let (addr, stub) = start_stub(&dir).await;
+    let d = start(addr, Some(&dir), |c| {
+        eager(c);
+        c.gate.interval = Duration::from_millis(200);
+    })
+    .await;
+    metric_shows(&d, &gate_line(1)).await;
+    stub.diverge.store(true, Ordering::Relaxed);
+    metric_shows(&d, &gate_line(2)).await;
+    let ready = get(&format!("{}/readyz", d.http)).await;
+    assert!(ready.contains("tokenizer tiny: closed (probe"), "{ready}");
+    // While the replica still differs, the gate stays closed.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let metrics = get(&format!("{}/metrics", d.http)).await;
+    assert!(metrics.lines().any(|l| l == gate_line(2)), "{metrics}");
+    stub.diverge.store(false, Ordering::Relaxed);
+    metric_shows(&d, &gate_line(1)).await;
+    metric_shows(
+        &d,
+        &format!(
+            "indexd_tokenizer_gate_transitions_total{{model=\"{MODEL}\",from=\"closed\",to=\"open\",reason=\"probes_clean\"}} 1"
+        ),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_over_the_budget_are_answered_at_once_and_a_gone_caller_gives_its_share_back() {
+    let dir = model_dir();
+    let (addr, _stub) = start_stub(&dir).await;
+    // The replicas tokenize (no local tokenizer); one body at a time.
+    let mut d = start(addr, None, |c| {
+        c.replica_timeout = Duration::from_secs(30);
+        c.admission = AdmissionConfig {
+            max_bytes: 1 << 20,
+            max_concurrent: 1,
+            small_body_bytes: 1 << 10,
+            reserved_bytes: 0,
+            reserved_concurrent: 0,
+            retry_after: Duration::from_secs(3),
+        };
+    })
+    .await;
+    // A body the replica takes 10 s over holds the only place.
+    let mut client = d.client.clone();
+    let slow = tokio::spawn(async move { client.pick(pick(chat("SLOW"))).await });
+    metric_shows(&d, "indexd_tokenize_inflight_bodies 1").await;
+
+    let a = pick_body(&mut d, chat("an ordinary request")).await;
+    assert_eq!(a.decision, DecisionKind::Untokenized as i32);
+    assert!(a.reason.contains("tokenization budget"), "{}", a.reason);
+    let r = reqwest::Client::new()
+        .post(format!("{}/tokenize", d.http))
+        .body(chat("an ordinary request"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["retry-after"], "3");
+    let metrics = get(&format!("{}/metrics", d.http)).await;
+    for line in [
+        "indexd_tokenize_refused_total{path=\"pick\",reason=\"concurrency\"} 1",
+        "indexd_tokenize_refused_total{path=\"tokenize\",reason=\"concurrency\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line}\n{metrics}");
+    }
+
+    // The slow Pick's caller goes away: its work is cancelled and the place
+    // returns long before the replica would have answered.
+    slow.abort();
+    metric_shows(&d, "indexd_tokenize_cancelled_total{path=\"pick\"} 1").await;
+    metric_shows(&d, "indexd_tokenize_inflight_bodies 0").await;
+    let a = pick_body(&mut d, chat("an ordinary request")).await;
+    assert_ne!(a.decision, DecisionKind::Untokenized as i32, "{}", a.reason);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_body_is_not_forwarded_again() {
+    let dir = model_dir();
+    let (addr, stub) = start_stub(&dir).await;
+    let d = start(addr, None, |_| {}).await;
+    let http = reqwest::Client::new();
+    // indexd marks what it forwards.
+    let r = http
+        .post(format!("{}/tokenize", d.http))
+        .body(chat("forwarded once"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-kvroute-tokenizer"], "replica");
+    assert_eq!(stub.hops.load(Ordering::Relaxed), 1);
+    // And refuses what carries the mark.
+    let calls = stub.calls.load(Ordering::Relaxed);
+    let r = http
+        .post(format!("{}/tokenize", d.http))
+        .header("x-kvroute-hop", "1")
+        .body(chat("forwarded twice"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 508);
+    assert_eq!(stub.calls.load(Ordering::Relaxed), calls, "not forwarded");
+    let metrics = get(&format!("{}/metrics", d.http)).await;
+    assert!(
+        metrics.contains("indexd_tokenize_refused_total{path=\"tokenize\",reason=\"loop\"} 1"),
+        "{metrics}"
+    );
+}
