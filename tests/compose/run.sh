@@ -6,6 +6,7 @@
 #   3. builds the images with KVROUTE_BINARIES=prebuilt (the host's release binaries and filter,
 #      which `make compose-test` builds first) and ups the stack under a project name of its own,
 #      every host port on 127.0.0.1 chosen by Docker;
+#      Envoy's admin must be off the network (it is read from inside the Envoy container);
 #   4. sends a two-turn conversation through Envoy: the second turn must land on the first turn's
 #      replica with x-kvroute-decision: precise;
 #   5. kills indexd's container: requests must still be answered (fail open);
@@ -193,7 +194,7 @@ for f in "target/$prebuilt_dir/indexd" "target/$prebuilt_dir/mock-vllm" target/w
   [ -f "$f" ] || die "$f is missing: make compose-test builds it (with CARGO_TARGET_DIR unset)"
 done
 export KVROUTE_PREBUILT_DIR=$prebuilt_dir
-export KVROUTE_BINARIES=prebuilt KVROUTE_PORT=0 KVROUTE_ADMIN_PORT=0 KVROUTE_INDEXD_PORT=0
+export KVROUTE_BINARIES=prebuilt KVROUTE_PORT=0 KVROUTE_INDEXD_PORT=0
 cache_before=$(cache_ids)
 [ -n "$cache_before" ] || cache_before=none
 say "build ($project)"
@@ -230,14 +231,45 @@ port_of() { # SERVICE PORT → 127.0.0.1:N
   case $a in 127.0.0.1:*) printf '%s' "$a" ;; *) die "$1:$2 is published on '$a', not on 127.0.0.1" ;; esac
 }
 gateway=$(port_of envoy 10000)
-admin=$(port_of envoy 9901)
 indexd_http=$(port_of indexd 9471)
-say "Envoy: http://$gateway (admin $admin)  indexd: http://$indexd_http"
+say "Envoy: http://$gateway  indexd: http://$indexd_http"
+
+# Envoy's admin (:9901) listens on its container's loopback only: published nowhere, and
+# refused on the compose network where the listener (:10000) answers. The test reads it from
+# inside the Envoy container.
+admin_published=$("${compose[@]}" port envoy 9901 2>/dev/null | grep -c ':[1-9]' || true)
+check "Envoy's admin is not published on the host" [ "$admin_published" -eq 0 ]
+envoy_ip=$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}} {{end}}' \
+  "$("${compose[@]}" ps -q envoy)" | awk '{ print $1 }')
+from_indexd() { # PORT: whether indexd's container can open a TCP connection to Envoy's PORT
+  timeout 20 "${compose[@]}" exec -T indexd bash -c "exec 3<>/dev/tcp/$envoy_ip/$1" 2>/dev/null
+}
+check "Envoy's listener answers on the compose network ($envoy_ip:10000)" from_indexd 10000
+admin_refused() { ! from_indexd 9901; }
+check "Envoy's admin is refused on the compose network ($envoy_ip:9901)" admin_refused
+envoy_admin() { # PATH → the body of Envoy's admin answer, asked from inside its container
+  "${compose[@]}" exec -T envoy bash -c 'exec 3<>/dev/tcp/127.0.0.1/9901 &&
+    printf "GET %s HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n" "$1" >&3 && cat <&3' _ "$1" |
+    python3 -c '
+import sys
+raw = sys.stdin.buffer.read()
+head, _, body = raw.partition(b"\r\n\r\n")
+if b"transfer-encoding: chunked" in head.lower():  # the admin answers in chunks
+    out = b""
+    while body:
+        size, _, rest = body.partition(b"\r\n")
+        n = int(size.split(b";")[0] or b"0", 16)
+        if n == 0:
+            break
+        out, body = out + rest[:n], rest[n + 2:]
+    body = out
+sys.stdout.buffer.write(body)'
+}
 
 # One identity for each replica: the addresses indexd resolved the service names to are the
 # hosts Envoy's STRICT_DNS cluster holds (else an override would name no host and Envoy would
 # fall back to least-request unseen).
-envoy_hosts=$(curl -sS --max-time 5 "http://$admin/clusters" |
+envoy_hosts=$(envoy_admin /clusters |
   sed -n 's/^vllm::\([0-9.]*:[0-9]*\)::health_flags::.*/\1/p' | sort -u | paste -sd ' ')
 indexd_hosts=$(curl -sS --max-time 5 "http://$indexd_http/metrics" |
   sed -n 's/^indexd_replica_healthy{endpoint="\([^"]*\)".*/\1/p' | sort -u | paste -sd ' ')

@@ -5,6 +5,11 @@
 //! indexd parses its configs, the mock's CLI parses the compose commands, and
 //! the files agree with each other on addresses, ports, socket paths, labels
 //! and groups (the NetworkPolicies against the DaemonSet and the Service).
+//! `deploy_files/hardening.rs`: the shared token (the Kubernetes sample's
+//! indexd run on loopback), indexd's CPU and memory bounds, the circuit
+//! breakers on every indexd cluster, compose's admin on loopback.
+//! `deploy_files/indexd_overflow.rs`: those circuit breakers overflowing in
+//! real Envoy with the filter.
 
 #![allow(
     clippy::unwrap_used,
@@ -14,6 +19,13 @@
 )]
 
 use std::path::{Path, PathBuf};
+
+mod standins;
+
+#[path = "deploy_files/hardening.rs"]
+mod hardening;
+#[path = "deploy_files/indexd_overflow.rs"]
+mod indexd_overflow;
 
 use kvroute_e2e::envoy::{self, http_listener, kvroute_filter, socket_address};
 use kvroute_e2e::{EnvoyConfig, artifacts};
@@ -463,15 +475,21 @@ fn kubernetes_network_policies_match_the_daemonset_and_the_service() {
         let target = port_named(p["targetPort"].as_str().unwrap());
         assert!(admitted.contains(&target), "Service port {p} not admitted");
     }
-    // Prometheus: only the HTTP port, the one the scrape annotation names.
+    // Prometheus: only the HTTP port, the one envoy/prometheus/ scrapes
+    // (the PodMonitor by its name, the scrape job keeps it by name too:
+    // deploy_files/hardening.rs).
     let prometheus_rule = rules.iter().find(|r| from_prometheus(r)).unwrap();
     let http = port_named("http");
     assert_eq!(rule_ports(prometheus_rule), vec![http]);
     assert_eq!(parsed.http_listen.port() as u64, http);
-    assert_eq!(
-        template["metadata"]["annotations"]["prometheus.io/port"],
-        http.to_string()
-    );
+    let monitor = yaml_docs("envoy/prometheus/podmonitor.yaml")
+        .into_iter()
+        .find(|d| d["kind"] == "PodMonitor")
+        .unwrap();
+    let scraped = monitor["spec"]["podMetricsEndpoints"][0]["port"]
+        .as_str()
+        .unwrap();
+    assert_eq!(port_named(scraped), http);
 
     // The replicas' KV-event and replay ports: from indexd only.
     let vllm = policy("kvroute-vllm");
