@@ -16,7 +16,8 @@
 //! http answer ── no headers/5xx/garbage ───────────────► tokenize_failed (+breaker)
 //!             ── 4xx (the request's fault) ────────────► tokenize_failed
 //!   │ block keys, capped (none: short_prompt)
-//!   ▼ Pick (gRPC) ◄──────────────────────┘ dispatch error ► index_unavailable
+//!   ▼ Pick (gRPC) ◄──────────────────────┘ dispatch error ► index_unavailable (+breaker)
+//!   │                    refused at once (cluster overflow) ► index_busy
 //! grpc answer ── InvalidArgument/OutOfRange ───────────► index_rejected
 //!             ── other status≠0, garbage ──────────────► index_unavailable (+breaker)
 //!   │ STALE ────────────────────────────────────────────► index_stale
@@ -66,6 +67,8 @@ const MAX_HOSTS: usize = 16;
 static MISMATCH_WARNED: AtomicBool = AtomicBool::new(false);
 /// Whether a key-scheme mismatch was already logged as a warning.
 static SCHEME_WARNED: AtomicBool = AtomicBool::new(false);
+/// Whether a Pick refused by Envoy at once was logged at warn level.
+static BUSY_WARNED: AtomicBool = AtomicBool::new(false);
 
 /// A warning's level: loud the first time per VM (`warned` still clear),
 /// debug after; the counters keep counting.
@@ -526,6 +529,18 @@ impl Flow {
                     sent_us,
                 };
                 Action::Pause
+            }
+            // Envoy's circuit breaker on the indexd cluster is full: indexd
+            // is busy, not failing, and the refusal cost no wait, so the
+            // breaker (which spares requests a timeout each) does not count
+            // it.
+            Err(e) if e.refused_at_once() => {
+                log::log!(
+                    loud_once(&BUSY_WARNED),
+                    "Pick refused by Envoy at once (the indexd cluster's circuit breaker is full): \
+                     going on unrouted (kvroute_decisions_index_busy counts these)"
+                );
+                self.unrouted(host, routed, Reason::IndexBusy, via)
             }
             Err(e) => {
                 log::warn!("Pick not dispatched: {}", e.0);

@@ -43,6 +43,9 @@ pub struct FakeHost {
     pub grpc_calls: Vec<GrpcCall>,
     pub fail_http_dispatch: bool,
     pub fail_grpc_dispatch: bool,
+    /// Dispatching a gRPC call fails as Envoy's overflowing cluster makes it
+    /// fail (`InternalFailure`).
+    pub overflow_grpc_dispatch: bool,
     pub http_answer_headers: Vec<(String, Vec<u8>)>,
     pub http_answer_body: Vec<u8>,
     pub grpc_answer_body: Vec<u8>,
@@ -222,6 +225,9 @@ impl Host for FakeHost {
     ) -> Result<u32, HostError> {
         if self.fail_grpc_dispatch {
             return Err(HostError("unknown cluster".to_owned()));
+        }
+        if self.overflow_grpc_dispatch {
+            return Err(HostError("InternalFailure".to_owned()));
         }
         let token = self.token();
         self.grpc_calls.push(GrpcCall {

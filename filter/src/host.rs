@@ -7,9 +7,21 @@ use std::time::Duration;
 
 use crate::metrics::{Counter, Histogram};
 
-/// A host call that did not happen (unknown cluster, bad argument, …).
+/// A host call that did not happen (unknown cluster, bad argument, …): the
+/// host's status, by name.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostError(pub String);
+
+impl HostError {
+    /// Whether Envoy refused the call at once although its cluster exists:
+    /// its async client failed the call inline (the cluster's circuit
+    /// breaker overflowing — measured on Envoy 1.40 — or no host to send it
+    /// to), which the ABI reports as `InternalFailure`. An unknown cluster
+    /// or a bad argument are other statuses.
+    pub fn refused_at_once(&self) -> bool {
+        self.0 == "InternalFailure"
+    }
+}
 
 /// A shared-data write lost a compare-and-swap race or failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

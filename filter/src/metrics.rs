@@ -36,6 +36,9 @@ pub enum Reason {
     /// indexd refused this request (InvalidArgument, OutOfRange): not a
     /// failure of indexd, so the breaker does not count it.
     IndexRejected,
+    /// Envoy refused the Pick at once: the indexd cluster's circuit breaker
+    /// is full. Not a failure of indexd: the breaker does not count it.
+    IndexBusy,
     /// The shared index circuit breaker is open.
     BreakerOpen,
     /// The shared tokenizer circuit breaker is open.
@@ -46,7 +49,7 @@ pub enum Reason {
 
 impl Reason {
     /// Every reason, in metric-definition order.
-    pub const ALL: [Self; 16] = [
+    pub const ALL: [Self; 17] = [
         Self::Precise,
         Self::Affinity,
         Self::Approximate,
@@ -60,6 +63,7 @@ impl Reason {
         Self::ShortPrompt,
         Self::IndexUnavailable,
         Self::IndexRejected,
+        Self::IndexBusy,
         Self::BreakerOpen,
         Self::TokenizerBreakerOpen,
         Self::IndexStale,
@@ -81,6 +85,7 @@ impl Reason {
             Self::ShortPrompt => "short_prompt",
             Self::IndexUnavailable => "index_unavailable",
             Self::IndexRejected => "index_rejected",
+            Self::IndexBusy => "index_busy",
             Self::BreakerOpen => "breaker_open",
             Self::TokenizerBreakerOpen => "tokenizer_breaker_open",
             Self::IndexStale => "index_stale",

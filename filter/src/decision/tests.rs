@@ -598,6 +598,34 @@ fn index_failures_resume_unrouted() {
 }
 
 #[test]
+fn a_pick_envoy_refuses_at_once_goes_on_unrouted_without_opening_the_breaker() {
+    let mut h = Harness::new(r#""breaker":{"failures":2,"window_ms":1000,"cooldown_ms":2000}"#);
+    for _ in 0..5 {
+        h.host.overflow_grpc_dispatch = true;
+        h.post("/v1/chat/completions", CHAT);
+        h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+        assert_eq!(h.flow.reason(), Some(Reason::IndexBusy));
+        assert_eq!(h.override_header(), None);
+        assert_eq!(h.host.request_resumes, 1);
+        h.next_stream();
+    }
+    assert_eq!(h.host.count_of(Counter::BreakerOpened), 0);
+    // With the cluster free again, the next request is picked.
+    h.post("/v1/chat/completions", CHAT);
+    h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+    assert_eq!(h.host.grpc_calls.len(), 1, "a Pick was sent");
+    // The same refusals counted as failures would have opened it.
+    let mut h = Harness::new(r#""breaker":{"failures":2,"window_ms":1000,"cooldown_ms":2000}"#);
+    for _ in 0..2 {
+        h.host.fail_grpc_dispatch = true;
+        h.post("/v1/chat/completions", CHAT);
+        h.tokenizer_answers(Some("200"), tokens_json(64).as_bytes());
+        h.next_stream();
+    }
+    assert_eq!(h.host.count_of(Counter::BreakerOpened), 1);
+}
+
+#[test]
 fn stale_index_does_not_override() {
     let h = index_failure(0, &answer(DecisionKind::Stale, &[], None));
     assert_unrouted(&h, Reason::IndexStale);
