@@ -9,6 +9,8 @@
 //! ```yaml
 //! grpc_listen: unix:///run/kvroute/indexd.sock   # or ip:port (default 127.0.0.1:50071)
 //! http_listen: 127.0.0.1:9471
+//! http_idle_timeout: 60s            # and http_header_read_timeout, http_body_read_timeout,
+//!                                   # http_max_connections (see `http`)
 //! block_size: 64
 //! scrape_interval: 1s
 //! speculative_ttl: 5s
@@ -27,7 +29,8 @@
 //! ```
 //!
 //! Pieces with their own module: [`endpoint`] (endpoints and the discovery
-//! file), [`kubernetes`] (Kubernetes discovery), [`access`] (the token, listeners beyond loopback, the Observe
+//! file), [`kubernetes`] (Kubernetes discovery), [`http`] (the HTTP server's
+//! timeouts and connection limit), [`access`] (the token, listeners beyond loopback, the Observe
 //! rate), `crate::tokenize::config` (the `tokenize:` section).
 
 use std::net::SocketAddr;
@@ -45,6 +48,7 @@ use crate::wire::Limits;
 
 pub mod access;
 pub mod endpoint;
+pub mod http;
 pub mod kubernetes;
 
 pub use access::AccessConfig;
@@ -53,6 +57,7 @@ pub use endpoint::{
     EndpointConfig, EndpointId, HttpUrl, NoResolve, Resolve, SystemResolve, parse_discovery,
     parse_endpoint, parse_endpoint_with, validate_endpoints,
 };
+pub use http::HttpServerConfig;
 pub use kubernetes::KubernetesConfig;
 
 /// The whole daemon's configuration.
@@ -63,6 +68,8 @@ pub struct Config {
     pub grpc_listen: ListenAddr,
     /// HTTP (`/metrics`, `/healthz`, `/readyz`) listen address.
     pub http_listen: SocketAddr,
+    /// The HTTP server's timeouts and connection limit.
+    pub http: HttpServerConfig,
     /// The block size the filter computes keys with (vLLM's `--block-size`).
     pub block_size: BlockSize,
     /// Static endpoints.
@@ -140,6 +147,7 @@ impl Config {
         Self {
             grpc_listen: ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 50071))),
             http_listen: SocketAddr::from(([127, 0, 0, 1], 9471)),
+            http: HttpServerConfig::default(),
             block_size: DEFAULT_BLOCK_SIZE,
             endpoints,
             discovery_file: None,
@@ -209,6 +217,7 @@ impl Config {
     /// Checks the invariants the types cannot express.
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_endpoints(&self.endpoints, "endpoints")?;
+        refuse_own_listener(&self.endpoints, self.http_listen, "endpoints")?;
         if let Some(k) = &self.kubernetes {
             if self.discovery_file.is_some() {
                 return Err(ConfigError::field(
@@ -279,10 +288,36 @@ impl Config {
                 "must be at least 64",
             ));
         }
+        http::validate(&self.http)?;
         crate::tokenize::config::validate(&self.tokenize)?;
         access::validate(self)?;
         Ok(())
     }
+}
+
+/// Refuses an endpoint whose address is indexd's own HTTP listener
+/// (`http_listen`, or the address it was bound to): a tokenize request
+/// forwarded to that "replica" would come back to indexd, and again
+/// ([`crate::listen::reaches`] says what is caught).
+pub fn refuse_own_listener(
+    endpoints: &[EndpointConfig],
+    http_listen: SocketAddr,
+    field: &str,
+) -> Result<(), ConfigError> {
+    for (i, ep) in endpoints.iter().enumerate() {
+        if crate::listen::reaches(http_listen, ep.id.address, &crate::listen::is_local_ip) {
+            return Err(ConfigError::field(
+                format!("{field}[{i}].address"),
+                format!(
+                    "endpoint {} is indexd's own HTTP listener (http_listen {http_listen}): \
+                     tokenize requests forwarded to it would loop back to indexd; name the \
+                     replica's own address",
+                    ep.id
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// vLLM's usual `--block-size` on CPU and the design's default.
@@ -346,6 +381,10 @@ pub(crate) fn duration(
 struct RawConfig {
     grpc_listen: Option<String>,
     http_listen: Option<String>,
+    http_header_read_timeout: Option<RawDuration>,
+    http_body_read_timeout: Option<RawDuration>,
+    http_idle_timeout: Option<RawDuration>,
+    http_max_connections: Option<usize>,
     block_size: Option<u32>,
     #[serde(default)]
     endpoints: Vec<RawEndpoint>,
@@ -409,6 +448,13 @@ impl RawConfig {
                 })?;
         }
         c.http_listen = addr("http_listen", self.http_listen, c.http_listen)?;
+        c.http = http::RawHttpServer {
+            header_read_timeout: self.http_header_read_timeout,
+            body_read_timeout: self.http_body_read_timeout,
+            idle_timeout: self.http_idle_timeout,
+            max_connections: self.http_max_connections,
+        }
+        .into_config()?;
         if let Some(bs) = self.block_size {
             c.block_size = BlockSize::new(bs)
                 .ok_or_else(|| ConfigError::field("block_size", "must be positive"))?;

@@ -455,3 +455,55 @@ fn ingest_cpus_take_a_number_or_a_cpuset_list() {
         assert!(err.contains("ingest_cpus"), "{bad}: {err}");
     }
 }
+
+#[test]
+fn an_endpoint_on_indexds_own_http_listener_is_refused() {
+    for (yaml, endpoint, listen) in [
+        (
+            "http_listen: 127.0.0.1:9471\nendpoints:\n  - {address: 10.0.0.1:8000, model: m}\n  - {address: 127.0.0.1:9471, model: m}\n",
+            "127.0.0.1:9471",
+            "127.0.0.1:9471",
+        ),
+        // The default listener (127.0.0.1:9471), reached through 0.0.0.0.
+        (
+            "endpoints:\n  - {address: 0.0.0.0:9471, model: m, data_parallel_rank: 1}\n",
+            "0.0.0.0:9471#1",
+            "127.0.0.1:9471",
+        ),
+        // A wildcard listener takes loopback and the unspecified address.
+        (
+            "http_listen: 0.0.0.0:9471\nallow_unauthenticated: true\nendpoints:\n  - {address: 127.0.0.1:9471, model: m}\n",
+            "127.0.0.1:9471",
+            "0.0.0.0:9471",
+        ),
+        (
+            "http_listen: '[::]:9471'\nallow_unauthenticated: true\nendpoints:\n  - {address: '[::1]:9471', model: m}\n",
+            "[::1]:9471",
+            "[::]:9471",
+        ),
+    ] {
+        let err = Config::from_yaml(yaml).unwrap_err().to_string();
+        assert!(
+            err.contains("endpoints[") && err.contains(endpoint) && err.contains(listen),
+            "{yaml}: {err}"
+        );
+        assert!(err.contains("own HTTP listener"), "{err}");
+    }
+    // The same port on another host, another port on loopback: fine.
+    for ok in [
+        "endpoints:\n  - {address: 10.0.0.1:9471, model: m}\n",
+        "endpoints:\n  - {address: 127.0.0.1:9472, model: m}\n",
+        "http_listen: 0.0.0.0:9471\nallow_unauthenticated: true\nendpoints:\n  - {address: '203.0.113.7:9471', model: m}\n",
+    ] {
+        Config::from_yaml(ok).unwrap();
+    }
+    // Built in code, checked by validate.
+    let mut c = Config::new(vec![EndpointConfig::new(
+        "127.0.0.1:9471".parse().unwrap(),
+        "m",
+    )]);
+    let err = c.validate().unwrap_err().to_string();
+    assert!(err.contains("endpoints[0].address"), "{err}");
+    c.http_listen = "127.0.0.1:0".parse().unwrap();
+    c.validate().unwrap();
+}

@@ -44,6 +44,8 @@ impl Server {
             .await
             .map_err(http_err)?;
         let http_addr = http.local_addr().map_err(http_err)?;
+        // Again with the port bound (`http_listen` may have said 0).
+        crate::config::refuse_own_listener(&config.endpoints, http_addr, "endpoints")?;
         if token.is_none() && !grpc_addr.is_node_local() {
             tracing::warn!(grpc = %grpc_addr, "gRPC serves beyond loopback without a token (allow_unauthenticated)");
         }
@@ -60,6 +62,7 @@ impl Server {
                 .with_tokenizers(tokenizers)
                 .with_token(token),
         );
+        let _ = shared.http_addr.set(http_addr);
         let ingest = IngestRuntime::start(
             shared.config.ingest_nice,
             shared.config.ingest_cpus.as_ref(),
@@ -282,14 +285,12 @@ impl Bound {
         let http_stop = local.clone();
         let http_done = local.clone();
         let http_router = http::router(Arc::clone(&shared));
+        let http_shared = Arc::clone(&shared);
         let http_fut = async move {
-            let r = axum::serve(http, http_router)
-                .with_graceful_shutdown(async move { http_stop.cancelled().await })
-                .await;
+            http::serve::serve(http, http_router, http_shared, http_stop).await;
             http_done.cancel();
-            r
         };
-        let (g, h) = tokio::join!(grpc_fut, http_fut);
+        let (g, ()) = tokio::join!(grpc_fut, http_fut);
         // Stop every subscription, scrape and watch, and wait for them (a
         // scrape in flight ends within its timeout).
         stop.cancel();
@@ -305,10 +306,6 @@ impl Bound {
         snapshot::write_now(&shared).await;
         g.map_err(|e| StartError::Serve {
             what: "grpc",
-            reason: e.to_string(),
-        })?;
-        h.map_err(|e| StartError::Serve {
-            what: "http",
             reason: e.to_string(),
         })?;
         Ok(())
@@ -359,7 +356,8 @@ impl Handle {
         })
     }
 
-    /// Adds an endpoint at runtime (as discovery does).
+    /// Adds an endpoint at runtime (as discovery does); false if it is
+    /// known already or is indexd's own HTTP listener (refused).
     pub fn add_endpoint(&self, config: EndpointConfig) -> bool {
         discovery::start_endpoint(&self.shared, config)
     }

@@ -7,7 +7,7 @@
 //! for one being written and changes nothing; a file that does not parse
 //! keeps the previous endpoints.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::SystemTime;
@@ -16,8 +16,18 @@ use crate::config::{EndpointConfig, EndpointId, parse_discovery};
 use crate::state::{Replica, Shared};
 use crate::{load, subscriber};
 
-/// Registers an endpoint and starts its tasks; false if already known.
+/// Registers an endpoint and starts its tasks; false if already known, or
+/// if its address is indexd's own HTTP listener (refused: counted in
+/// `indexd_endpoints_refused_total{reason="self"}`, logged at most every
+/// 10 s).
 pub fn start_endpoint(shared: &Arc<Shared>, config: EndpointConfig) -> bool {
+    if shared.is_own_http(config.id.address) {
+        shared.metrics.endpoints_refused.inc(["self"]);
+        if shared.refused_warning.open() {
+            tracing::warn!(endpoint = %config.id, http_listen = %shared.http_addr(), "endpoint refused: it is indexd's own HTTP listener (tokenize requests forwarded there would loop back)");
+        }
+        return false;
+    }
     let Some(replica) = shared.add_replica(config) else {
         return false;
     };
@@ -92,12 +102,27 @@ pub async fn watch(shared: Arc<Shared>, path: PathBuf) {
 }
 
 /// Applies a new discovered list: removes what vanished or changed, adds
-/// what is new. Static endpoints are never removed.
+/// what is new. Static endpoints are never removed. An entry whose address
+/// is indexd's own HTTP listener is skipped: logged and counted
+/// (`indexd_endpoints_refused_total{reason="self"}`) when it first appears
+/// in the list, again only after the list has dropped it.
 pub fn reconcile(
     shared: &Arc<Shared>,
     known: &mut BTreeMap<EndpointId, EndpointConfig>,
     endpoints: Vec<EndpointConfig>,
 ) {
+    let (refused, endpoints): (Vec<EndpointConfig>, Vec<EndpointConfig>) = endpoints
+        .into_iter()
+        .partition(|e| shared.is_own_http(e.id.address));
+    {
+        let mut before = crate::state::lock(&shared.refused_self);
+        let now: BTreeSet<EndpointId> = refused.into_iter().map(|e| e.id).collect();
+        for id in now.difference(&before) {
+            shared.metrics.endpoints_refused.inc(["self"]);
+            tracing::warn!(endpoint = %id, http_listen = %shared.http_addr(), "discovered endpoint skipped: it is indexd's own HTTP listener (tokenize requests forwarded there would loop back)");
+        }
+        *before = now;
+    }
     let wanted: BTreeMap<EndpointId, EndpointConfig> =
         endpoints.into_iter().map(|e| (e.id.clone(), e)).collect();
     let is_static = |id: &EndpointId| shared.config.endpoints.iter().any(|e| &e.id == id);
@@ -115,5 +140,90 @@ pub fn reconcile(
         }
         start_endpoint(shared, cfg.clone());
         known.insert(id, cfg);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::config::Config;
+
+    fn ep(address: &str) -> EndpointConfig {
+        EndpointConfig::new(address.parse().unwrap(), "m")
+    }
+
+    fn registered(shared: &Shared) -> Vec<String> {
+        crate::state::read(&shared.registry)
+            .all()
+            .iter()
+            .map(|r| r.id().to_string())
+            .collect()
+    }
+
+    async fn stop(shared: &Shared) {
+        shared.shutdown.cancel();
+        shared.tasks.close();
+        shared.tasks.wait().await;
+    }
+
+    #[tokio::test]
+    async fn an_entry_on_the_own_http_listener_is_skipped_and_counted_as_it_appears() {
+        let mut config = Config::new(Vec::new());
+        config.http_listen = "127.0.0.1:9471".parse().unwrap();
+        let shared = Arc::new(Shared::new(config, CancellationToken::new()));
+        let refused = || shared.metrics.endpoints_refused.get(["self"]);
+        let (own, via_any, other) = (
+            ep("127.0.0.1:9471"),
+            ep("0.0.0.0:9471"),
+            ep("127.0.0.1:8000"),
+        );
+        let mut known = BTreeMap::new();
+        let list = vec![own.clone(), via_any.clone(), other.clone()];
+        reconcile(&shared, &mut known, list.clone());
+        assert_eq!(registered(&shared), ["127.0.0.1:8000"]);
+        assert_eq!(refused(), 2);
+        // The same list again (a Kubernetes change elsewhere): no new count.
+        reconcile(&shared, &mut known, list);
+        assert_eq!(registered(&shared), ["127.0.0.1:8000"]);
+        assert_eq!(refused(), 2);
+        // Dropped from the list, then back: counted again.
+        reconcile(&shared, &mut known, vec![other.clone()]);
+        assert_eq!(refused(), 2);
+        reconcile(&shared, &mut known, vec![own.clone(), other]);
+        assert_eq!(refused(), 3);
+        assert_eq!(known.len(), 1);
+        // Added in code (Handle::add_endpoint): refused too.
+        assert!(!start_endpoint(&shared, own));
+        assert_eq!(refused(), 4);
+        assert_eq!(registered(&shared), ["127.0.0.1:8000"]);
+        stop(&shared).await;
+    }
+
+    #[tokio::test]
+    async fn the_bound_wildcard_listener_is_what_counts() {
+        // Configured with port 0, bound on every address at 9555.
+        let mut config = Config::new(Vec::new());
+        config.http_listen = "[::]:0".parse().unwrap();
+        let shared = Arc::new(Shared::new(config, CancellationToken::new()));
+        let bound: SocketAddr = "[::]:9555".parse().unwrap();
+        shared.http_addr.set(bound).unwrap();
+        let mut known = BTreeMap::new();
+        reconcile(
+            &shared,
+            &mut known,
+            vec![
+                ep("127.0.0.1:9555"),
+                ep("[::1]:9555"),
+                ep("[::]:9555"),
+                ep("203.0.113.7:9555"),
+            ],
+        );
+        assert_eq!(registered(&shared), ["203.0.113.7:9555"]);
+        assert_eq!(shared.metrics.endpoints_refused.get(["self"]), 3);
+        stop(&shared).await;
     }
 }

@@ -3,7 +3,10 @@
 //! local tokenizer's gate and each hybrid replica's KV cache groups, with
 //! any indexd does not model), and the vLLM-compatible tokenizer endpoints of
 //! [`crate::tokenize::http`]. With a shared token, every route but the two
-//! probes requires it ([`crate::auth`]).
+//! probes requires it ([`crate::auth`]). [`serve`] accepts and serves the
+//! connections, with timeouts and a connection limit.
+
+pub(crate) mod serve;
 
 use std::fmt::Write as _;
 use std::sync::Arc;

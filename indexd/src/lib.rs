@@ -21,13 +21,15 @@
 //! - `affinity`: response-id affinity and approximate-mode keys.
 //! - [`pick`]: Pick/Observe decisions; `server`: their tonic glue.
 //! - [`listen`]: the gRPC listen address (TCP or a Unix domain socket) and
-//!   the socket file's life; [`auth`]: the optional shared token;
+//!   the socket file's life, and whether an address reaches a listener (no
+//!   endpoint may be indexd's own HTTP port); [`auth`]: the optional shared token;
 //!   `ratelimit`: the token bucket in front of Observe.
 //! - [`tokenize`]: request bodies → vLLM's exact token ids (a local
 //!   tokenizer behind an exactness gate, else a replica's), for Picks that
 //!   carry their body and for vLLM-compatible `/tokenize` and
 //!   `/v1/responses/render`.
-//! - `http`: Prometheus `/metrics`, `/healthz`, `/readyz`.
+//! - `http`: Prometheus `/metrics`, `/healthz`, `/readyz`; `http::serve`:
+//!   the HTTP accept loop with its timeouts and connection limit.
 //! - `discovery`: static endpoints plus a watched discovery file;
 //!   [`kubernetes`]: endpoints from a watch on EndpointSlices or pods.
 //! - `snapshot`: the index saved periodically and at shutdown, restored at

@@ -10,7 +10,7 @@
 //! still the one this process created.
 
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _, PermissionsExt as _};
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -123,6 +123,61 @@ impl FromStr for ListenAddr {
         }
         Ok(Self::Unix(PathBuf::from(path)))
     }
+}
+
+/// True when a TCP connection to `target` would reach a listener bound to
+/// `listen`: indexd refuses an endpoint whose address is its own HTTP
+/// listener, where a tokenize request it forwards would come back to it.
+///
+/// Caught: the same `ip:port`; a `target` on the unspecified address
+/// (`0.0.0.0:P`, `[::]:P`: Linux connects those to loopback) when `listen` is
+/// loopback or a wildcard; and, when `listen` is a wildcard (`0.0.0.0:P`
+/// takes IPv4, `[::]:P` both families, as Linux binds it by default), any
+/// loopback `target` with port P and any other whose address `is_local`
+/// says is this host's ([`is_local_ip`]: one of its interfaces'
+/// addresses). IPv4-mapped IPv6 addresses count as their IPv4 address. Not
+/// caught: a name or address that reaches this host another way (a NAT or
+/// port forward, a Service's cluster IP or a load balancer in front of
+/// indexd, a proxy), an IPv6 link-local address (binding it needs a scope),
+/// and anything while the port is 0 (not bound yet: indexd checks again with
+/// the port it got).
+pub fn reaches(listen: SocketAddr, target: SocketAddr, is_local: &dyn Fn(IpAddr) -> bool) -> bool {
+    if listen.port() == 0 || target.port() != listen.port() {
+        return false;
+    }
+    let listen_ip = listen.ip().to_canonical();
+    let mut target_ip = target.ip().to_canonical();
+    if target_ip.is_unspecified() {
+        target_ip = match target_ip {
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::LOCALHOST),
+        };
+    }
+    if target_ip == listen_ip {
+        return true;
+    }
+    let family = match listen_ip {
+        IpAddr::V4(a) if a.is_unspecified() => target_ip.is_ipv4(),
+        IpAddr::V6(a) if a.is_unspecified() => true,
+        _ => return false,
+    };
+    family && (target_ip.is_loopback() || is_local(target_ip))
+}
+
+/// True when `ip` is one of this host's own addresses (in indexd's network
+/// namespace): a UDP socket can be bound to it. No packet is sent. Loopback
+/// and unspecified addresses are, multicast ones are not asked; with
+/// `net.ipv4.ip_nonlocal_bind` (or its IPv6 twin) set, every address would
+/// look local, so [`reaches`] only asks about addresses on its own listener's
+/// port.
+pub fn is_local_ip(ip: IpAddr) -> bool {
+    if ip.is_loopback() || ip.is_unspecified() {
+        return true;
+    }
+    if ip.is_multicast() {
+        return false;
+    }
+    std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
 }
 
 /// The bound gRPC listener.
@@ -249,6 +304,75 @@ mod tests {
         }
         let long = format!("unix:///{}", "x".repeat(MAX_SOCKET_PATH_BYTES));
         assert!(long.parse::<ListenAddr>().is_err());
+    }
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn an_endpoint_on_the_own_listener_is_recognised() {
+        // This "host" owns 10.0.0.5 and fd00::5 besides loopback.
+        let local = |ip: IpAddr| {
+            ip == IpAddr::from([10, 0, 0, 5]) || ip == "fd00::5".parse::<IpAddr>().unwrap()
+        };
+        let yes = [
+            ("127.0.0.1:9471", "127.0.0.1:9471"),
+            ("127.0.0.1:9471", "0.0.0.0:9471"),
+            ("127.0.0.1:9471", "[::ffff:127.0.0.1]:9471"),
+            ("[::1]:9471", "[::1]:9471"),
+            ("[::1]:9471", "[::]:9471"),
+            ("10.0.0.5:9471", "10.0.0.5:9471"),
+            ("0.0.0.0:9471", "127.0.0.1:9471"),
+            ("0.0.0.0:9471", "127.0.0.2:9471"),
+            ("0.0.0.0:9471", "0.0.0.0:9471"),
+            ("0.0.0.0:9471", "10.0.0.5:9471"),
+            ("[::]:9471", "127.0.0.1:9471"),
+            ("[::]:9471", "[::1]:9471"),
+            ("[::]:9471", "10.0.0.5:9471"),
+            ("[::]:9471", "[fd00::5]:9471"),
+            ("[::]:9471", "[::]:9471"),
+        ];
+        for (listen, target) in yes {
+            assert!(
+                reaches(addr(listen), addr(target), &local),
+                "{listen} {target}"
+            );
+        }
+        let no = [
+            // Another port, another host, another loopback address than
+            // the one bound, a family a v4 wildcard does not take.
+            ("127.0.0.1:9471", "127.0.0.1:8000"),
+            ("0.0.0.0:9471", "10.0.0.6:9471"),
+            ("127.0.0.1:9471", "127.0.0.2:9471"),
+            ("127.0.0.1:9471", "10.0.0.5:9471"),
+            ("0.0.0.0:9471", "[::1]:9471"),
+            ("0.0.0.0:9471", "[fd00::5]:9471"),
+            ("[::1]:9471", "127.0.0.1:9471"),
+            // Not bound yet.
+            ("127.0.0.1:0", "127.0.0.1:0"),
+        ];
+        for (listen, target) in no {
+            assert!(
+                !reaches(addr(listen), addr(target), &local),
+                "{listen} {target}"
+            );
+        }
+    }
+
+    #[test]
+    fn local_addresses_are_those_a_socket_binds() {
+        assert!(is_local_ip(IpAddr::from([127, 0, 0, 1])));
+        assert!(is_local_ip(IpAddr::from([0, 0, 0, 0])));
+        // TEST-NET-3 (RFC 5737): never assigned to a host.
+        assert!(!is_local_ip(IpAddr::from([203, 0, 113, 77])));
+        assert!(!is_local_ip(IpAddr::from([224, 0, 0, 1])));
+        // An address this host does have: the one it connects out from.
+        let probe = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+        if probe.connect("192.0.2.1:9").is_ok() {
+            let own = probe.local_addr().unwrap().ip();
+            assert!(is_local_ip(own), "{own}");
+        }
     }
 
     #[tokio::test]

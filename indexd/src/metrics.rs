@@ -304,6 +304,13 @@ pub struct Metrics {
     pub kubernetes_endpoints: Gauge,
     /// Ready addresses Kubernetes discovery left out at its last change.
     pub kubernetes_skipped: Gauge,
+    /// Discovered (or added) endpoints refused, by reason.
+    pub endpoints_refused: CounterVec<1>,
+    /// HTTP connections closed at accept: `http_max_connections` were open.
+    pub http_connections_refused: Counter,
+    /// HTTP connections closed by a timeout, by phase (header, idle), and
+    /// request bodies cut off (body).
+    pub http_timeouts: CounterVec<1>,
 }
 
 impl Default for Metrics {
@@ -464,6 +471,20 @@ impl Metrics {
                 "indexd_kubernetes_skipped_addresses",
                 "Ready addresses left out at the last change (no model, a bad annotation, a missing named port).",
             ),
+            endpoints_refused: CounterVec::new(
+                "indexd_endpoints_refused_total",
+                "Endpoints refused, by reason: self (the address is indexd's own HTTP listener, where a forwarded tokenize request would loop back; a discovered one counts when it first appears in the list).",
+                ["reason"],
+            ),
+            http_connections_refused: Counter::new(
+                "indexd_http_connections_refused_total",
+                "HTTP connections closed as soon as accepted: http_max_connections were open.",
+            ),
+            http_timeouts: CounterVec::new(
+                "indexd_http_timeouts_total",
+                "HTTP timeouts by phase: header (a request head not complete within http_header_read_timeout of its first byte), idle (no request for http_idle_timeout, or a response not read), body (a request body not complete within http_body_read_timeout). header and idle close the connection.",
+                ["phase"],
+            ),
         }
     }
 
@@ -503,6 +524,9 @@ impl Metrics {
         self.kubernetes_events.render(out);
         self.kubernetes_endpoints.render(out);
         self.kubernetes_skipped.render(out);
+        self.endpoints_refused.render(out);
+        self.http_connections_refused.render(out);
+        self.http_timeouts.render(out);
     }
 }
 

@@ -17,7 +17,8 @@
 //! engine restarted) is purged and resynced from seq 0, alone.
 //!
 //! Writing ([`write`]) is periodic and at shutdown: into `<file>.partial` in
-//! the same directory, fsynced, then renamed over the file (and the directory
+//! the same directory (created anew, never through a symbolic link:
+//! `create_partial`), fsynced, then renamed over the file (and the directory
 //! fsynced), so a crash mid-write leaves the previous snapshot intact; a
 //! leftover partial file is removed at the next start. The index is read one
 //! replica at a time under its read lock. Bounded: a replica whose section
@@ -220,11 +221,7 @@ pub(crate) fn write(shared: &Shared) -> Result<Written, SnapshotError> {
 
 fn write_to(shared: &Shared, partial: &Path, deadline: Instant) -> Result<Written, SnapshotError> {
     let cfg = &shared.config.snapshot;
-    let file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(partial)?;
+    let file = create_partial(partial)?;
     let mut sink = Sink {
         out: BufWriter::with_capacity(1 << 20, file),
         crc: crc32fast::Hasher::new(),
@@ -266,6 +263,41 @@ fn write_to(shared: &Shared, partial: &Path, deadline: Instant) -> Result<Writte
     let file = sink.out.into_inner().map_err(|e| e.into_error())?;
     file.sync_all()?;
     Ok(written)
+}
+
+/// Creates the partial file afresh, never through a link: whatever is at
+/// the path (a leftover, or a symbolic link someone placed there) is
+/// unlinked first (a link itself, not what it points to), then the file is
+/// created exclusively (`O_CREAT | O_EXCL`) with `O_NOFOLLOW`.
+/// Something created at the path between the two steps makes the open fail
+/// (`AlreadyExists`, or `ELOOP` for a link) rather than write through it; the
+/// write is then counted as an error and the next one tries again.
+fn create_partial(partial: &Path) -> Result<File, SnapshotError> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    match fs::remove_file(partial) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => {
+            return Err(SnapshotError::Io(io::Error::new(
+                e.kind(),
+                format!("cannot remove {}: {e}", partial.display()),
+            )));
+        }
+    }
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits().cast_signed())
+        .open(partial)
+        .map_err(|e| {
+            SnapshotError::Io(io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot create {} (O_EXCL, O_NOFOLLOW): {e}",
+                    partial.display()
+                ),
+            ))
+        })
 }
 
 /// Reads and checks the snapshot at `path`.

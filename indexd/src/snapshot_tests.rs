@@ -359,6 +359,65 @@ fn a_crash_mid_write_leaves_the_previous_snapshot_and_its_leftover_is_cleaned() 
 }
 
 #[test]
+fn a_symlink_at_the_partial_path_is_replaced_not_written_through() {
+    let dir = Dir::new();
+    let eps = vec![endpoint(8000, "tcp://10.0.0.1:5558")];
+    let (shared, replicas) = start(config(&dir.file(), eps.clone()));
+    let keys = store(&shared, &replicas[0], 1, 2, "s");
+    // Someone who can write the directory points the partial path at a
+    // file indexd may write to (its own, or another's).
+    let victim = dir.0.join("victim");
+    fs::write(&victim, b"precious").unwrap();
+    let partial = partial_path(&dir.file());
+    std::os::unix::fs::symlink(&victim, &partial).unwrap();
+    let written = write(&shared).unwrap();
+    assert_eq!(written.replicas, 1);
+    assert_eq!(
+        fs::read(&victim).unwrap(),
+        b"precious",
+        "not written through"
+    );
+    assert!(
+        fs::symlink_metadata(&partial).is_err(),
+        "the link is gone and the partial file renamed"
+    );
+    let file = fs::symlink_metadata(dir.file()).unwrap();
+    assert!(
+        file.file_type().is_file(),
+        "the snapshot is a file of its own"
+    );
+    assert_eq!(written.bytes, file.len());
+    // A dangling link too (O_CREAT alone would create its target).
+    let target = dir.0.join("created-through-the-link");
+    std::os::unix::fs::symlink(&target, &partial).unwrap();
+    write(&shared).unwrap();
+    assert!(!target.exists());
+    let (restored, replicas) = start(config(&dir.file(), eps));
+    assert_eq!(matched(&restored, &replicas[0], &keys), 2);
+}
+
+#[test]
+fn the_partial_file_is_opened_exclusively_without_following_links() {
+    let dir = Dir::new();
+    let victim = dir.0.join("victim");
+    fs::write(&victim, b"precious").unwrap();
+    let partial = dir.0.join("x.partial");
+    // Created fresh over a stale regular file.
+    fs::write(&partial, b"stale").unwrap();
+    let mut f = create_partial(&partial).unwrap();
+    f.write_all(b"new").unwrap();
+    drop(f);
+    assert_eq!(fs::read(&partial).unwrap(), b"new");
+    fs::remove_file(&partial).unwrap();
+    // A directory at the path cannot be unlinked as a file: a clear error
+    // naming the path, nothing written anywhere.
+    fs::create_dir(&partial).unwrap();
+    let err = create_partial(&partial).unwrap_err().to_string();
+    assert!(err.contains("x.partial"), "{err}");
+    assert_eq!(fs::read(&victim).unwrap(), b"precious");
+}
+
+#[test]
 fn a_write_over_its_time_budget_is_abandoned_and_keeps_the_previous_file() {
     let dir = Dir::new();
     let eps = vec![endpoint(8000, "tcp://10.0.0.1:5558")];

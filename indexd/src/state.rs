@@ -636,6 +636,16 @@ pub struct Shared {
     /// Warnings about Picks the index cannot answer (block size, key
     /// scheme): each such Pick is counted, the log says so once per 10 s.
     pub(crate) pick_warning: WarnGate,
+    /// The address the HTTP listener was bound to (unset before the bind,
+    /// and in tests that bind none: `http_listen` then).
+    pub(crate) http_addr: OnceLock<std::net::SocketAddr>,
+    /// Discovered endpoints skipped as indexd's own HTTP listener, as the
+    /// last discovered list named them (each logged and counted when it
+    /// first appears there).
+    pub(crate) refused_self: Mutex<std::collections::BTreeSet<EndpointId>>,
+    /// Warnings about endpoints added in code that name indexd's own HTTP
+    /// listener.
+    pub(crate) refused_warning: WarnGate,
 }
 
 /// A warning's gate: open at most once per 10 s. Bad input is counted
@@ -685,8 +695,25 @@ impl Shared {
                 config.access.observe_burst,
             )),
             pick_warning: WarnGate::default(),
+            http_addr: OnceLock::new(),
+            refused_self: Mutex::new(std::collections::BTreeSet::new()),
+            refused_warning: WarnGate::default(),
             config,
         }
+    }
+
+    /// indexd's own HTTP listener: the address bound, else `http_listen`.
+    pub fn http_addr(&self) -> std::net::SocketAddr {
+        self.http_addr
+            .get()
+            .copied()
+            .unwrap_or(self.config.http_listen)
+    }
+
+    /// True when `address` is indexd's own HTTP listener
+    /// ([`crate::listen::reaches`]): no endpoint may have it.
+    pub fn is_own_http(&self, address: std::net::SocketAddr) -> bool {
+        crate::listen::reaches(self.http_addr(), address, &crate::listen::is_local_ip)
     }
 
     /// The same state requiring `token` on every call.

@@ -1105,6 +1105,41 @@ async fn the_discovery_file_adds_and_removes_endpoints() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_discovered_endpoint_on_indexds_own_http_port_is_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("endpoints.yaml");
+    let p = path.clone();
+    // HTTP on every address, port 0: the port is known once bound.
+    let d = Daemon::start_with(vec![], 16, move |c| {
+        c.http_listen = "0.0.0.0:0".parse().unwrap();
+        c.access.allow_unauthenticated = true;
+        c.discovery_file = Some(p);
+        c.discovery_interval = Duration::from_millis(20);
+    })
+    .await;
+    let own = d.http.port();
+    let tmp = dir.path().join("endpoints.yaml.tmp");
+    std::fs::write(
+        &tmp,
+        format!(
+            "endpoints:\n  - {{address: 127.0.0.1:{own}, model: m}}\n  - {{address: 127.0.0.1:18024, model: m}}\n"
+        ),
+    )
+    .unwrap();
+    std::fs::rename(&tmp, &path).unwrap();
+    eventually("the other endpoint", || async {
+        d.handle.replica(&replica(18024)).is_some()
+    })
+    .await;
+    assert!(d.handle.replica(&replica(own)).is_none());
+    assert_eq!(
+        d.counter("indexd_endpoints_refused_total{reason=\"self\"}"),
+        1.0
+    );
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reconnect_resyncs_from_seq_zero() {
     let mut p = Publisher::start(false).await;
     let mut d = Daemon::start(vec![endpoint(18030, Some(&p))], 16).await;

@@ -28,6 +28,14 @@ const CHAT_FIELDS: &[&str] = &[
     "mm_processor_kwargs",
 ];
 const COMPLETION_FIELDS: &[&str] = &["prompt", "add_special_tokens"];
+/// The header every request indexd forwards to a replica carries (value
+/// [`HOP_VALUE`]): a request that arrives with it has been forwarded once
+/// already, so a server that would forward it again (indexd itself, reached
+/// through an address it does not know as its own) can refuse it instead
+/// of looping.
+pub const HOP_HEADER: &str = "x-kvroute-hop";
+/// The value of [`HOP_HEADER`] on a forwarded request: one hop.
+pub const HOP_VALUE: &str = "1";
 /// Largest answer read from a replica.
 const MAX_ANSWER_BYTES: usize = 64 << 20;
 
@@ -146,13 +154,8 @@ fn error_message(answer: &[u8]) -> String {
     msg.unwrap_or_else(|| String::from_utf8_lossy(answer.get(..200).unwrap_or(answer)).into_owned())
 }
 
-/// The header every body indexd forwards carries. indexd's own HTTP refuses
-/// a request that carries it: a body forwarded once is never forwarded
-/// again, so an endpoint that turns out to be an indexd (its own port, by
-/// misconfiguration or a hostile discovery entry) cannot make a loop.
-pub const HOP_HEADER: &str = "x-kvroute-hop";
-
-/// What a replica answered: its status and body, read up to a bound.
+/// What a replica answered: its status and body, read up to a bound. The
+/// request carries [`HOP_HEADER`].
 pub async fn call(
     client: &reqwest::Client,
     address: SocketAddr,
@@ -165,7 +168,7 @@ pub async fn call(
         let mut response = client
             .post(&url)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .header(HOP_HEADER, "1")
+            .header(HOP_HEADER, HOP_VALUE)
             .body(body)
             .send()
             .await
@@ -284,6 +287,91 @@ mod tests {
         assert_eq!(path, "/v1/chat/completions/render");
         assert_eq!(body, chat.to_vec(), "as the client sent it");
         assert!(request(Api::Chat, Endpoint::Tokenize, "m", b"{").is_err());
+    }
+
+    /// A one-shot HTTP server: answers each of `n` connections with
+    /// `answer` and hands back each request's head, lower-cased.
+    async fn stub(
+        n: usize,
+        answer: &'static str,
+    ) -> (SocketAddr, tokio::task::JoinHandle<Vec<String>>) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let served = tokio::spawn(async move {
+            let mut heads = Vec::new();
+            for _ in 0..n {
+                let (mut conn, _) = listener.accept().await.unwrap();
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                // The head, then as much body as it announces.
+                let head_end = loop {
+                    let got = conn.read(&mut chunk).await.unwrap();
+                    assert!(got > 0, "the client closed before its head ended");
+                    buf.extend_from_slice(&chunk[..got]);
+                    if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                    assert!(buf.len() < 1 << 20, "no end of head");
+                };
+                let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                while buf.len() < head_end + length {
+                    let got = conn.read(&mut chunk).await.unwrap();
+                    assert!(got > 0, "the client closed before its body ended");
+                    buf.extend_from_slice(&chunk[..got]);
+                }
+                let response = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{answer}",
+                    answer.len()
+                );
+                conn.write_all(response.as_bytes()).await.unwrap();
+                heads.push(head);
+            }
+            heads
+        });
+        (addr, served)
+    }
+
+    #[tokio::test]
+    async fn every_forwarded_request_carries_the_hop_header() {
+        let (addr, served) = stub(2, r#"{"tokens":[5,6]}"#).await;
+        let client = client();
+        let timeout = Duration::from_secs(10);
+        // As /tokenize forwards a body (tokenize::http).
+        let (status, answer) = call(&client, addr, "/tokenize", b"{}".to_vec(), timeout)
+            .await
+            .unwrap();
+        assert_eq!(
+            (status, answer.as_slice()),
+            (200, br#"{"tokens":[5,6]}"#.as_slice())
+        );
+        // As a Pick's tokenization asks a replica.
+        let ids = token_ids(
+            &client,
+            addr,
+            Api::Completions,
+            "m",
+            br#"{"prompt":"hi"}"#,
+            timeout,
+            &AtomicBool::new(true),
+        )
+        .await
+        .unwrap();
+        assert_eq!(ids, [5, 6]);
+        let heads = served.await.unwrap();
+        assert_eq!(heads.len(), 2);
+        for head in heads {
+            assert!(head.starts_with("post /tokenize "), "{head}");
+            assert!(
+                head.lines().any(|l| l.trim_end() == "x-kvroute-hop: 1"),
+                "{head}"
+            );
+        }
+        assert_eq!(HOP_HEADER, HOP_HEADER.to_ascii_lowercase());
     }
 
     #[test]
