@@ -57,7 +57,8 @@ impl AdmissionConfig {
     /// bodies worth a 1/1024th of the memory in flight (16 MiB to
     /// 256 MiB: at a hostile body's ~64× in the tokenizer, 1/16th of the
     /// memory), 4 per CPU and at least 8 bodies, a quarter of the bytes and
-    /// half of the places kept for bodies of at most 1 MiB.
+    /// all but an eighth of the places ([`reserve_for`]) kept for bodies of
+    /// at most 1 MiB.
     pub fn for_machine(cpus: usize, memory: u64) -> Self {
         let max_bytes = usize::try_from(memory / 1024)
             .unwrap_or(usize::MAX)
@@ -68,10 +69,19 @@ impl AdmissionConfig {
             max_concurrent,
             small_body_bytes: 1 << 20,
             reserved_bytes: max_bytes / 4,
-            reserved_concurrent: max_concurrent / 2,
+            reserved_concurrent: reserve_for(max_concurrent),
             retry_after: Duration::from_secs(1),
         }
     }
+}
+
+/// The places of `max_concurrent` kept for small bodies: all but an eighth
+/// (at least one left for large bodies). Large bodies are the ones a hostile
+/// client sends, and each keeps a CPU busy for as long as its time budget:
+/// with the default of 4 places per CPU, an eighth is half the CPUs (one on
+/// a 2-CPU node), so ordinary requests always find CPUs free.
+pub fn reserve_for(max_concurrent: usize) -> usize {
+    max_concurrent.saturating_sub((max_concurrent / 8).max(1))
 }
 
 impl Default for AdmissionConfig {
@@ -510,9 +520,11 @@ mod tests {
         assert_eq!(small.max_bytes, 16 << 20);
         assert_eq!(small.max_concurrent, 8);
         assert_eq!(small.reserved_bytes, 4 << 20);
+        assert_eq!(small.reserved_concurrent, 7, "one large body on 2 CPUs");
         let big = AdmissionConfig::for_machine(64, 512 << 30);
         assert_eq!(big.max_bytes, 256 << 20);
         assert_eq!(big.max_concurrent, 256);
-        assert!(big.reserved_concurrent < big.max_concurrent);
+        assert_eq!(big.reserved_concurrent, 224, "32 large bodies on 64 CPUs");
+        assert_eq!(reserve_for(1), 0);
     }
 }

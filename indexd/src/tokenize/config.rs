@@ -23,7 +23,7 @@
 //!     max_concurrent: 8              # 4 per CPU, at least 8
 //!     small_body_bytes: 1048576      # bodies this small may use the reserve
 //!     reserved_bytes: 4194304        # a quarter of max_bytes
-//!     reserved_concurrent: 4         # half of max_concurrent
+//!     reserved_concurrent: 7         # all but an eighth of max_concurrent
 //!     retry_after: 1s                # HTTP 503's Retry-After
 //! ```
 
@@ -111,7 +111,9 @@ impl RawTokenize {
             max_concurrent,
             small_body_bytes: a.small_body_bytes.unwrap_or(da.small_body_bytes),
             reserved_bytes: a.reserved_bytes.unwrap_or(max_bytes / 4),
-            reserved_concurrent: a.reserved_concurrent.unwrap_or(max_concurrent / 2),
+            reserved_concurrent: a
+                .reserved_concurrent
+                .unwrap_or_else(|| super::admission::reserve_for(max_concurrent)),
             retry_after: duration(&f("admission.retry_after"), a.retry_after, da.retry_after)?,
         };
         Ok(TokenizeConfig {
@@ -277,7 +279,7 @@ mod tests {
                 c.tokenize.admission.reserved_bytes,
                 c.tokenize.admission.reserved_concurrent
             ),
-            (250, 2),
+            (250, 3),
             "the reserves follow the totals given"
         );
         assert_eq!(parse_flag("a=/x/y").unwrap().dir, PathBuf::from("/x/y"));
