@@ -107,11 +107,6 @@ bench-bodies: ## Big bodies (not CI): the filter's work and Wasm memory on 8 MiB
 	$(CARGO) build --profile perf -p kvroute-bench
 	$(BENCH) bodies --out tests/bench/results-bodies $(BENCH_ARGS)
 
-.PHONY: bench-hostile
-
-bench-hostile: deps ## indexd under hostile bodies (not CI): 8 MB single-word chats, 8 MB of tools, 100k Responses items, one at a time, abandoned, and 16 in flight beside ordinary Picks; time, CPU after the caller left, RSS, ordinary p99 → indexd/results-hostile/
-	$(CARGO) bench -p indexd --bench hostile --profile perf -- --hostile --out $(CURDIR)/indexd/results-hostile $(HOSTILE_ARGS)
-
 .PHONY: soak-indexd
 
 soak-indexd: ## Soak indexd (not CI): 64 replicas flooding KV events for 10 min while Picks run, RSS and Pick p99 per window → indexd/results-soak/
@@ -121,10 +116,10 @@ soak-indexd: ## Soak indexd (not CI): 64 replicas flooding KV events for 10 min 
 # ours when the pinned one is not installed).
 FUZZ_TOOLCHAIN ?= nightly-2026-05-19
 
-fuzz: ## Fuzz every parser of the filter and indexd, 10 M inputs per target → tests/fuzz/REPORT.md
+fuzz: ## Fuzz every parser of the filter and indexd and the tokenizer's request paths, 10 M inputs per target, 10 s at most an input (the tokenizer's: 5 s) → tests/fuzz/REPORT.md
 	FUZZ_TOOLCHAIN=$(FUZZ_TOOLCHAIN) bash tests/fuzz/run.sh --report tests/fuzz/REPORT.md
 
-fuzz-smoke: ## A short fuzzing pass over every target (20,000 inputs each), as CI runs it
+fuzz-smoke: ## A short fuzzing pass over every target (20,000 inputs each, at most 10 s an input, 5 s for the tokenizer's), as CI runs it
 	FUZZ_RUNS=20000 FUZZ_TOOLCHAIN=$(FUZZ_TOOLCHAIN) bash tests/fuzz/run.sh
 
 clean: ## Remove build output

@@ -13,9 +13,13 @@ type HashMap<K, V> = ahash::AHashMap<K, V>;
 /// Bytes charged per entry on top of its text and ids (map, order, `Arc`s).
 const OVERHEAD: usize = 96;
 
-/// A segment's identity: whether Metaspace would prepend to it (which
-/// selects one of two maps) and its text.
-type Key = (bool, Arc<str>);
+/// Which map a segment is in: its namespace (requests under different
+/// `cache_salt`s never share an entry) and whether Metaspace would prepend
+/// to it.
+type Space = (u64, bool);
+
+/// A segment's identity: its map and its text.
+type Key = (Space, Arc<str>);
 
 #[derive(Debug)]
 struct Entry {
@@ -27,34 +31,32 @@ struct Entry {
 
 #[derive(Debug, Default)]
 struct Inner {
-    /// Entries of segments at the start of the input, by text.
-    first: HashMap<Arc<str>, Entry>,
-    /// All other entries, by text.
-    rest: HashMap<Arc<str>, Entry>,
+    /// Entries by map, then by text. A map is dropped with its last entry,
+    /// so there are never more maps than entries.
+    maps: HashMap<Space, HashMap<Arc<str>, Entry>>,
     /// Every entry by its last use, least recent first: exactly one item
     /// per entry, so a hit costs one hash of its text and two small
     /// tree operations, and nothing ever needs compacting.
     order: BTreeMap<u64, Key>,
     tick: u64,
     bytes: usize,
+    live: usize,
 }
 
 impl Inner {
-    fn map(&mut self, first: bool) -> &mut HashMap<Arc<str>, Entry> {
-        if first {
-            &mut self.first
-        } else {
-            &mut self.rest
-        }
-    }
-
-    fn live(&self) -> usize {
-        self.first.len() + self.rest.len()
-    }
-
     fn next_tick(&mut self) -> u64 {
         self.tick += 1;
         self.tick
+    }
+
+    fn remove(&mut self, space: Space, text: &str) -> Option<Entry> {
+        let map = self.maps.get_mut(&space)?;
+        let e = map.remove(text)?;
+        if map.is_empty() {
+            self.maps.remove(&space);
+        }
+        self.live -= 1;
+        Some(e)
     }
 }
 
@@ -105,8 +107,8 @@ impl SegmentCache {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    /// The ids of `text`, counting a hit or a miss.
-    pub fn get(&self, text: &str, first: bool) -> Option<Arc<[u32]>> {
+    /// The ids of `text` in `namespace`, counting a hit or a miss.
+    pub fn get(&self, namespace: u64, text: &str, first: bool) -> Option<Arc<[u32]>> {
         if self.capacity == 0 {
             self.misses.fetch_add(1, Ordering::Relaxed);
             return None;
@@ -114,12 +116,11 @@ impl SegmentCache {
         let mut guard = self.lock();
         let inner = &mut *guard;
         let tick = inner.next_tick();
-        let map = if first {
-            &mut inner.first
-        } else {
-            &mut inner.rest
-        };
-        let Some(entry) = map.get_mut(text) else {
+        let Some(entry) = inner
+            .maps
+            .get_mut(&(namespace, first))
+            .and_then(|m| m.get_mut(text))
+        else {
             drop(guard);
             self.misses.fetch_add(1, Ordering::Relaxed);
             return None;
@@ -134,9 +135,10 @@ impl SegmentCache {
         Some(ids)
     }
 
-    /// Stores the ids of `text`, evicting the least recently used entries
-    /// beyond the bound. Entries larger than the whole bound are not kept.
-    pub fn insert(&self, text: &str, first: bool, ids: Arc<[u32]>) {
+    /// Stores the ids of `text` in `namespace`, evicting the least recently
+    /// used entries beyond the bound. Entries larger than the whole bound
+    /// are not kept.
+    pub fn insert(&self, namespace: u64, text: &str, first: bool, ids: Arc<[u32]>) {
         let bytes = text.len() + ids.len() * 4 + OVERHEAD;
         if bytes > self.capacity {
             return;
@@ -144,21 +146,27 @@ impl SegmentCache {
         let text: Arc<str> = Arc::from(text);
         let mut inner = self.lock();
         let tick = inner.next_tick();
-        if let Some(old) = inner
-            .map(first)
+        let space = (namespace, first);
+        match inner
+            .maps
+            .entry(space)
+            .or_default()
             .insert(Arc::clone(&text), Entry { ids, tick, bytes })
         {
-            inner.bytes = inner.bytes.saturating_sub(old.bytes);
-            inner.order.remove(&old.tick);
+            Some(old) => {
+                inner.bytes = inner.bytes.saturating_sub(old.bytes);
+                inner.order.remove(&old.tick);
+            }
+            None => inner.live += 1,
         }
         inner.bytes += bytes;
-        inner.order.insert(tick, (first, text));
+        inner.order.insert(tick, (space, text));
         let mut evicted = 0u64;
         while inner.bytes > self.capacity {
-            let Some((_, (first, k))) = inner.order.pop_first() else {
+            let Some((_, (space, k))) = inner.order.pop_first() else {
                 break;
             };
-            if let Some(e) = inner.map(first).remove(&k) {
+            if let Some(e) = inner.remove(space, &k) {
                 inner.bytes = inner.bytes.saturating_sub(e.bytes);
                 evicted += 1;
             }
@@ -176,7 +184,7 @@ impl SegmentCache {
             hits: self.hits.load(Ordering::Relaxed),
             misses: self.misses.load(Ordering::Relaxed),
             bytes: inner.bytes as u64,
-            entries: inner.live() as u64,
+            entries: inner.live as u64,
             evictions: self.evictions.load(Ordering::Relaxed),
             capacity_bytes: self.capacity as u64,
         }
@@ -193,14 +201,14 @@ mod tests {
         let cache = SegmentCache::new(3 * one);
         let ids: Arc<[u32]> = Arc::from(vec![1, 2]);
         for t in ["aaaaaaaaaa", "bbbbbbbbbb", "cccccccccc"] {
-            cache.insert(t, false, Arc::clone(&ids));
+            cache.insert(0, t, false, Arc::clone(&ids));
         }
-        assert!(cache.get("aaaaaaaaaa", false).is_some()); // a is now the most recent
-        cache.insert("dddddddddd", false, Arc::clone(&ids)); // evicts b
-        assert!(cache.get("bbbbbbbbbb", false).is_none());
-        assert!(cache.get("aaaaaaaaaa", false).is_some());
+        assert!(cache.get(0, "aaaaaaaaaa", false).is_some()); // a is now the most recent
+        cache.insert(0, "dddddddddd", false, Arc::clone(&ids)); // evicts b
+        assert!(cache.get(0, "bbbbbbbbbb", false).is_none());
+        assert!(cache.get(0, "aaaaaaaaaa", false).is_some());
         assert!(
-            cache.get("aaaaaaaaaa", true).is_none(),
+            cache.get(0, "aaaaaaaaaa", true).is_none(),
             "first-ness is part of the key"
         );
         let s = cache.stats();
@@ -212,23 +220,25 @@ mod tests {
     #[test]
     fn the_order_holds_one_item_per_entry() {
         let cache = SegmentCache::new(1 << 20);
-        cache.insert("x", false, Arc::from(vec![1]));
-        cache.insert("x", true, Arc::from(vec![2]));
-        cache.insert("x", false, Arc::from(vec![3])); // replaces
+        cache.insert(0, "x", false, Arc::from(vec![1]));
+        cache.insert(0, "x", true, Arc::from(vec![2]));
+        cache.insert(0, "x", false, Arc::from(vec![3])); // replaces
+        cache.insert(7, "x", false, Arc::from(vec![4]));
         for _ in 0..10_000 {
-            assert!(cache.get("x", false).is_some());
+            assert!(cache.get(0, "x", false).is_some());
         }
         let inner = cache.lock();
-        assert_eq!(inner.order.len(), 2);
-        assert_eq!(inner.live(), 2);
-        assert_eq!(inner.bytes, 2 * (1 + 4 + OVERHEAD));
+        assert_eq!(inner.order.len(), 3);
+        assert_eq!(inner.live, 3);
+        assert_eq!(inner.maps.len(), 3);
+        assert_eq!(inner.bytes, 3 * (1 + 4 + OVERHEAD));
     }
 
     /// The cache against a plain list kept in recency order.
     #[derive(Default)]
     struct Model {
-        /// (first, text, ids), least recent first.
-        items: Vec<(bool, String, Vec<u32>)>,
+        /// ((namespace, first), text, ids), least recent first.
+        items: Vec<(Space, String, Vec<u32>)>,
         evictions: u64,
     }
 
@@ -240,23 +250,23 @@ mod tests {
                 .sum()
         }
 
-        fn get(&mut self, text: &str, first: bool) -> Option<Vec<u32>> {
+        fn get(&mut self, text: &str, space: Space) -> Option<Vec<u32>> {
             let at = self
                 .items
                 .iter()
-                .position(|(f, t, _)| *f == first && t == text)?;
+                .position(|(f, t, _)| *f == space && t == text)?;
             let item = self.items.remove(at);
             let ids = item.2.clone();
             self.items.push(item);
             Some(ids)
         }
 
-        fn insert(&mut self, text: &str, first: bool, ids: Vec<u32>, capacity: usize) {
+        fn insert(&mut self, text: &str, space: Space, ids: Vec<u32>, capacity: usize) {
             if text.len() + ids.len() * 4 + OVERHEAD > capacity {
                 return;
             }
-            self.items.retain(|(f, t, _)| !(*f == first && t == text));
-            self.items.push((first, text.to_owned(), ids));
+            self.items.retain(|(f, t, _)| !(*f == space && t == text));
+            self.items.push((space, text.to_owned(), ids));
             while self.bytes() > capacity {
                 self.items.remove(0);
                 self.evictions += 1;
@@ -268,27 +278,47 @@ mod tests {
         #[test]
         fn behaves_as_a_least_recently_used_list(
             capacity in 0usize..1_200,
-            ops in proptest::collection::vec((0u8..3, 0usize..12, proptest::bool::ANY, 0usize..40), 0..300),
+            ops in proptest::collection::vec((0u8..3, 0usize..12, proptest::bool::ANY, 0u64..3, 0usize..40), 0..300),
         ) {
             let cache = SegmentCache::new(capacity);
             let mut model = Model::default();
-            for (op, key, first, len) in ops {
+            for (op, key, first, ns, len) in ops {
                 let text = format!("segment-{key}");
                 if op == 0 {
                     let ids: Vec<u32> = (0..len as u32).collect();
-                    cache.insert(&text, first, Arc::from(ids.clone()));
-                    model.insert(&text, first, ids, capacity);
+                    cache.insert(ns, &text, first, Arc::from(ids.clone()));
+                    model.insert(&text, (ns, first), ids, capacity);
                 } else {
-                    let got = cache.get(&text, first).map(|ids| ids.to_vec());
-                    let want = if capacity == 0 { None } else { model.get(&text, first) };
+                    let got = cache.get(ns, &text, first).map(|ids| ids.to_vec());
+                    let want = if capacity == 0 { None } else { model.get(&text, (ns, first)) };
                     proptest::prop_assert_eq!(got, want);
                 }
                 let s = cache.stats();
                 proptest::prop_assert_eq!(s.bytes as usize, model.bytes());
                 proptest::prop_assert_eq!(s.entries as usize, model.items.len());
                 proptest::prop_assert_eq!(s.evictions, model.evictions);
-                proptest::prop_assert_eq!(cache.lock().order.len(), model.items.len());
+                let inner = cache.lock();
+                proptest::prop_assert_eq!(inner.order.len(), model.items.len());
+                proptest::prop_assert!(inner.maps.len() <= model.items.len());
             }
         }
+    }
+
+    #[test]
+    fn a_namespace_never_sees_another_namespaces_entries() {
+        let cache = SegmentCache::new(1 << 20);
+        let ids: Arc<[u32]> = Arc::from(vec![1, 2, 3]);
+        assert!(cache.get(1, "same text", false).is_none());
+        cache.insert(1, "same text", false, Arc::clone(&ids));
+        assert!(
+            cache.get(2, "same text", false).is_none(),
+            "another salt: a miss"
+        );
+        assert_eq!(
+            cache.get(1, "same text", false).as_deref(),
+            Some(&[1, 2, 3][..])
+        );
+        let s = cache.stats();
+        assert_eq!((s.hits, s.misses), (1, 2));
     }
 }

@@ -18,7 +18,9 @@ use tokenizers::{
     Model, OffsetType, PreTokenizedString, PreTokenizer, PreTokenizerWrapper, Tokenizer,
 };
 
+use crate::budget::{Budget, Tokens};
 use crate::cache::{CacheStats, SegmentCache};
+use crate::error::{Cap, RequestError};
 use crate::pretok::FastPreTokenizer;
 use crate::segment::{Analysis, Boundaries};
 use crate::split::Splitter;
@@ -80,6 +82,88 @@ impl std::fmt::Debug for Encoder {
 
 fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
+}
+
+/// A pre-token longer than the budget's word cap, carried through
+/// `tokenizers`' error type out of the BPE call it refused.
+#[derive(Debug)]
+pub(crate) struct WordTooLong {
+    /// The pre-token's bytes.
+    pub len: usize,
+}
+
+impl std::fmt::Display for WordTooLong {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "a pre-token of {} bytes", self.len)
+    }
+}
+
+impl std::error::Error for WordTooLong {}
+
+/// The budget's deadline or cancellation, met inside a segment and carried
+/// through `tokenizers`' error type.
+#[derive(Debug)]
+struct Interrupted(RequestError);
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+/// What bounds the encoding of one segment's words.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limit<'a> {
+    /// The longest word BPE may see.
+    pub word_cap: usize,
+    /// The segment's encoding may stop once it has more ids than this
+    /// (its ids so far are then a prefix of its full ids).
+    pub room: usize,
+    /// Checked every [`Limit::CHECK_EVERY`] words.
+    pub budget: &'a Budget,
+}
+
+impl Limit<'_> {
+    /// Words between two budget checks inside a segment.
+    const CHECK_EVERY: usize = 64;
+
+    /// Before BPE sees word number `n`: refuses it over the word cap, and
+    /// checks the budget now and then.
+    pub fn word(&self, word: &str, n: usize) -> tokenizers::Result<()> {
+        if word.len() > self.word_cap {
+            return Err(Box::new(WordTooLong { len: word.len() }));
+        }
+        if n.is_multiple_of(Self::CHECK_EVERY) && self.budget.interruptible() {
+            self.budget
+                .check()
+                .map_err(|e| Box::new(Interrupted(e)) as tokenizers::Error)?;
+        }
+        Ok(())
+    }
+
+    /// Whether `ids` ids are enough to stop.
+    pub fn full(&self, ids: usize) -> bool {
+        ids > self.room
+    }
+}
+
+/// A `tokenizers` error as a request error: [`RequestError::OverCap`] for
+/// [`WordTooLong`], the budget's error for [`Interrupted`], else vLLM's
+/// generic message.
+fn request_error(e: &tokenizers::Error, cap: usize) -> RequestError {
+    if let Some(w) = e.downcast_ref::<WordTooLong>() {
+        return RequestError::OverCap {
+            cap: Cap::WordBytes,
+            limit: cap,
+            actual: w.len,
+        };
+    }
+    match e.downcast_ref::<Interrupted>() {
+        Some(Interrupted(e)) => e.clone(),
+        None => RequestError::message(e.to_string()),
+    }
 }
 
 impl Encoder {
@@ -163,7 +247,10 @@ impl Encoder {
                 .map_err(err)?
                 .get_ids()
                 .to_vec();
-            let got = self.encode_segmented(probe)?;
+            let got = self
+                .encode_segmented(probe, &Budget::default(), None)
+                .map_err(err)?
+                .0;
             if got != want {
                 return Err(format!(
                     "the segmented encoding differs from tokenizers' on {:?}",
@@ -182,19 +269,58 @@ impl Encoder {
         add_special_tokens: bool,
         truncation: Option<Truncation>,
     ) -> Result<Vec<u32>, String> {
-        let mut ids = match self.mode {
-            Mode::Segmented(_) => self.encode_segmented(text)?,
-            Mode::Whole(_) => self
-                .tokenizer
-                .encode(text, false)
-                .map_err(err)?
-                .get_ids()
-                .to_vec(),
-        };
+        self.encode_with(text, add_special_tokens, truncation, &Budget::default())
+            .map(|t| t.ids)
+            .map_err(|e| e.to_string())
+    }
+
+    /// [`Encoder::encode`] under `budget`: its deadline and cancellation
+    /// checked before each segment, its word cap applied to every
+    /// pre-token, its namespace selecting the cache entries, and encoding
+    /// stopped once more than `max_tokens` ids exist (the result is then
+    /// the first `max_tokens` ids of `encode`'s, flagged). With `truncation`
+    /// keeping the last tokens, everything is encoded (the kept tokens are
+    /// known only at the end) and then cut.
+    pub fn encode_with(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        truncation: Option<Truncation>,
+        budget: &Budget,
+    ) -> Result<Tokens, RequestError> {
+        budget.check()?;
         let (prefix, suffix): (&[u32], &[u32]) = if add_special_tokens {
             (&self.prefix, &self.suffix)
         } else {
             (&[], &[])
+        };
+        let keep_last = truncation.is_some_and(|t| t.keep_last);
+        // Encoding may stop once the body alone is longer than the room
+        // left for it: then the full ids are surely longer than the cap.
+        let stop = match budget.max_tokens {
+            Some(max) if !keep_last => Some(max.saturating_sub(prefix.len())),
+            _ => None,
+        };
+        let mut ids = match self.mode {
+            Mode::Segmented(_) => self.encode_segmented(text, budget, stop)?.0,
+            Mode::Whole(_) => {
+                let cap = budget.caps.word_bytes;
+                if cap != usize::MAX {
+                    // Pre-tokens are not seen here: the longest run without
+                    // whitespace stands for the longest one.
+                    let longest = text
+                        .split(|c: char| c.is_whitespace())
+                        .map(str::len)
+                        .max()
+                        .unwrap_or(0);
+                    crate::budget::Caps::check(Cap::WordBytes, cap, longest)?;
+                }
+                self.tokenizer
+                    .encode(text, false)
+                    .map_err(|e| request_error(&e, cap))?
+                    .get_ids()
+                    .to_vec()
+            }
         };
         if let Some(t) = truncation {
             let room = t.max_len.saturating_sub(prefix.len() + suffix.len());
@@ -206,21 +332,45 @@ impl Encoder {
                 }
             }
         }
-        if prefix.is_empty() && suffix.is_empty() {
-            return Ok(ids);
+        let mut out = if prefix.is_empty() && suffix.is_empty() {
+            ids
+        } else {
+            let mut out = Vec::with_capacity(prefix.len() + ids.len() + suffix.len());
+            out.extend_from_slice(prefix);
+            out.extend(ids);
+            out.extend_from_slice(suffix);
+            out
+        };
+        let mut truncated = false;
+        if let Some(max) = budget.max_tokens
+            && out.len() > max
+        {
+            out.truncate(max);
+            truncated = true;
         }
-        let mut out = Vec::with_capacity(prefix.len() + ids.len() + suffix.len());
-        out.extend_from_slice(prefix);
-        out.extend(ids);
-        out.extend_from_slice(suffix);
-        Ok(out)
+        Ok(Tokens {
+            ids: out,
+            truncated,
+        })
     }
 
-    fn encode_segmented(&self, text: &str) -> Result<Vec<u32>, String> {
+    /// The ids of `text` without special tokens, and whether encoding
+    /// stopped early: once more than `stop` ids exist.
+    fn encode_segmented(
+        &self,
+        text: &str,
+        budget: &Budget,
+        stop: Option<usize>,
+    ) -> Result<(Vec<u32>, bool), RequestError> {
+        let interruptible = budget.interruptible();
+        let stop = stop.unwrap_or(usize::MAX);
         // About four bytes a token: one allocation instead of a dozen
         // doublings, each copying what came before.
-        let mut ids = Vec::with_capacity(text.len() / 4 + 16);
+        let mut ids = Vec::with_capacity((text.len() / 4 + 16).min(stop.saturating_add(1)));
         for piece in self.splitter.split(text) {
+            if ids.len() > stop {
+                return Ok((ids, true));
+            }
             if let Some(id) = piece.added {
                 ids.push(id);
                 continue;
@@ -229,50 +379,85 @@ impl Encoder {
             let mut from = 0usize;
             let cuts = self.boundaries.cuts(body);
             for (i, to) in cuts.iter().copied().chain([body.len()]).enumerate() {
+                if ids.len() > stop {
+                    return Ok((ids, true));
+                }
+                if interruptible {
+                    budget.check()?;
+                }
                 let seg = body.get(from..to).unwrap_or_default();
                 let first = i == 0 && piece.start == 0;
-                ids.extend_from_slice(&self.segment(seg, first)?);
+                let limit = Limit {
+                    word_cap: budget.caps.word_bytes,
+                    room: stop.saturating_sub(ids.len()),
+                    budget,
+                };
+                let (seg_ids, complete) = self.segment(seg, first, budget.namespace, limit)?;
+                ids.extend_from_slice(&seg_ids);
+                if !complete {
+                    return Ok((ids, true));
+                }
                 from = to;
             }
         }
-        Ok(ids)
+        Ok((ids, false))
     }
 
-    /// One segment's ids, from the cache or encoded (outside any lock).
-    fn segment(&self, text: &str, first: bool) -> Result<Arc<[u32]>, String> {
-        if let Some(ids) = self.cache.get(text, first) {
-            return Ok(ids);
+    /// One segment's ids, from the cache or encoded (outside any lock), and
+    /// whether they are all of them: the direct encoders stop once they
+    /// have more than `limit.room` ids (a partial result is not cached).
+    fn segment(
+        &self,
+        text: &str,
+        first: bool,
+        ns: u64,
+        limit: Limit<'_>,
+    ) -> Result<(Arc<[u32]>, bool), RequestError> {
+        let cap = limit.word_cap;
+        if let Some(ids) = self.cache.get(ns, text, first) {
+            return Ok((ids, true));
         }
         let model = self.tokenizer.get_model();
         let direct = match (&self.metaspace, &self.fast_pre) {
-            (Some(m), _) => Some(metaspace_ids(m, text, first, model)),
-            (None, Some(f)) => f.encode(text, model),
+            (Some(m), _) => Some(metaspace_ids(m, text, first, model, limit)),
+            (None, Some(f)) => f.encode(text, model, limit),
             (None, None) => None,
         };
         if let Some(direct) = direct {
-            let ids: Arc<[u32]> = Arc::from(direct.map_err(err)?);
-            self.cache.insert(text, first, Arc::clone(&ids));
-            return Ok(ids);
+            let (ids, complete) = direct.map_err(|e| request_error(&e, cap))?;
+            let ids: Arc<[u32]> = Arc::from(ids);
+            if complete {
+                self.cache.insert(ns, text, first, Arc::clone(&ids));
+            }
+            return Ok((ids, complete));
         }
+        let fail = |e: tokenizers::Error| request_error(&e, cap);
         let mut pretok = PreTokenizedString::from(text);
         if let Some(fast) = &self.fast_pre {
-            fast.pre_tokenize(&mut pretok).map_err(err)?;
+            fast.pre_tokenize(&mut pretok).map_err(fail)?;
         } else {
             let pre = match (&self.pre_not_first, first) {
                 (Some(not_first), false) => Some(not_first),
                 _ => self.tokenizer.get_pre_tokenizer(),
             };
             if let Some(pre) = pre {
-                pre.pre_tokenize(&mut pretok).map_err(err)?;
+                pre.pre_tokenize(&mut pretok).map_err(fail)?;
             }
         }
-        pretok.tokenize(|n| model.tokenize(n.get())).map_err(err)?;
+        let n = std::cell::Cell::new(0usize);
+        pretok
+            .tokenize(|w| {
+                limit.word(w.get(), n.get())?;
+                n.set(n.get() + 1);
+                model.tokenize(w.get())
+            })
+            .map_err(fail)?;
         let enc = pretok
             .into_encoding(None, 0, OffsetType::None)
-            .map_err(err)?;
+            .map_err(fail)?;
         let ids: Arc<[u32]> = Arc::from(enc.get_ids());
-        self.cache.insert(text, first, Arc::clone(&ids));
-        Ok(ids)
+        self.cache.insert(ns, text, first, Arc::clone(&ids));
+        Ok((ids, true))
     }
 
     /// Token strings of `ids` (`convert_ids_to_tokens`).
@@ -310,15 +495,17 @@ impl Encoder {
 /// its alignment bookkeeping: spaces become the replacement, which is
 /// prepended (per the scheme; "first" only at the start of the input) unless
 /// the text starts with it, and with `split` the text is cut before each
-/// replacement. Empty text has no tokens.
+/// replacement. Empty text has no tokens. Words over `word_cap` bytes are
+/// refused ([`WordTooLong`]).
 fn metaspace_ids(
     m: &Metaspace,
     text: &str,
     first: bool,
     model: &impl Model,
-) -> tokenizers::Result<Vec<u32>> {
+    limit: Limit<'_>,
+) -> tokenizers::Result<(Vec<u32>, bool)> {
     if text.is_empty() {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), true));
     }
     let r = m.get_replacement();
     let mut s = String::with_capacity(text.len() + 4);
@@ -332,23 +519,34 @@ fn metaspace_ids(
     }
     s.extend(text.chars().map(|c| if c == ' ' { r } else { c }));
     let mut ids = Vec::with_capacity(s.len() / 3);
-    let mut push = |word: &str| -> tokenizers::Result<()> {
+    let mut n = 0usize;
+    // Each word's ids, until more than the room exists.
+    let mut push = |word: &str| -> tokenizers::Result<bool> {
+        limit.word(word, n)?;
+        n += 1;
         ids.extend(model.tokenize(word)?.iter().map(|t| t.id));
-        Ok(())
+        Ok(limit.full(ids.len()))
     };
+    // Stopped early: words remain, the ids are a prefix.
+    let mut stopped = false;
     if m.get_split() {
         let mut start = 0;
         for (i, c) in s.char_indices() {
             if c == r && i > start {
-                push(s.get(start..i).unwrap_or_default())?;
+                if push(s.get(start..i).unwrap_or_default())? {
+                    stopped = true;
+                    break;
+                }
                 start = i;
             }
         }
-        push(s.get(start..).unwrap_or_default())?;
+        if !stopped {
+            push(s.get(start..).unwrap_or_default())?;
+        }
     } else {
         push(&s)?;
     }
-    Ok(ids)
+    Ok((ids, !stopped))
 }
 
 /// The ids the post-processor puts before and after a single sequence,

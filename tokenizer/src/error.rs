@@ -104,7 +104,8 @@ pub enum RequestError {
         detail: String,
     },
     /// The request is larger than a cap of the caller's [`crate::Budget`]
-    /// (checked before anything is encoded). A local refusal.
+    /// (checked before anything is encoded; the rendered prompt's once
+    /// rendered; a pre-token's before BPE sees it). A local refusal.
     #[error("{cap} over the cap: {actual} > {limit}")]
     OverCap {
         /// Which cap.
@@ -159,6 +160,8 @@ pub enum Cap {
     TextBytes,
     /// Bytes of the rendered prompt.
     PromptBytes,
+    /// Bytes of one pre-token (what BPE sees whole).
+    WordBytes,
 }
 
 impl std::fmt::Display for Cap {
@@ -169,6 +172,7 @@ impl std::fmt::Display for Cap {
             Self::Tools => "tools",
             Self::TextBytes => "text bytes",
             Self::PromptBytes => "prompt bytes",
+            Self::WordBytes => "pre-token bytes",
         })
     }
 }

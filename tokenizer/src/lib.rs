@@ -9,7 +9,11 @@
 //! - `chat`, `responses`, `render`: vLLM's chat preprocessing, its
 //!   Responses → chat conversion, and transformers' `apply_chat_template`.
 //! - `template`: chat templates as transformers' Jinja environment runs them
-//!   ([`ChatTemplate`], [`ContentFormat`]).
+//!   ([`ChatTemplate`], [`ContentFormat`]); `pystr`: Python 3.11's Unicode
+//!   string functions for them (`upper`, `lower`, `title`, `strip`, …), from
+//!   tables read off Python itself.
+//! - `budget`: what one request may cost ([`Budget`], [`Caps`]) and the ids
+//!   it gets ([`Tokens`]): the `*_with` entry points of [`Tokenizer`].
 //! - `encode`, `split`, `segment`, `cache`, `pretok`: text → ids as
 //!   `tokenizers` encodes them, split on added tokens, cut at proven-safe
 //!   boundaries, cached per segment, split regexes run in the `regex` crate
@@ -22,6 +26,7 @@
 //! - `error`: [`LoadError`] and [`RequestError`].
 #![deny(clippy::indexing_slicing)]
 
+mod budget;
 mod cache;
 mod chat;
 mod clock;
@@ -32,6 +37,7 @@ mod loads;
 mod model;
 mod pretok;
 mod protocol;
+mod pystr;
 mod render;
 mod responses;
 mod segment;
@@ -40,6 +46,7 @@ mod template;
 mod tokenizer;
 mod value;
 
+pub use budget::{Budget, Caps, Tokens};
 pub use cache::CacheStats;
 pub use encode::{Encoder, EncoderStats, Mode, Truncation};
 pub use error::{Cap, InexactKind, LoadError, RequestError};

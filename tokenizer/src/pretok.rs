@@ -24,6 +24,8 @@
 //! The encoder's load-time self-check and the property tests compare the
 //! result with `tokenizers`' own encoding.
 
+use std::ops::ControlFlow;
+
 use regex::Regex;
 use serde_json::Value as Json;
 use tokenizers::tokenizer::pattern::Pattern;
@@ -150,64 +152,88 @@ impl FastPreTokenizer {
 
     /// The ids of `text` (one segment, no added tokens in it): words from
     /// the split regexes, byte-level mapped, through `model`. `None` when
-    /// the pre-tokenizer is not splits + plain `ByteLevel`.
-    pub fn encode(&self, text: &str, model: &ModelWrapper) -> Option<tokenizers::Result<Vec<u32>>> {
+    /// the pre-tokenizer is not splits + plain `ByteLevel`. `limit` bounds
+    /// the work: a word over its cap is refused before BPE sees it, and
+    /// encoding stops once there are more ids than its room (`false`: the
+    /// ids are a prefix of the segment's).
+    pub(crate) fn encode(
+        &self,
+        text: &str,
+        model: &ModelWrapper,
+        limit: crate::encode::Limit<'_>,
+    ) -> Option<tokenizers::Result<(Vec<u32>, bool)>> {
         let splits = self.byte_level_words.as_ref()?;
-        let mut words: Vec<(usize, usize)> = vec![(0, text.len())];
-        for re in splits {
-            let mut next = Vec::with_capacity(words.len() * 2);
-            for (start, end) in words {
-                let piece = text.get(start..end).unwrap_or_default();
-                match (&re).find_matches(piece) {
-                    Ok(found) => {
-                        next.extend(found.into_iter().map(|((s, e), _)| (start + s, start + e)))
-                    }
-                    Err(e) => return Some(Err(e)),
+        let table = &*BYTE_CHARS;
+        let mut ids = Vec::new();
+        let mut mapped = String::new();
+        let mut n = 0usize;
+        let mut failed: Option<tokenizers::Error> = None;
+        // Words are produced one at a time (each regex splitting the pieces
+        // of the one before, in order), so a stop costs only what came
+        // before it.
+        let flow = walk(splits, text, 0, text.len(), &mut |start, end| {
+            let Some(word) = text.get(start..end).filter(|w| !w.is_empty()) else {
+                return ControlFlow::Continue(());
+            };
+            let step = limit.word(word, n).and_then(|()| {
+                mapped.clear();
+                mapped.extend(
+                    word.bytes()
+                        .map(|b| table.get(usize::from(b)).copied().unwrap_or('\0')),
+                );
+                model.tokenize(&mapped)
+            });
+            n += 1;
+            match step {
+                Ok(tokens) => ids.extend(tokens.iter().map(|t| t.id)),
+                Err(e) => {
+                    failed = Some(e);
+                    return ControlFlow::Break(());
                 }
             }
-            words = next;
-        }
-        let table = &*BYTE_CHARS;
-        let mut ids = Vec::with_capacity(text.len() / 3);
-        let mut mapped = String::new();
-        for (start, end) in words {
-            let Some(word) = text.get(start..end).filter(|w| !w.is_empty()) else {
-                continue;
-            };
-            mapped.clear();
-            mapped.extend(
-                word.bytes()
-                    .map(|b| table.get(usize::from(b)).copied().unwrap_or('\0')),
-            );
-            match model.tokenize(&mapped) {
-                Ok(tokens) => ids.extend(tokens.iter().map(|t| t.id)),
-                Err(e) => return Some(Err(e)),
+            if limit.full(ids.len()) {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
             }
+        });
+        if let Some(e) = failed {
+            return Some(Err(e));
         }
-        Some(Ok(ids))
+        Some(Ok((ids, flow.is_continue())))
     }
 }
 
-impl PreTokenizer for FastPreTokenizer {
-    fn pre_tokenize(&self, pretokenized: &mut PreTokenizedString) -> tokenizers::Result<()> {
-        for stage in &self.stages {
-            match stage {
-                Stage::Split(re) => pretokenized.split(|_, normalized| {
-                    normalized.split(re, SplitDelimiterBehavior::Isolated)
-                })?,
-                Stage::Other(p) => p.pre_tokenize(pretokenized)?,
-            }
-        }
-        Ok(())
-    }
+/// Calls `f` on every word of `text[start..end]` that the `splits` cut it
+/// into, in order, until it breaks.
+fn walk(
+    splits: &[FastRegex],
+    text: &str,
+    start: usize,
+    end: usize,
+    f: &mut dyn FnMut(usize, usize) -> ControlFlow<()>,
+) -> ControlFlow<()> {
+    let Some((re, rest)) = splits.split_first() else {
+        return f(start, end);
+    };
+    let piece = text.get(start..end).unwrap_or_default();
+    re.each_split(piece, &mut |s, e, _| {
+        walk(rest, text, start + s, start + e, f)
+    })
 }
 
-impl Pattern for &FastRegex {
-    fn find_matches(&self, inside: &str) -> tokenizers::Result<Vec<(Offsets, bool)>> {
+impl FastRegex {
+    /// The splits of `inside` as [`Pattern::find_matches`] gives them
+    /// (matches, flagged, and the text between), one at a time, until `f`
+    /// breaks.
+    fn each_split(
+        &self,
+        inside: &str,
+        f: &mut dyn FnMut(usize, usize, bool) -> ControlFlow<()>,
+    ) -> ControlFlow<()> {
         if inside.is_empty() {
-            return Ok(vec![((0, 0), false)]);
+            return f(0, 0, false);
         }
-        let mut splits = Vec::new();
         let mut prev = 0usize;
         let mut pos = 0usize;
         while pos < inside.len() {
@@ -227,9 +253,9 @@ impl Pattern for &FastRegex {
                 }
             }
             if prev != start {
-                splits.push(((prev, start), false));
+                f(prev, start, false)?;
             }
-            splits.push(((start, end), true));
+            f(start, end, true)?;
             prev = end;
             // Patterns here never match empty; guard anyway.
             pos = if end > start {
@@ -242,8 +268,33 @@ impl Pattern for &FastRegex {
             };
         }
         if prev != inside.len() {
-            splits.push(((prev, inside.len()), false));
+            f(prev, inside.len(), false)?;
         }
+        ControlFlow::Continue(())
+    }
+}
+
+impl PreTokenizer for FastPreTokenizer {
+    fn pre_tokenize(&self, pretokenized: &mut PreTokenizedString) -> tokenizers::Result<()> {
+        for stage in &self.stages {
+            match stage {
+                Stage::Split(re) => pretokenized.split(|_, normalized| {
+                    normalized.split(re, SplitDelimiterBehavior::Isolated)
+                })?,
+                Stage::Other(p) => p.pre_tokenize(pretokenized)?,
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Pattern for &FastRegex {
+    fn find_matches(&self, inside: &str) -> tokenizers::Result<Vec<(Offsets, bool)>> {
+        let mut splits = Vec::new();
+        let _ = self.each_split(inside, &mut |s, e, is_match| {
+            splits.push(((s, e), is_match));
+            ControlFlow::Continue(())
+        });
         Ok(splits)
     }
 }

@@ -172,9 +172,7 @@ pub fn render(
         s("add_generation_prompt"),
         Value::from(add_generation_prompt),
     );
-    let mut text = template
-        .render(&object(ctx))
-        .map_err(RequestError::Template)?;
+    let mut text = template.render(&object(ctx))?;
 
     if let Some(final_message) = final_text {
         text = cut_at_tag(&text, &final_message)?;

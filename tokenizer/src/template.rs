@@ -11,7 +11,9 @@ use minijinja::value::{Kwargs, Rest, Value};
 use minijinja::{Environment, Error as JinjaError, ErrorKind, State, UndefinedBehavior};
 use regex::Regex;
 
+use crate::error::{InexactKind, RequestError};
 use crate::json::{DumpOptions, dumps, py_str};
+use crate::pystr;
 
 /// How vLLM hands message content to the template.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,7 +61,7 @@ impl ChatTemplate {
         env.set_syntax(syntax.build().map_err(|e| e.to_string())?);
         env.set_undefined_behavior(UndefinedBehavior::Lenient);
         env.set_fuel(Some(FUEL));
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(python_methods);
         env.set_formatter(|out, _state, value| {
             let written = match value.as_str() {
                 Some(text) => out.write_str(text),
@@ -72,6 +74,18 @@ impl ChatTemplate {
             written.map_err(|_| JinjaError::new(ErrorKind::WriteFailure, "write"))
         });
         env.add_filter("tojson", tojson);
+        env.add_filter("upper", |v: Value| Value::from(pystr::upper(&soft_str(&v))));
+        env.add_filter("lower", |v: Value| Value::from(pystr::lower(&soft_str(&v))));
+        env.add_filter("title", |v: Value| {
+            Value::from(pystr::jinja_title(&soft_str(&v)))
+        });
+        env.add_filter("capitalize", |v: Value| {
+            Value::from(pystr::capitalize(&soft_str(&v)))
+        });
+        env.add_filter("trim", |v: Value, chars: Option<String>| {
+            let s = soft_str(&v);
+            Value::from(pystr::strip(&s, chars.as_deref(), pystr::Ends::Both))
+        });
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         let owned: String = source.to_owned();
@@ -90,10 +104,148 @@ impl ChatTemplate {
         &self.source
     }
 
-    /// Renders with `ctx` (a map of the template's variables).
-    pub fn render(&self, ctx: &Value) -> Result<String, String> {
-        let tmpl = self.env.get_template(NAME).map_err(|e| e.to_string())?;
-        tmpl.render(ctx).map_err(|e| template_error(&e))
+    /// Renders with `ctx` (a map of the template's variables): a
+    /// [`RequestError::Template`] when the template fails, as in Python, or
+    /// [`RequestError::Inexact`] where it used a string function whose
+    /// Python result is not reproduced here.
+    pub fn render(&self, ctx: &Value) -> Result<String, RequestError> {
+        let tmpl = self
+            .env
+            .get_template(NAME)
+            .map_err(|e| RequestError::Template(e.to_string()))?;
+        tmpl.render(ctx).map_err(|e| match not_reproduced(&e) {
+            Some(detail) => RequestError::Inexact {
+                kind: InexactKind::Text,
+                detail,
+            },
+            None => RequestError::Template(template_error(&e)),
+        })
+    }
+}
+
+/// A template string function whose Python result is not reproduced,
+/// carried as the source of the template error.
+#[derive(Debug)]
+struct NotReproduced(String);
+
+impl std::fmt::Display for NotReproduced {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for NotReproduced {}
+
+fn not_reproduced(e: &JinjaError) -> Option<String> {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = cur {
+        if let Some(n) = err.downcast_ref::<NotReproduced>() {
+            return Some(n.0.clone());
+        }
+        cur = err.source();
+    }
+    None
+}
+
+fn inexact(detail: String) -> JinjaError {
+    JinjaError::new(ErrorKind::InvalidOperation, detail.clone()).with_source(NotReproduced(detail))
+}
+
+/// Jinja2's `soft_str`: strings as they are, anything else as Python's
+/// `str()` prints it (undefined: empty).
+fn soft_str(v: &Value) -> String {
+    match v.as_str() {
+        Some(s) => s.to_owned(),
+        None => {
+            let mut out = String::new();
+            py_str(&mut out, v);
+            out
+        }
+    }
+}
+
+/// Python `str` methods minijinja-contrib's pycompat does not have: a
+/// template calling one renders in Python but not here.
+const UNREPRODUCED_STR_METHODS: &[&str] = &[
+    "casefold",
+    "swapcase",
+    "istitle",
+    "isdecimal",
+    "isidentifier",
+    "isprintable",
+    "center",
+    "ljust",
+    "rjust",
+    "zfill",
+    "expandtabs",
+    "partition",
+    "rpartition",
+    "rsplit",
+    "index",
+    "rindex",
+    "encode",
+    "translate",
+    "maketrans",
+    "removeprefix",
+    "removesuffix",
+    "format_map",
+];
+
+/// Python's string methods: those whose result depends on Unicode data
+/// from Python 3.11's tables ([`pystr`]); the Unicode predicates pycompat
+/// approximates, on ASCII text only; the rest from minijinja-contrib's
+/// pycompat (as for maps and lists).
+fn python_methods(
+    state: &mut State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> Result<Value, JinjaError> {
+    use minijinja::value::from_args;
+    let Some(s) = value.as_str() else {
+        return minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args);
+    };
+    match method {
+        "upper" | "lower" | "title" | "capitalize" | "isspace" | "isupper" | "islower" => {
+            let () = from_args(args)?;
+            Ok(match method {
+                "upper" => Value::from(pystr::upper(s)),
+                "lower" => Value::from(pystr::lower(s)),
+                "title" => Value::from(pystr::title(s)),
+                "capitalize" => Value::from(pystr::capitalize(s)),
+                "isspace" => Value::from(pystr::isspace(s)),
+                "isupper" => Value::from(pystr::isupper(s)),
+                _ => Value::from(pystr::islower(s)),
+            })
+        }
+        "strip" | "lstrip" | "rstrip" => {
+            let (chars,): (Option<&str>,) = from_args(args)?;
+            let ends = match method {
+                "strip" => pystr::Ends::Both,
+                "lstrip" => pystr::Ends::Start,
+                _ => pystr::Ends::End,
+            };
+            Ok(Value::from(pystr::strip(s, chars, ends)))
+        }
+        "split" if args.first().is_none_or(Value::is_none) => {
+            let (_, maxsplit): (Option<Value>, Option<i64>) = from_args(args)?;
+            Ok(pystr::split_whitespace(s, maxsplit.unwrap_or(-1))
+                .into_iter()
+                .map(Value::from)
+                .collect())
+        }
+        "splitlines" => {
+            let (keepends,): (Option<bool>,) = from_args(args)?;
+            Ok(pystr::splitlines(s, keepends.unwrap_or(false))
+                .into_iter()
+                .map(Value::from)
+                .collect())
+        }
+        "isdigit" | "isnumeric" | "isalnum" | "isalpha" if !s.is_ascii() => {
+            Err(inexact(format!("str.{method}() of non-ASCII text")))
+        }
+        m if UNREPRODUCED_STR_METHODS.contains(&m) => Err(inexact(format!("str.{method}()"))),
+        _ => minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args),
     }
 }
 
@@ -293,6 +445,72 @@ mod tests {
             .unwrap()
             .render(&ctx)
             .unwrap_err();
-        assert_eq!(err, "no way");
+        assert_eq!(err, RequestError::Template("no way".into()));
+    }
+
+    #[test]
+    fn string_functions_are_python_3_11s() {
+        let ctx = crate::loads::parse(
+            r#"{"t": "\u001c a \u001f", "k": "\u1c8a stra\u00dfe", "g": "\u039f\u0394\u039f\u03a3 don't"}"#
+                .as_bytes(),
+        )
+        .unwrap();
+        let r = |src: &str| render(src, ctx.clone());
+        assert_eq!(
+            r("[{{ t.strip() }}|{{ t | trim }}|{{ t.lstrip() }}]"),
+            "[a|a|a \u{1f}]"
+        );
+        assert_eq!(
+            r("{{ k.upper() }}|{{ k | upper }}"),
+            "\u{1c8a} STRASSE|\u{1c8a} STRASSE"
+        );
+        assert_eq!(
+            r("{{ g.lower() }}|{{ g | lower }}"),
+            "οδος don't|οδος don't"
+        );
+        assert_eq!(
+            r("{{ g.title() }}|{{ g | title }}"),
+            "Οδος Don'T|Οδος Don't"
+        );
+        assert_eq!(
+            r("{{ g.capitalize() }}|{{ g | capitalize }}"),
+            "Οδος don't|Οδος don't"
+        );
+        assert_eq!(
+            r("{{ t.split() }}|{{ 'a\\rb'.splitlines() }}"),
+            "['a']|['a', 'b']"
+        );
+        assert_eq!(r("{{ 'AB'.isalpha() }} {{ ' '.isspace() }}"), "True True");
+    }
+
+    #[test]
+    fn unreproduced_string_functions_are_refused_as_inexact() {
+        let ctx = Value::from(());
+        for src in [
+            "{{ 'é'.isalpha() }}",
+            "{{ 'x'.casefold() }}",
+            "{% set y = 'é'.isdigit() %}",
+        ] {
+            let err = ChatTemplate::new(src, None)
+                .unwrap()
+                .render(&ctx)
+                .unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    RequestError::Inexact {
+                        kind: InexactKind::Text,
+                        ..
+                    }
+                ),
+                "{src}: {err:?}"
+            );
+        }
+        // A missing method stays a template error.
+        let err = ChatTemplate::new("{{ 'x'.nope() }}", None)
+            .unwrap()
+            .render(&ctx)
+            .unwrap_err();
+        assert!(matches!(err, RequestError::Template(_)), "{err:?}");
     }
 }

@@ -7,9 +7,10 @@ use std::sync::{Arc, Mutex};
 
 use minijinja::Value;
 
+use crate::budget::{Budget, Caps, Tokens};
 use crate::chat::{Origin, chat_tools, parse_messages};
 use crate::encode::{Encoder, EncoderStats, Truncation};
-use crate::error::{LoadError, RequestError};
+use crate::error::{Cap, InexactKind, LoadError, RequestError};
 use crate::protocol::{
     RenderResponse, ResponsesRequest, SamplingParams, TokenizeRequest, TokenizeResponse,
 };
@@ -137,22 +138,57 @@ impl Tokenizer {
         }
     }
 
+    /// Caps for this model (see [`Caps::for_model`]): from its context
+    /// length and its longest token (at most four bytes a character).
+    pub fn caps(&self) -> Caps {
+        Caps::for_model(
+            self.max_model_len as usize,
+            self.max_chars_per_token.saturating_mul(4),
+        )
+    }
+
     /// Token ids of `text` (as the tokenizer's `encode`).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, RequestError> {
+        self.encode_with(text, add_special_tokens, &Budget::default())
+            .map(|t| t.ids)
+    }
+
+    /// [`Tokenizer::encode`] under `budget` (`text` counts as the request's
+    /// text and as its prompt).
+    pub fn encode_with(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        budget: &Budget,
+    ) -> Result<Tokens, RequestError> {
+        Caps::check(Cap::TextBytes, budget.caps.text_bytes, text.len())?;
+        Caps::check(Cap::PromptBytes, budget.caps.prompt_bytes, text.len())?;
         self.encoder
-            .encode(text, add_special_tokens, None)
-            .map_err(RequestError::message)
+            .encode_with(text, add_special_tokens, None, budget)
     }
 
     /// `POST /tokenize`.
     pub fn tokenize(&self, req: &TokenizeRequest) -> Result<TokenizeResponse, RequestError> {
+        self.tokenize_with(req, &Budget::default())
+    }
+
+    /// `POST /tokenize` under `budget`, whose `max_tokens` is not applied
+    /// (the answer holds every id).
+    pub fn tokenize_with(
+        &self,
+        req: &TokenizeRequest,
+        budget: &Budget,
+    ) -> Result<TokenizeResponse, RequestError> {
         let body = &req.body;
         let want_strs = opt_bool(body, "return_token_strs", "return_token_strs")?.unwrap_or(false);
-        let tokens = if req.is_chat() {
-            self.tokenize_chat(body)?
-        } else {
-            self.tokenize_prompt(body)?
+        let all = Budget {
+            max_tokens: None,
+            ..budget.clone()
         };
+        // vLLM's /tokenize has no `truncate_prompt_tokens` (an extra field,
+        // ignored).
+        check_request_caps(body, &all)?;
+        let tokens = self.tokenize_ids(req, &all)?.ids;
         Ok(TokenizeResponse {
             count: tokens.len(),
             max_model_len: self.max_model_len,
@@ -161,7 +197,32 @@ impl Tokenizer {
         })
     }
 
-    fn tokenize_prompt(&self, body: &Value) -> Result<Vec<u32>, RequestError> {
+    /// The prompt ids of a `/v1/completions` body under `budget`: the ids
+    /// `POST /tokenize` answers for it (the chat shape, `messages`, is
+    /// taken too, as `/tokenize` takes it), refusing a non-null
+    /// `truncate_prompt_tokens` (see [`RequestError::Inexact`]), which
+    /// completions apply and `/tokenize` ignores.
+    pub fn completion_tokens_with(
+        &self,
+        req: &TokenizeRequest,
+        budget: &Budget,
+    ) -> Result<Tokens, RequestError> {
+        let body = &req.body;
+        check_request_caps(body, budget)?;
+        reject_truncate_prompt_tokens(body)?;
+        self.tokenize_ids(req, budget)
+    }
+
+    fn tokenize_ids(&self, req: &TokenizeRequest, budget: &Budget) -> Result<Tokens, RequestError> {
+        let body = &req.body;
+        if req.is_chat() {
+            self.tokenize_chat(body, false, budget)
+        } else {
+            self.tokenize_prompt(body, budget)
+        }
+    }
+
+    fn tokenize_prompt(&self, body: &Value, budget: &Budget) -> Result<Tokens, RequestError> {
         let prompt = match get(body, "prompt") {
             Some(p) if crate::value::is_str(&p) => p.as_str().unwrap_or_default().to_owned(),
             Some(_) => {
@@ -179,29 +240,47 @@ impl Tokenizer {
         };
         let add_special =
             opt_bool(body, "add_special_tokens", "add_special_tokens")?.unwrap_or(true);
-        self.encoder
-            .encode(&prompt, add_special, None)
-            .map_err(RequestError::message)
+        Caps::check(Cap::PromptBytes, budget.caps.prompt_bytes, prompt.len())?;
+        self.encoder.encode_with(&prompt, add_special, None, budget)
     }
 
-    fn tokenize_chat(&self, body: &Value) -> Result<Vec<u32>, RequestError> {
-        let (rendered, add_special) = self.render_chat(body, false)?;
+    fn tokenize_chat(
+        &self,
+        body: &Value,
+        completion: bool,
+        budget: &Budget,
+    ) -> Result<Tokens, RequestError> {
+        let (rendered, add_special) = self.render_chat(body, completion, budget)?;
         let add_special = add_special && !rendered.tokenize;
+        self.encode_prompt(&rendered.text, add_special, None, budget)
+    }
+
+    /// The rendered prompt's ids: its byte cap, then the encoder.
+    fn encode_prompt(
+        &self,
+        text: &str,
+        add_special: bool,
+        truncation: Option<Truncation>,
+        budget: &Budget,
+    ) -> Result<Tokens, RequestError> {
+        Caps::check(Cap::PromptBytes, budget.caps.prompt_bytes, text.len())?;
+        budget.check()?;
         self.encoder
-            .encode(&rendered.text, add_special, None)
-            .map_err(RequestError::message)
+            .encode_with(text, add_special, truncation, budget)
     }
 
     /// The prompt text a chat-shaped `/tokenize` request renders to (for
     /// diagnostics: where a mismatch starts).
     pub fn chat_prompt(&self, req: &TokenizeRequest) -> Result<String, RequestError> {
-        self.render_chat(&req.body, false).map(|(r, _)| r.text)
+        self.render_chat(&req.body, false, &Budget::default())
+            .map(|(r, _)| r.text)
     }
 
     fn render_chat(
         &self,
         body: &Value,
         completion: bool,
+        budget: &Budget,
     ) -> Result<(crate::render::Rendered, bool), RequestError> {
         let agp_given = opt_bool(body, "add_generation_prompt", "add_generation_prompt")?;
         let cfm =
@@ -226,6 +305,7 @@ impl Tokenizer {
             tools.is_some(),
         )?;
         let messages = get(body, "messages").unwrap_or_default();
+        budget.check()?;
         let conversation = parse_messages(&messages, template.format, Origin::Chat)?;
         // Chat completions (not /tokenize) also hand the template `documents`
         // and `reasoning_effort` (and `enable_thinking` with the latter).
@@ -244,6 +324,7 @@ impl Tokenizer {
             extra.push(("reasoning_effort", effort.unwrap_or_default()));
         }
         let kwargs = self.merged_kwargs(kwargs);
+        budget.check()?;
         let rendered = render(
             &template,
             &self.special_tokens,
@@ -264,16 +345,65 @@ impl Tokenizer {
     /// `messages`, plus the fields only chat completions hand the template
     /// (`documents`, `reasoning_effort`), which `/tokenize` ignores.
     pub fn chat_completion_tokens(&self, req: &TokenizeRequest) -> Result<Vec<u32>, RequestError> {
-        let (rendered, add_special) = self.render_chat(&req.body, true)?;
-        let add_special = add_special && !rendered.tokenize;
-        self.encoder
-            .encode(&rendered.text, add_special, None)
-            .map_err(RequestError::message)
+        self.chat_completion_tokens_with(req, &Budget::default())
+            .map(|t| t.ids)
+    }
+
+    /// [`Tokenizer::chat_completion_tokens`] under `budget`, refusing a
+    /// non-null `truncate_prompt_tokens` (see [`RequestError::Inexact`]).
+    pub fn chat_completion_tokens_with(
+        &self,
+        req: &TokenizeRequest,
+        budget: &Budget,
+    ) -> Result<Tokens, RequestError> {
+        let body = &req.body;
+        check_request_caps(body, budget)?;
+        reject_truncate_prompt_tokens(body)?;
+        self.tokenize_chat(body, true, budget)
     }
 
     /// `POST /v1/responses/render`.
     pub fn render_responses(&self, req: &ResponsesRequest) -> Result<RenderResponse, RequestError> {
+        self.render_responses_with(req, &Budget::default())
+    }
+
+    /// `POST /v1/responses/render` under `budget`, whose `max_tokens` is
+    /// not applied (the answer holds every id and the output budget left).
+    pub fn render_responses_with(
+        &self,
+        req: &ResponsesRequest,
+        budget: &Budget,
+    ) -> Result<RenderResponse, RequestError> {
+        let all = Budget {
+            max_tokens: None,
+            ..budget.clone()
+        };
+        let (tokens, max_output) = self.responses_tokens(req, &all)?;
+        self.render_answer(&req.body, tokens.ids, max_output)
+    }
+
+    /// The prompt ids `POST /v1/responses/render` answers for `req`, under
+    /// `budget`.
+    pub fn responses_tokens_with(
+        &self,
+        req: &ResponsesRequest,
+        budget: &Budget,
+    ) -> Result<Tokens, RequestError> {
+        let (tokens, _) = self.responses_tokens(req, budget)?;
+        if tokens.ids.is_empty() {
+            return Err(RequestError::message("No token_ids rendered"));
+        }
+        Ok(tokens)
+    }
+
+    fn responses_tokens(
+        &self,
+        req: &ResponsesRequest,
+        budget: &Budget,
+    ) -> Result<(Tokens, Option<i64>), RequestError> {
         let body = &req.body;
+        check_request_caps(body, budget)?;
+        Caps::check_len(Cap::Items, budget.caps.items, get(body, "input").as_ref())?;
         let kwargs = get_some(body, "chat_template_kwargs");
         self.check_template_trust(false, kwargs.as_ref())?;
         let converted = crate::responses::convert(body)?;
@@ -290,6 +420,7 @@ impl Tokenizer {
             ));
         }
         let template = self.pick_template(None, kwargs.as_ref(), converted.tools.is_some())?;
+        budget.check()?;
         let conversation = parse_messages(
             &Value::from(converted.messages),
             template.format,
@@ -307,6 +438,7 @@ impl Tokenizer {
             }
         }
         let kwargs = self.merged_kwargs(kwargs);
+        budget.check()?;
         let rendered = render(
             &template,
             &self.special_tokens,
@@ -319,8 +451,8 @@ impl Tokenizer {
                 extra,
             },
         )?;
-        let ids = self.responses_ids(body, &rendered, max_output.unwrap_or(0))?;
-        self.render_answer(body, ids, max_output)
+        let ids = self.responses_ids(body, &rendered, max_output.unwrap_or(0), budget)?;
+        Ok((ids, max_output))
     }
 
     /// Tokenizes a Responses prompt with vLLM's length rules.
@@ -329,7 +461,8 @@ impl Tokenizer {
         body: &Value,
         rendered: &crate::render::Rendered,
         max_output: i64,
-    ) -> Result<Vec<u32>, RequestError> {
+        budget: &Budget,
+    ) -> Result<Tokens, RequestError> {
         let max_len = self.max_model_len as usize;
         let auto = get_some(body, "truncation")
             .and_then(|t| t.as_str().map(str::to_owned))
@@ -346,10 +479,7 @@ impl Tokenizer {
                 max_len: keep,
                 keep_last: true,
             };
-            return self
-                .encoder
-                .encode(&rendered.text, add_special, Some(t))
-                .map_err(RequestError::message);
+            return self.encode_prompt(&rendered.text, add_special, Some(t), budget);
         }
         let chars = rendered.text.chars().count();
         let max_chars = max_len.saturating_mul(self.max_chars_per_token);
@@ -361,30 +491,25 @@ impl Tokenizer {
                 param: "input_text".into(),
             });
         }
+        // vLLM truncates to `max_len + 1` tokens to tell "too long": which
+        // end it keeps does not matter (only the count is reported), and
+        // keeping the first lets encoding stop there.
         let t = Truncation {
             max_len: max_len + 1,
-            keep_last: true,
+            keep_last: false,
         };
-        let ids = self
-            .encoder
-            .encode(&rendered.text, add_special, Some(t))
-            .map_err(RequestError::message)?;
-        if ids.len() > max_len {
-            let qualifier = if ids.len() == max_len + 1 {
-                "at least "
-            } else {
-                ""
-            };
+        let tokens = self.encode_prompt(&rendered.text, add_special, Some(t), budget)?;
+        let n = tokens.ids.len();
+        if !tokens.truncated && n > max_len {
+            let qualifier = if n == max_len + 1 { "at least " } else { "" };
             return Err(RequestError::TooLong {
                 message: format!(
-                    "This model's maximum context length is {max_len} tokens. However, your prompt contains {qualifier}{} input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value={})",
-                    ids.len(),
-                    ids.len()
+                    "This model's maximum context length is {max_len} tokens. However, your prompt contains {qualifier}{n} input tokens, which exceeds this limit even without any output tokens. Please reduce the length of the input prompt. (parameter=input_tokens, value={n})"
                 ),
                 param: "input_tokens".into(),
             });
         }
-        Ok(ids)
+        Ok(tokens)
     }
 
     fn render_answer(
@@ -537,6 +662,38 @@ impl Tokenizer {
         }
         cache.insert(src.to_owned(), t.clone());
         Ok(t)
+    }
+}
+
+/// The caps a request's body is checked against before anything else:
+/// its text bytes, its messages and its tools.
+fn check_request_caps(body: &Value, budget: &Budget) -> Result<(), RequestError> {
+    budget.check()?;
+    let caps = &budget.caps;
+    Caps::check_len(Cap::Messages, caps.messages, get(body, "messages").as_ref())?;
+    Caps::check_len(Cap::Tools, caps.tools, get(body, "tools").as_ref())?;
+    caps.check_text(body)
+}
+
+/// Chat and completions requests' `truncate_prompt_tokens`, refused
+/// whenever it is not `null`.
+///
+/// vLLM takes an integer ≥ -1 (`Annotated[int, Field(ge=-1)]`; some
+/// releases also bound it by int64), -1 meaning the context length less
+/// `max_tokens`; it answers 400 for anything else and for values over that
+/// input budget. A valid value keeps the prompt's last (or, with the newer
+/// `truncation_side`, first) tokens, *after* the length checks that differ
+/// from the untruncated path (no character check), and 0 an empty prompt.
+/// Not reproduced here: every non-null value is a local refusal
+/// ([`RequestError::Inexact`] with [`InexactKind::Truncation`]), so a
+/// replica answers, with the truncated ids or vLLM's own 400.
+fn reject_truncate_prompt_tokens(body: &Value) -> Result<(), RequestError> {
+    match get_some(body, "truncate_prompt_tokens") {
+        None => Ok(()),
+        Some(v) => Err(RequestError::Inexact {
+            kind: InexactKind::Truncation,
+            detail: format!("truncate_prompt_tokens={v}"),
+        }),
     }
 }
 

@@ -122,3 +122,30 @@ fn every_generated_request_matches_transformers() {
     );
     eprintln!("{total} requests matched, the longest {longest} tokens");
 }
+
+/// src/pystr/tables.rs is what gen_pycase.py writes from the reference
+/// venv's Python 3.11 (vLLM 0.32's): the templates' string functions use
+/// that Python's Unicode data, not Rust's.
+#[test]
+fn python_string_tables_are_regenerated_identically() {
+    let python = common::reference_python();
+    let out = common::scratch("pycase").join("tables.rs");
+    common::run(&python, "gen_pycase.py", &[&out]);
+    let generated = std::fs::read_to_string(&out).unwrap();
+    let committed_path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/pystr/tables.rs");
+    let committed = std::fs::read_to_string(&committed_path).unwrap();
+    if generated != committed {
+        let at = generated
+            .lines()
+            .zip(committed.lines())
+            .position(|(a, b)| a != b)
+            .unwrap_or(generated.lines().count().min(committed.lines().count()));
+        panic!(
+            "{} differs from gen_pycase.py's output from line {} on: regenerate it with `{} tests/reference/gen_pycase.py src/pystr/tables.rs`",
+            committed_path.display(),
+            at + 1,
+            python.display()
+        );
+    }
+}
