@@ -416,7 +416,9 @@ impl Tokenizers {
         let salt = salt_of(&body).map_err(|e| (e, tried))?;
         let answer = match open {
             Some(local) => {
-                self.local_or_replica(shared, local, api, model, body, ticket)
+                let namespace = salt.as_deref().map_or(0, |s| body_hash(s.as_bytes()) | 1);
+                let work = Admitted { ticket, namespace };
+                self.local_or_replica(shared, local, api, model, body, work)
                     .await
             }
             None => {
@@ -442,12 +444,14 @@ impl Tokenizers {
         api: Api,
         model: &str,
         body: Bytes,
-        ticket: admission::Ticket,
+        work: Admitted,
     ) -> Result<(Vec<u32>, Source), (TokenizeError, Source)> {
+        let Admitted { ticket, namespace } = work;
         let started = Instant::now();
         let limits = Limits {
             cancel: ticket.cancel().clone(),
             deadline: started.checked_add(self.config.time_budget),
+            namespace,
         };
         let ids = if body.len() <= INLINE_BODY_BYTES && on_multi_thread_runtime() {
             // On this very thread: tokio hands the worker's other tasks to
@@ -573,6 +577,14 @@ impl Tokenizers {
     }
 }
 
+/// A body admitted to local tokenization: its share of the budget, and its
+/// tokenizer cache namespace.
+#[derive(Debug)]
+struct Admitted {
+    ticket: admission::Ticket,
+    namespace: u64,
+}
+
 /// What bounds one body's local tokenization.
 #[derive(Clone, Debug, Default)]
 pub struct Limits {
@@ -580,12 +592,26 @@ pub struct Limits {
     pub cancel: Cancel,
     /// When to give up.
     pub deadline: Option<Instant>,
+    /// The tokenizer cache's namespace: the request's salt, hashed (0: no
+    /// salt), so that text one tenant sent is no faster for another.
+    pub namespace: u64,
 }
 
 impl Limits {
     /// No bounds (the probe set, tests).
     pub fn none() -> Self {
         Self::default()
+    }
+
+    /// The tokenizer's budget: these bounds and the model's caps.
+    fn budget(&self, tokenizer: &Tokenizer) -> kvroute_tokenizer::Budget {
+        kvroute_tokenizer::Budget {
+            max_tokens: None,
+            deadline: self.deadline,
+            cancelled: Some(self.cancel.flag().clone()),
+            namespace: self.namespace,
+            caps: tokenizer.caps(),
+        }
     }
 
     /// Whether the work should stop now.
@@ -638,22 +664,25 @@ pub fn local_ids(
     match api {
         Api::Completions => {
             let req = TokenizeRequest::from_json(body).map_err(refused)?;
-            limits.check()?;
-            tokenizer.tokenize(&req).map(|r| r.tokens).map_err(refused)
+            tokenizer
+                .completion_tokens_with(&req, &limits.budget(tokenizer))
+                .map(|t| t.ids)
+                .map_err(refused)
         }
         // What the chat completion itself renders (`/tokenize` ignores the
         // few fields only chat completions hand the template).
         Api::Chat => {
             let req = TokenizeRequest::from_json(body).map_err(refused)?;
-            limits.check()?;
-            tokenizer.chat_completion_tokens(&req).map_err(refused)
+            tokenizer
+                .chat_completion_tokens_with(&req, &limits.budget(tokenizer))
+                .map(|t| t.ids)
+                .map_err(refused)
         }
         Api::Responses => {
             let req = ResponsesRequest::from_json(body).map_err(refused)?;
-            limits.check()?;
             tokenizer
-                .render_responses(&req)
-                .map(|r| r.token_ids)
+                .responses_tokens_with(&req, &limits.budget(tokenizer))
+                .map(|t| t.ids)
                 .map_err(refused)
         }
     }

@@ -195,20 +195,22 @@ async fn serve(
         let limits = Limits {
             cancel: ticket.cancel().clone(),
             deadline: std::time::Instant::now().checked_add(tokenizers.config().time_budget),
+            namespace: super::salt_of(&body)
+                .ok()
+                .flatten()
+                .map_or(0, |s| super::body_hash(s.as_bytes()) | 1),
         };
         // The budget's share goes with the work: a closed connection sets
         // the cancel flag, and the share returns when the work stops.
         let answer = tokio::task::spawn_blocking(move || {
             let _ticket = ticket;
-            if limits.cancel.is_cancelled() {
-                return Err(kvroute_tokenizer::RequestError::Cancelled);
-            }
+            let budget = limits.budget(&tokenizer);
             match api {
                 Api::Responses => ResponsesRequest::from_json(&input)
-                    .and_then(|r| tokenizer.render_responses(&r))
+                    .and_then(|r| tokenizer.render_responses_with(&r, &budget))
                     .map(|r| serde_json::to_vec(&r)),
                 Api::Chat | Api::Completions => TokenizeRequest::from_json(&input)
-                    .and_then(|r| tokenizer.tokenize(&r))
+                    .and_then(|r| tokenizer.tokenize_with(&r, &budget))
                     .map(|r| serde_json::to_vec(&r)),
             }
         })

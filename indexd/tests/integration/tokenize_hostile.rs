@@ -339,3 +339,43 @@ async fn a_forwarded_body_is_not_forwarded_again() {
         "{metrics}"
     );
 }
+
+/// A metric's value on a Prometheus page.
+fn value(page: &str, series: &str) -> f64 {
+    page.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_one_salt_sent_is_not_cached_for_another() {
+    let dir = model_dir();
+    let (addr, _stub) = start_stub(&dir).await;
+    let mut d = start(addr, Some(&dir), |c| c.gate.shadow_per_second = 0.0).await;
+    metric_shows(&d, &gate_line(1)).await;
+    let salted = |salt: &str| {
+        serde_json::json!({
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "A conversation one tenant sent, long enough to be worth caching. ".repeat(20)}],
+            "cache_salt": salt,
+        })
+        .to_string()
+        .into_bytes()
+    };
+    let url = format!("{}/metrics", d.http);
+    let hits = format!("indexd_tokenizer_cache_hits_total{{model=\"{MODEL}\"}}");
+    let misses = format!("indexd_tokenizer_cache_misses_total{{model=\"{MODEL}\"}}");
+    let counts = |page: String| (value(&page, &hits), value(&page, &misses));
+    pick_body(&mut d, salted("tenant-a")).await;
+    let (h0, m0) = counts(get(&url).await);
+    // The same text again under its salt: found.
+    pick_body(&mut d, salted("tenant-a")).await;
+    let (h1, m1) = counts(get(&url).await);
+    assert!(h1 > h0, "tenant-a's second send hits: {h0} -> {h1}");
+    assert_eq!(m1, m0, "and misses nothing");
+    // Under another salt: encoded afresh.
+    pick_body(&mut d, salted("tenant-b")).await;
+    let (h2, m2) = counts(get(&url).await);
+    assert!(m2 > m1, "tenant-b's first send misses: {m1} -> {m2}");
+    assert_eq!(h2, h1, "and finds nothing of tenant-a's");
+}
