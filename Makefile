@@ -107,6 +107,11 @@ bench-bodies: ## Big bodies (not CI): the filter's work and Wasm memory on 8 MiB
 	$(CARGO) build --profile perf -p kvroute-bench
 	$(BENCH) bodies --out tests/bench/results-bodies $(BENCH_ARGS)
 
+.PHONY: bench-hostile
+
+bench-hostile: deps ## indexd under hostile bodies (not CI): 8 MB single-word chats, 8 MB of tools, 100k Responses items, one at a time, abandoned, and 16 in flight beside ordinary Picks; time, CPU after the caller left, RSS, ordinary p99 → indexd/results-hostile/
+	$(CARGO) bench -p indexd --bench hostile --profile perf -- --hostile --out $(CURDIR)/indexd/results-hostile $(HOSTILE_ARGS)
+
 .PHONY: soak-indexd
 
 soak-indexd: ## Soak indexd (not CI): 64 replicas flooding KV events for 10 min while Picks run, RSS and Pick p99 per window → indexd/results-soak/

@@ -89,10 +89,21 @@ impl IndexService {
             ));
         }
         let body = bytes::Bytes::from(std::mem::take(&mut req.body));
+        let block_size = BlockSize::new(req.block_size).unwrap_or(self.shared.config.block_size);
+        let cap = self.shared.config.max_pick_keys;
+        // No more ids than the keys a Pick looks at.
+        let max_tokens = cap.saturating_mul(block_size.get() as usize);
         let tokenized = self
             .shared
             .tokenizers
-            .tokenize(&self.shared, Via::Pick, api, &req.model, body)
+            .tokenize(
+                &self.shared,
+                Via::Pick,
+                api,
+                &req.model,
+                body,
+                Some(max_tokens),
+            )
             .await;
         let t = match tokenized {
             Ok(t) => t,
@@ -109,9 +120,7 @@ impl IndexService {
                 });
             }
         };
-        let block_size = BlockSize::new(req.block_size).unwrap_or(self.shared.config.block_size);
         let keys = block_keys(&t.ids, block_size, t.salt.as_deref());
-        let cap = self.shared.config.max_pick_keys;
         req.block_keys = keys.iter().take(cap).map(|k| k.as_u64()).collect();
         req.key_scheme = SCHEME_VERSION.to_owned();
         req.block_size = block_size.get();

@@ -369,7 +369,9 @@ impl Tokenizers {
     /// `via`): admitted to the budget first, then locally if the model's
     /// gate is open, else from a replica. A local refusal over the
     /// tokenizer's caps or time budget is not handed to a replica: the Pick
-    /// goes on unrouted.
+    /// goes on unrouted. Local encoding stops once `max_tokens` ids exist
+    /// (a Pick keys no more than `max_pick_keys` blocks): the ids are then
+    /// the prompt's first `max_tokens`.
     pub async fn tokenize(
         &self,
         shared: &Arc<Shared>,
@@ -377,8 +379,11 @@ impl Tokenizers {
         api: Api,
         model: &str,
         body: Bytes,
+        max_tokens: Option<usize>,
     ) -> Result<Tokenized, TokenizeError> {
-        let result = self.admitted(shared, via, api, model, body).await;
+        let result = self
+            .admitted(shared, via, api, model, body, max_tokens)
+            .await;
         match result {
             Ok((ids, salt, source)) => {
                 self.metrics.requests.inc([source.label(), "ok"]);
@@ -400,6 +405,7 @@ impl Tokenizers {
         api: Api,
         model: &str,
         body: Bytes,
+        max_tokens: Option<usize>,
     ) -> Result<(Vec<u32>, Option<String>, Source), (TokenizeError, Source)> {
         let open = self
             .local(model)
@@ -413,23 +419,25 @@ impl Tokenizers {
             .admission
             .try_admit(via, body.len())
             .map_err(|r| (TokenizeError::Busy(r), tried))?;
-        let salt = salt_of(&body).map_err(|e| (e, tried))?;
         let answer = match open {
+            // The local path reads the salt from the body it parses anyway.
             Some(local) => {
-                let namespace = salt.as_deref().map_or(0, |s| body_hash(s.as_bytes()) | 1);
-                let work = Admitted { ticket, namespace };
+                let work = Admitted { ticket, max_tokens };
                 self.local_or_replica(shared, local, api, model, body, work)
                     .await
             }
-            None => {
-                let ids = self.timed_replica_ids(shared, api, model, &body).await;
-                drop(ticket);
-                ids.map(|ids| (ids, Source::Replica))
-                    .map_err(|e| (e, Source::Replica))
-            }
+            None => match salt_of(&body) {
+                Ok(salt) => {
+                    let ids = self.timed_replica_ids(shared, api, model, &body).await;
+                    drop(ticket);
+                    ids.map(|ids| (ids, salt, Source::Replica))
+                        .map_err(|e| (e, Source::Replica))
+                }
+                Err(e) => Err((e, tried)),
+            },
         };
         caller.finish();
-        answer.map(|(ids, source)| (ids, salt, source))
+        answer
     }
 
     /// An open gate's path: the local ids, checked inline against a
@@ -445,13 +453,13 @@ impl Tokenizers {
         model: &str,
         body: Bytes,
         work: Admitted,
-    ) -> Result<(Vec<u32>, Source), (TokenizeError, Source)> {
-        let Admitted { ticket, namespace } = work;
+    ) -> Result<(Vec<u32>, Option<String>, Source), (TokenizeError, Source)> {
+        let Admitted { ticket, max_tokens } = work;
         let started = Instant::now();
         let limits = Limits {
             cancel: ticket.cancel().clone(),
             deadline: started.checked_add(self.config.time_budget),
-            namespace,
+            max_tokens,
         };
         let ids = if body.len() <= INLINE_BODY_BYTES && on_multi_thread_runtime() {
             // On this very thread: tokio hands the worker's other tasks to
@@ -478,21 +486,27 @@ impl Tokenizers {
         };
         self.metrics.local_latency.observe(started.elapsed());
         match ids {
-            Ok(ids) => Ok(self
-                .shadow_checked(shared, local, api, model, &body, ids)
-                .await),
+            Ok(mine) => {
+                let salt = mine.salt.clone();
+                let (ids, source) = self
+                    .shadow_checked(shared, local, api, model, &body, mine)
+                    .await;
+                Ok((ids, salt, source))
+            }
             Err(TokenizeError::Unsupported(why)) => {
                 tracing::debug!(model, reason = %why, "request not reproduced locally; asking a replica");
+                let salt = salt_of(&body).map_err(|e| (e, Source::Local))?;
                 self.timed_replica_ids(shared, api, model, &body)
                     .await
-                    .map(|ids| (ids, Source::Replica))
+                    .map(|ids| (ids, salt, Source::Replica))
                     .map_err(|e| (e, Source::Replica))
             }
             Err(e) => Err((e, Source::Local)),
         }
     }
 
-    /// `ids`, or a replica's where a due shadow check finds they differ.
+    /// `mine`'s ids, or a replica's where a due shadow check finds they
+    /// differ (where `mine` stopped at its token cap, in the ids it has).
     async fn shadow_checked(
         &self,
         shared: &Arc<Shared>,
@@ -500,13 +514,18 @@ impl Tokenizers {
         api: Api,
         model: &str,
         body: &[u8],
-        ids: Vec<u32>,
+        mine: LocalIds,
     ) -> (Vec<u32>, Source) {
         let Some(_slot) = local.gate.take_shadow_slot() else {
-            return (ids, Source::Local);
+            return (mine.ids, Source::Local);
         };
-        let theirs = self.timed_replica_ids(shared, api, model, body).await;
-        let mine = Ok(ids);
+        let mut theirs = self.timed_replica_ids(shared, api, model, body).await;
+        if mine.truncated
+            && let Ok(full) = &mut theirs
+        {
+            full.truncate(mine.ids.len());
+        }
+        let mine = Ok(mine.ids);
         let verdict = probe::compare(&mine, &theirs);
         local.gate.count(true, &verdict);
         let Ok(ids) = mine else {
@@ -577,12 +596,12 @@ impl Tokenizers {
     }
 }
 
-/// A body admitted to local tokenization: its share of the budget, and its
-/// tokenizer cache namespace.
+/// A body admitted to local tokenization: its share of the budget, and
+/// where its encoding may stop.
 #[derive(Debug)]
 struct Admitted {
     ticket: admission::Ticket,
-    namespace: u64,
+    max_tokens: Option<usize>,
 }
 
 /// What bounds one body's local tokenization.
@@ -592,9 +611,19 @@ pub struct Limits {
     pub cancel: Cancel,
     /// When to give up.
     pub deadline: Option<Instant>,
-    /// The tokenizer cache's namespace: the request's salt, hashed (0: no
-    /// salt), so that text one tenant sent is no faster for another.
-    pub namespace: u64,
+    /// Encoding stops once this many ids exist.
+    pub max_tokens: Option<usize>,
+}
+
+/// A body's ids from the local tokenizer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalIds {
+    /// The ids: all of them, or the first [`Limits::max_tokens`].
+    pub ids: Vec<u32>,
+    /// Encoding stopped at [`Limits::max_tokens`].
+    pub truncated: bool,
+    /// The request's `cache_salt`.
+    pub salt: Option<String>,
 }
 
 impl Limits {
@@ -603,13 +632,15 @@ impl Limits {
         Self::default()
     }
 
-    /// The tokenizer's budget: these bounds and the model's caps.
-    fn budget(&self, tokenizer: &Tokenizer) -> kvroute_tokenizer::Budget {
+    /// The tokenizer's budget for a request salted `salt`: these bounds,
+    /// the model's caps, and the salt's cache namespace (a hash; 0 without
+    /// a salt), so that text one tenant sent is no faster for another.
+    pub fn budget(&self, tokenizer: &Tokenizer, salt: Option<&str>) -> kvroute_tokenizer::Budget {
         kvroute_tokenizer::Budget {
-            max_tokens: None,
+            max_tokens: self.max_tokens,
             deadline: self.deadline,
             cancelled: Some(self.cancel.flag().clone()),
-            namespace: self.namespace,
+            namespace: salt.map_or(0, |s| body_hash(s.as_bytes()) | 1),
             caps: tokenizer.caps(),
         }
     }
@@ -652,40 +683,48 @@ fn body_hash(body: &[u8]) -> u64 {
     h.finish()
 }
 
-/// The ids `tokenizer` computes for a body of `api`, within `limits`.
+/// The ids `tokenizer` computes for a body of `api`, within `limits`: the
+/// body is parsed once (and no further than the tokenizer's text cap), its
+/// salt read from it.
 pub fn local_ids(
     tokenizer: &Tokenizer,
     api: Api,
     body: &[u8],
     limits: &Limits,
-) -> Result<Vec<u32>, TokenizeError> {
+) -> Result<LocalIds, TokenizeError> {
     limits.check()?;
     let refused = from_request_error;
-    match api {
-        Api::Completions => {
-            let req = TokenizeRequest::from_json(body).map_err(refused)?;
-            tokenizer
-                .completion_tokens_with(&req, &limits.budget(tokenizer))
-                .map(|t| t.ids)
-                .map_err(refused)
-        }
-        // What the chat completion itself renders (`/tokenize` ignores the
-        // few fields only chat completions hand the template).
-        Api::Chat => {
-            let req = TokenizeRequest::from_json(body).map_err(refused)?;
-            tokenizer
-                .chat_completion_tokens_with(&req, &limits.budget(tokenizer))
-                .map(|t| t.ids)
-                .map_err(refused)
+    let caps = tokenizer.caps();
+    let (tokens, salt) = match api {
+        Api::Completions | Api::Chat => {
+            let req = TokenizeRequest::from_json_within(body, &caps).map_err(refused)?;
+            let salt = valid_salt(req.cache_salt().map_err(refused)?)?;
+            let budget = limits.budget(tokenizer, salt.as_deref());
+            let tokens = if api == Api::Chat {
+                // What the chat completion itself renders (`/tokenize`
+                // ignores the few fields only chat completions hand the
+                // template).
+                tokenizer.chat_completion_tokens_with(&req, &budget)
+            } else {
+                tokenizer.completion_tokens_with(&req, &budget)
+            };
+            (tokens.map_err(refused)?, salt)
         }
         Api::Responses => {
-            let req = ResponsesRequest::from_json(body).map_err(refused)?;
-            tokenizer
-                .responses_tokens_with(&req, &limits.budget(tokenizer))
-                .map(|t| t.ids)
-                .map_err(refused)
+            let req = ResponsesRequest::from_json_within(body, &caps).map_err(refused)?;
+            let salt = valid_salt(req.cache_salt().map_err(refused)?)?;
+            let budget = limits.budget(tokenizer, salt.as_deref());
+            let tokens = tokenizer
+                .responses_tokens_with(&req, &budget)
+                .map_err(refused)?;
+            (tokens, salt)
         }
-    }
+    };
+    Ok(LocalIds {
+        ids: tokens.ids,
+        truncated: tokens.truncated,
+        salt,
+    })
 }
 
 /// The body's `cache_salt` (vLLM's rules: a non-empty string of at most 128
@@ -695,22 +734,26 @@ pub fn salt_of(body: &[u8]) -> Result<Option<String>, TokenizeError> {
     struct Salt {
         cache_salt: Option<String>,
     }
-    let refused = |message: &str| TokenizeError::Refused {
-        status: 400,
-        message: message.to_owned(),
-    };
     let salt: Salt = serde_json::from_slice(body).map_err(|e| TokenizeError::Refused {
         status: 400,
         message: format!("invalid JSON body: {e}"),
     })?;
-    match salt.cache_salt {
+    valid_salt(salt.cache_salt)
+}
+
+/// `salt` if vLLM takes it, else its 400.
+pub fn valid_salt(salt: Option<String>) -> Result<Option<String>, TokenizeError> {
+    match salt {
         None => Ok(None),
         Some(s)
             if !s.is_empty() && s.chars().count() <= 128 && !s.contains(['@', '/', '\\', '\0']) =>
         {
             Ok(Some(s))
         }
-        Some(_) => Err(refused("`cache_salt` is not a valid salt")),
+        Some(_) => Err(TokenizeError::Refused {
+            status: 400,
+            message: "`cache_salt` is not a valid salt".to_owned(),
+        }),
     }
 }
 

@@ -17,11 +17,14 @@
 //! try UTF-16/32 by the first bytes), and integers of more than 128 bits.
 //!
 //! Nesting is limited to [`MAX_DEPTH`] levels. The parser is iterative over
-//! bytes with `memchr` through strings: linear in the body.
+//! bytes with `memchr` through strings: linear in the body. [`parse_within`]
+//! also stops once the body's scalars (strings and keys decoded, other
+//! values as written) pass a byte limit, so that a body over the caps costs
+//! the limit's work, not the body's.
 
 use minijinja::Value;
 
-use crate::error::{InexactKind, RequestError};
+use crate::error::{Cap, InexactKind, RequestError};
 use crate::value::Map;
 
 /// How deeply request JSON may nest (objects and arrays).
@@ -30,13 +33,32 @@ pub const MAX_DEPTH: usize = 64;
 /// Parses a request body (bytes, as Starlette hands them to `json.loads`:
 /// a UTF-8 byte-order mark is skipped) into an ordered value.
 pub fn parse(body: &[u8]) -> Result<Value, RequestError> {
-    parse_str(body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body))
+    parse_within(body, usize::MAX)
+}
+
+/// [`parse`], refusing with [`RequestError::OverCap`] ([`Cap::TextBytes`])
+/// once the bytes of the body's strings and object keys (decoded) and of
+/// its other scalars (as written) pass `text_limit`: parsing stops there.
+pub fn parse_within(body: &[u8], text_limit: usize) -> Result<Value, RequestError> {
+    parse_document(
+        body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body),
+        text_limit,
+    )
 }
 
 /// `json.loads` of a `str` (a tool call's `arguments`): as [`parse`], but a
 /// leading byte-order mark is an error, as in Python.
 pub fn parse_str(text: &[u8]) -> Result<Value, RequestError> {
-    let mut p = Parser { s: text, at: 0 };
+    parse_document(text, usize::MAX)
+}
+
+fn parse_document(text: &[u8], text_limit: usize) -> Result<Value, RequestError> {
+    let mut p = Parser {
+        s: text,
+        at: 0,
+        scalar_bytes: 0,
+        text_limit,
+    };
     p.ws();
     let v = p.value(0)?;
     p.ws();
@@ -49,6 +71,10 @@ pub fn parse_str(text: &[u8]) -> Result<Value, RequestError> {
 struct Parser<'a> {
     s: &'a [u8],
     at: usize,
+    /// Bytes of the scalars read so far.
+    scalar_bytes: usize,
+    /// Past this, parsing stops.
+    text_limit: usize,
 }
 
 fn inexact(detail: impl Into<String>) -> RequestError {
@@ -61,6 +87,19 @@ fn inexact(detail: impl Into<String>) -> RequestError {
 impl Parser<'_> {
     fn err(&self, what: &str) -> RequestError {
         RequestError::InvalidJson(format!("{what} at byte {}", self.at))
+    }
+
+    /// Counts `n` bytes of scalars, failing past the limit.
+    fn charge(&mut self, n: usize) -> Result<(), RequestError> {
+        self.scalar_bytes = self.scalar_bytes.saturating_add(n);
+        if self.scalar_bytes > self.text_limit {
+            return Err(RequestError::OverCap {
+                cap: Cap::TextBytes,
+                limit: self.text_limit,
+                actual: self.scalar_bytes,
+            });
+        }
+        Ok(())
     }
 
     fn peek(&self) -> Option<u8> {
@@ -83,6 +122,16 @@ impl Parser<'_> {
     }
 
     fn value(&mut self, depth: usize) -> Result<Value, RequestError> {
+        let start = self.at;
+        let v = self.any(depth)?;
+        if !matches!(self.s.get(start), Some(b'"' | b'{' | b'[')) {
+            // Strings are counted as they are read.
+            self.charge(self.at - start)?;
+        }
+        Ok(v)
+    }
+
+    fn any(&mut self, depth: usize) -> Result<Value, RequestError> {
         match self.peek() {
             Some(b'"') => Ok(Value::from(self.string()?)),
             Some(b'{') => self.object(depth + 1),
@@ -257,13 +306,15 @@ impl Parser<'_> {
             let quote = self.peek() == Some(b'"');
             self.at += 1;
             if quote {
-                return Ok(match out {
+                let s = match out {
                     Some(mut s) => {
                         s.push_str(text);
                         s
                     }
                     None => text.to_owned(),
-                });
+                };
+                self.charge(s.len())?;
+                return Ok(s);
             }
             let s = out.get_or_insert_with(String::new);
             s.push_str(text);
@@ -432,6 +483,29 @@ mod tests {
             dumps(&parse(b"\xEF\xBB\xBF{}").unwrap(), &DumpOptions::default()).unwrap(),
             "{}"
         );
+    }
+
+    #[test]
+    fn a_body_past_its_text_limit_stops_being_read() {
+        // Keys and strings count as decoded, other scalars as written.
+        let body = br#"{"ab": "c\u00e9", "n": [12, -0.5, true, null]}"#;
+        let counted = 2 + 3 + 1 + 2 + 4 + 4 + 4;
+        assert!(parse_within(body, counted).is_ok());
+        let Err(RequestError::OverCap { cap, limit, actual }) = parse_within(body, counted - 1)
+        else {
+            panic!("not refused");
+        };
+        assert_eq!((cap, limit, actual), (Cap::TextBytes, counted - 1, counted));
+        // It stops there: what follows is not read (not even checked).
+        let big = format!(r#"{{"a": "{}", "b": ["#, "x".repeat(100));
+        assert!(matches!(
+            parse_within(big.as_bytes(), 50),
+            Err(RequestError::OverCap { .. })
+        ));
+        assert!(matches!(
+            parse(big.as_bytes()),
+            Err(RequestError::InvalidJson(_))
+        ));
     }
 
     #[test]

@@ -24,11 +24,24 @@ pub struct ResponsesRequest {
 impl TokenizeRequest {
     /// Parses a JSON body (nesting limited to [`crate::loads::MAX_DEPTH`]).
     pub fn from_json(body: &[u8]) -> Result<Self, RequestError> {
-        let body = crate::loads::parse(body)?;
+        Self::from_json_within(body, &crate::Caps::UNBOUNDED)
+    }
+
+    /// [`Self::from_json`], refusing ([`RequestError::OverCap`]) as soon as
+    /// the body's text passes `caps.text_bytes`: a body over the caps costs
+    /// no more than the cap to refuse.
+    pub fn from_json_within(body: &[u8], caps: &crate::Caps) -> Result<Self, RequestError> {
+        let body = crate::loads::parse_within(body, caps.text_bytes)?;
         if body.kind() != minijinja::value::ValueKind::Map {
             return Err(RequestError::message("the body must be a JSON object"));
         }
         Ok(Self { body })
+    }
+
+    /// The `cache_salt` field (`null` or absent: none); an error, as vLLM
+    /// answers it, when it is not a string.
+    pub fn cache_salt(&self) -> Result<Option<String>, RequestError> {
+        crate::value::opt_str(&self.body, "cache_salt", "cache_salt")
     }
 
     /// The `model` field, if a string.
@@ -45,11 +58,24 @@ impl TokenizeRequest {
 impl ResponsesRequest {
     /// Parses a JSON body (nesting limited to [`crate::loads::MAX_DEPTH`]).
     pub fn from_json(body: &[u8]) -> Result<Self, RequestError> {
-        let body = crate::loads::parse(body)?;
+        Self::from_json_within(body, &crate::Caps::UNBOUNDED)
+    }
+
+    /// [`Self::from_json`], refusing ([`RequestError::OverCap`]) as soon as
+    /// the body's text passes `caps.text_bytes`: a body over the caps costs
+    /// no more than the cap to refuse.
+    pub fn from_json_within(body: &[u8], caps: &crate::Caps) -> Result<Self, RequestError> {
+        let body = crate::loads::parse_within(body, caps.text_bytes)?;
         if body.kind() != minijinja::value::ValueKind::Map {
             return Err(RequestError::message("the body must be a JSON object"));
         }
         Ok(Self { body })
+    }
+
+    /// The `cache_salt` field (`null` or absent: none); an error, as vLLM
+    /// answers it, when it is not a string.
+    pub fn cache_salt(&self) -> Result<Option<String>, RequestError> {
+        crate::value::opt_str(&self.body, "cache_salt", "cache_salt")
     }
 
     /// The `model` field, if a string.

@@ -195,22 +195,26 @@ async fn serve(
         let limits = Limits {
             cancel: ticket.cancel().clone(),
             deadline: std::time::Instant::now().checked_add(tokenizers.config().time_budget),
-            namespace: super::salt_of(&body)
-                .ok()
-                .flatten()
-                .map_or(0, |s| super::body_hash(s.as_bytes()) | 1),
+            max_tokens: None,
         };
         // The budget's share goes with the work: a closed connection sets
-        // the cancel flag, and the share returns when the work stops.
+        // the cancel flag, and the share returns when the work stops. The
+        // body is parsed once, no further than the text cap; an invalid
+        // salt only costs the cache its namespace (vLLM's `/tokenize` and
+        // render do not check it).
         let answer = tokio::task::spawn_blocking(move || {
             let _ticket = ticket;
-            let budget = limits.budget(&tokenizer);
+            let caps = tokenizer.caps();
+            let namespaced = |salt: Result<Option<String>, _>| {
+                let salt = salt.ok().flatten();
+                limits.budget(&tokenizer, salt.as_deref())
+            };
             match api {
-                Api::Responses => ResponsesRequest::from_json(&input)
-                    .and_then(|r| tokenizer.render_responses_with(&r, &budget))
+                Api::Responses => ResponsesRequest::from_json_within(&input, &caps)
+                    .and_then(|r| tokenizer.render_responses_with(&r, &namespaced(r.cache_salt())))
                     .map(|r| serde_json::to_vec(&r)),
-                Api::Chat | Api::Completions => TokenizeRequest::from_json(&input)
-                    .and_then(|r| tokenizer.tokenize_with(&r, &budget))
+                Api::Chat | Api::Completions => TokenizeRequest::from_json_within(&input, &caps)
+                    .and_then(|r| tokenizer.tokenize_with(&r, &namespaced(r.cache_salt())))
                     .map(|r| serde_json::to_vec(&r)),
             }
         })

@@ -153,7 +153,7 @@ pub async fn probe_round(shared: &Shared, tokenizers: &Tokenizers, model: &str) 
         let tokenizer = local.tokenizer.clone();
         let input = body.clone();
         let mine = tokio::task::spawn_blocking(move || {
-            local_ids(&tokenizer, api, input.as_bytes(), &Limits::none())
+            local_ids(&tokenizer, api, input.as_bytes(), &Limits::none()).map(|l| l.ids)
         })
         .await
         .unwrap_or_else(|e| Err(TokenizeError::Unavailable(format!("tokenizer task: {e}"))));

@@ -54,7 +54,8 @@ pub fn client() -> reqwest::Client {
 pub enum Endpoint {
     /// `/tokenize`.
     Tokenize,
-    /// `/v1/chat/completions/render` or `/v1/responses/render`.
+    /// `/v1/chat/completions/render`, `/v1/completions/render` or
+    /// `/v1/responses/render`.
     Render,
 }
 
@@ -69,6 +70,9 @@ pub fn request(
         (Api::Responses, _) => return Ok(("/v1/responses/render", with_model(model, body)?)),
         (Api::Chat, Endpoint::Render) => {
             return Ok(("/v1/chat/completions/render", with_model(model, body)?));
+        }
+        (Api::Completions, Endpoint::Render) => {
+            return Ok(("/v1/completions/render", with_model(model, body)?));
         }
         (Api::Chat, Endpoint::Tokenize) => CHAT_FIELDS,
         (Api::Completions, _) => COMPLETION_FIELDS,
@@ -194,9 +198,27 @@ pub async fn call(
         .map_err(|_| TokenizeError::Unavailable(format!("{url}: no answer within {timeout:?}")))?
 }
 
+/// Whether a chat or completions body sets `truncate_prompt_tokens`, which
+/// the chat completion and the completion apply to the prompt and
+/// `/tokenize` ignores: only a render endpoint gives its ids.
+fn truncates(body: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Truncate<'a> {
+        #[serde(borrow)]
+        truncate_prompt_tokens: Option<&'a RawValue>,
+    }
+    serde_json::from_slice::<Truncate<'_>>(body)
+        .ok()
+        .and_then(|t| t.truncate_prompt_tokens)
+        .is_some_and(|v| v.get() != "null")
+}
+
 /// The ids the replica at `address` computes for a body of `api`. A chat
-/// body goes to the chat render endpoint unless `chat_render` says the
-/// replicas lack it (a 404 there clears it, and `/tokenize` answers).
+/// body, and a completions body that sets `truncate_prompt_tokens`, go to
+/// the render endpoints unless `chat_render` says the replicas lack them (a
+/// 404 there clears it, and `/tokenize` answers); a body that truncates is
+/// then not tokenized, since `/tokenize` would give the ids of the prompt
+/// before its truncation.
 pub async fn token_ids(
     client: &reqwest::Client,
     address: SocketAddr,
@@ -206,17 +228,28 @@ pub async fn token_ids(
     timeout: Duration,
     chat_render: &AtomicBool,
 ) -> Result<Vec<u32>, TokenizeError> {
-    let mut endpoint = if api == Api::Chat && chat_render.load(Ordering::Relaxed) {
+    let truncating = api != Api::Responses && truncates(body);
+    let without_render = || {
+        TokenizeError::Unsupported(
+            "truncate_prompt_tokens: the replicas serve no render endpoint (vLLM without --enable-scale-out), and /tokenize ignores it".to_owned(),
+        )
+    };
+    let mut endpoint = if (api == Api::Chat || truncating) && chat_render.load(Ordering::Relaxed) {
         Endpoint::Render
+    } else if truncating {
+        return Err(without_render());
     } else {
         Endpoint::Tokenize
     };
     let (status, answer, path) = loop {
         let (path, request) = request(api, endpoint, model, body)?;
         let (status, answer) = call(client, address, path, request, timeout).await?;
-        if status == 404 && endpoint == Endpoint::Render && api == Api::Chat {
+        if status == 404 && endpoint == Endpoint::Render && api != Api::Responses {
             if chat_render.swap(false, Ordering::Relaxed) {
-                tracing::info!(replica = %address, "no /v1/chat/completions/render (vLLM without --enable-scale-out): chat bodies go to /tokenize, which ignores documents and reasoning_effort");
+                tracing::info!(replica = %address, "no {path} (vLLM without --enable-scale-out): chat bodies go to /tokenize, which ignores documents and reasoning_effort; bodies with truncate_prompt_tokens are not tokenized");
+            }
+            if truncating {
+                return Err(without_render());
             }
             endpoint = Endpoint::Tokenize;
             continue;
@@ -258,7 +291,7 @@ mod tests {
         );
         let (path, body) = request(
             Api::Completions,
-            Endpoint::Render,
+            Endpoint::Tokenize,
             "m",
             br#"{"prompt":"a","add_special_tokens":false,"n":2}"#,
         )
@@ -372,6 +405,53 @@ mod tests {
             );
         }
         assert_eq!(HOP_HEADER, HOP_HEADER.to_ascii_lowercase());
+    }
+
+    #[tokio::test]
+    async fn a_body_that_truncates_goes_to_render_or_is_not_tokenized() {
+        assert!(truncates(br#"{"prompt":"a","truncate_prompt_tokens":3}"#));
+        assert!(!truncates(
+            br#"{"prompt":"a","truncate_prompt_tokens":null}"#
+        ));
+        assert!(!truncates(br#"{"prompt":"a"}"#));
+        let raw = br#"{"prompt":"a b c","truncate_prompt_tokens":2}"#;
+        let (path, body) = request(Api::Completions, Endpoint::Render, "m", raw).unwrap();
+        assert_eq!(path, "/v1/completions/render");
+        assert_eq!(
+            String::from_utf8(body).unwrap(),
+            r#"{"model":"m","prompt":"a b c","truncate_prompt_tokens":2}"#
+        );
+        let client = client();
+        let timeout = Duration::from_secs(10);
+        // Replicas with the render endpoints: completions go there.
+        let (addr, served) = stub(1, r#"[{"token_ids":[7,8]}]"#).await;
+        let render = AtomicBool::new(true);
+        let ids = token_ids(&client, addr, Api::Completions, "m", raw, timeout, &render)
+            .await
+            .unwrap();
+        assert_eq!(ids, [7, 8]);
+        let heads = served.await.unwrap();
+        assert!(
+            heads[0].starts_with("post /v1/completions/render "),
+            "{}",
+            heads[0]
+        );
+        // Replicas without them: /tokenize would give the untruncated
+        // prompt's ids, so nothing is asked.
+        let (addr, served) = stub(1, r#"{"tokens":[1]}"#).await;
+        let err = token_ids(
+            &client,
+            addr,
+            Api::Chat,
+            "m",
+            br#"{"messages":[],"truncate_prompt_tokens":-1}"#,
+            timeout,
+            &AtomicBool::new(false),
+        )
+        .await
+        .unwrap_err();
+        assert!(matches!(err, TokenizeError::Unsupported(_)), "{err:?}");
+        served.abort();
     }
 
     #[test]

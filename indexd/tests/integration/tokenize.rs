@@ -129,9 +129,10 @@ async fn start_replica_with(dir: &Path, refuse_tools: bool) -> Replica {
     Replica { addr, calls }
 }
 
-struct Daemon {
-    client: IndexClient<tonic::transport::Channel>,
-    http: String,
+/// An indexd in this process, stopped on drop.
+pub(super) struct Daemon {
+    pub(super) client: IndexClient<tonic::transport::Channel>,
+    pub(super) http: String,
     stop: CancellationToken,
 }
 
@@ -142,20 +143,35 @@ impl Drop for Daemon {
 }
 
 async fn start_indexd(replica: std::net::SocketAddr, local_dir: &Path) -> Daemon {
+    start_indexd_with(replica, Some(local_dir), |_| {}).await
+}
+
+/// indexd with `replica` as its one endpoint (block size 4), tokenizing
+/// locally with `local`'s tokenizer if given, its configuration then
+/// changed by `tweak`.
+pub(super) async fn start_indexd_with(
+    replica: std::net::SocketAddr,
+    local: Option<&Path>,
+    tweak: impl FnOnce(&mut Config),
+) -> Daemon {
     let mut config = Config::new(vec![EndpointConfig::new(replica, MODEL)]);
     config.grpc_listen = "127.0.0.1:0".parse().unwrap();
     config.http_listen = "127.0.0.1:0".parse().unwrap();
     config.block_size = kvroute_proto::BlockSize::new(4).unwrap();
     config.tokenize = TokenizeConfig {
-        tokenizers: vec![TokenizerSpec {
-            model: MODEL.into(),
-            dir: local_dir.to_path_buf(),
-            max_model_len: None,
-            chat_template: None,
-            trust_request_chat_template: false,
-        }],
+        tokenizers: local
+            .map(|dir| TokenizerSpec {
+                model: MODEL.into(),
+                dir: dir.to_path_buf(),
+                max_model_len: None,
+                chat_template: None,
+                trust_request_chat_template: false,
+            })
+            .into_iter()
+            .collect(),
         ..TokenizeConfig::default()
     };
+    tweak(&mut config);
     let bound = Server::bind(config).await.unwrap();
     let (grpc, http) = (bound.grpc_addr(), bound.http_addr());
     let stop = CancellationToken::new();

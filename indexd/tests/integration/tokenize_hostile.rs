@@ -17,16 +17,12 @@ use axum::body::Bytes as Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
-use indexd::config::EndpointConfig;
-use indexd::tokenize::{AdmissionConfig, GateRules, TokenizeConfig, TokenizerSpec};
-use indexd::{Config, Server};
-use kvroute_proto::v1::index_client::IndexClient;
+use indexd::tokenize::{AdmissionConfig, GateRules, TokenizeConfig};
 use kvroute_proto::v1::{Api, DecisionKind, Mode, PickRequest, PickResponse, TokenizerSource};
 use kvroute_tokenizer::{LoadOptions, TokenizeRequest, Tokenizer};
-use tokio_util::sync::CancellationToken;
 
 use super::eventually;
-use super::tokenize::{MODEL, chat, get, model_dir, tokens_of};
+use super::tokenize::{Daemon, MODEL, chat, get, model_dir, start_indexd_with, tokens_of};
 
 /// A replica's `/tokenize`, answered by the real tokenizer, except:
 /// - a body containing `DIVERGE`, or any body while `diverge` is set, gets
@@ -80,52 +76,13 @@ async fn start_stub(dir: &Path) -> (SocketAddr, Stub) {
     (addr, stub)
 }
 
-struct Daemon {
-    client: IndexClient<tonic::transport::Channel>,
-    http: String,
-    stop: CancellationToken,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
-}
-
 /// indexd with the stub as its replica; `local` tokenizes locally.
 async fn start(
     replica: SocketAddr,
     local: Option<&Path>,
     tweak: impl FnOnce(&mut TokenizeConfig),
 ) -> Daemon {
-    let mut config = Config::new(vec![EndpointConfig::new(replica, MODEL)]);
-    config.grpc_listen = "127.0.0.1:0".parse().unwrap();
-    config.http_listen = "127.0.0.1:0".parse().unwrap();
-    config.block_size = kvroute_proto::BlockSize::new(4).unwrap();
-    config.tokenize.tokenizers = local
-        .map(|dir| TokenizerSpec {
-            model: MODEL.into(),
-            dir: dir.to_path_buf(),
-            max_model_len: None,
-            chat_template: None,
-            trust_request_chat_template: false,
-        })
-        .into_iter()
-        .collect();
-    tweak(&mut config.tokenize);
-    let bound = Server::bind(config).await.unwrap();
-    let (grpc, http) = (bound.grpc_addr(), bound.http_addr());
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    tokio::spawn(async move { bound.serve(s).await });
-    let client = IndexClient::connect(format!("http://{grpc}"))
-        .await
-        .unwrap();
-    Daemon {
-        client,
-        http: format!("http://{http}"),
-        stop,
-    }
+    start_indexd_with(replica, local, |c| tweak(&mut c.tokenize)).await
 }
 
 fn pick(body: Vec<u8>) -> PickRequest {
@@ -378,4 +335,44 @@ async fn text_one_salt_sent_is_not_cached_for_another() {
     let (h2, m2) = counts(get(&url).await);
     assert!(m2 > m1, "tenant-b's first send misses: {m1} -> {m2}");
     assert_eq!(h2, h1, "and finds nothing of tenant-a's");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pick_encodes_no_more_than_the_blocks_it_keys() {
+    let dir = model_dir();
+    let (addr, stub) = start_stub(&dir).await;
+    // 3 keys of 4 tokens: encoding stops at 12 ids.
+    let mut d = start_indexd_with(addr, Some(&dir), |c| {
+        c.max_pick_keys = 3;
+        eager(&mut c.tokenize);
+    })
+    .await;
+    metric_shows(&d, &gate_line(1)).await;
+    let truth = Tokenizer::load(&dir, MODEL, LoadOptions::default()).unwrap();
+    let long = chat(&"a conversation far longer than three blocks ".repeat(20));
+    assert!(tokens_of(&truth, &long).len() > 100);
+    let a = pick_body(&mut d, long).await;
+    assert_eq!(a.tokenizer, TokenizerSource::Local as i32);
+    assert_eq!(a.prompt_tokens, 12, "encoding stopped at the cap");
+    // Its shadow check compared the ids it had with the replica's first 12.
+    let metrics = get(&format!("{}/metrics", d.http)).await;
+    assert!(
+        metrics.contains(&format!(
+            "indexd_tokenizer_checks_total{{model=\"{MODEL}\",kind=\"shadow\",result=\"agree\"}} 1"
+        )),
+        "{metrics}"
+    );
+    assert!(!metrics.contains("result=\"mismatch\"} 1"), "{metrics}");
+    assert!(stub.calls.load(Ordering::Relaxed) >= 1);
+    // HTTP's /tokenize answers every id.
+    let r = reqwest::Client::new()
+        .post(format!("{}/tokenize", d.http))
+        .body(chat(
+            &"a conversation far longer than three blocks ".repeat(20),
+        ))
+        .send()
+        .await
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&r.bytes().await.unwrap()).unwrap();
+    assert!(v["count"].as_u64().unwrap() > 100, "{v}");
 }
