@@ -149,3 +149,62 @@ fn python_string_tables_are_regenerated_identically() {
         );
     }
 }
+
+/// The divergence corpus (tests/reference/gen_divergence.py): numbers as
+/// Python reads and prints them, `truncate_prompt_tokens`, and Python's
+/// Unicode case mapping and whitespace in request templates. Every request
+/// matches transformers, or (where the corpus allows it: integers past 128
+/// bits, `str.split`, truncation in a chat completion) is declined locally
+/// so that a replica tokenizes it.
+#[test]
+fn every_divergence_request_matches_transformers_or_falls_back() {
+    let scratch = common::scratch("divergence");
+    let python = common::reference_python();
+    let requests = scratch.join("divergence.jsonl");
+    common::run(&python, "gen_divergence.py", &[&requests]);
+    let cases = common::divergence_cases(&requests);
+    assert!(cases.len() >= 500, "only {} requests", cases.len());
+    for (family, dir) in common::families() {
+        let expected_path = scratch.join(format!("divergence-{family}.jsonl"));
+        common::run(&python, "expected.py", &[&dir, &requests, &expected_path]);
+        let expected: HashMap<u64, Value> = read_jsonl(&expected_path)
+            .into_iter()
+            .map(|e| (e["id"].as_u64().unwrap(), e))
+            .collect();
+        let tok = common::load_trusting(&dir);
+        let mut wrong = Vec::new();
+        let mut fallbacks = 0usize;
+        let mut by_kind: HashMap<String, usize> = HashMap::new();
+        for case in &cases {
+            let want = &expected[&case.id];
+            let ids: Option<Vec<u32>> = want
+                .get("tokens")
+                .map(|w| serde_json::from_value(w.clone()).unwrap());
+            let reference = match &ids {
+                Some(w) => Ok(w.as_slice()),
+                None => Err(want["error"].as_str().unwrap_or("refused")),
+            };
+            let native = common::native_ids(&tok, &case.endpoint, &case.body);
+            if let Some(why) = common::judge(case, reference, &native, &mut fallbacks) {
+                wrong.push(format!("{family} {why}"));
+            }
+            *by_kind.entry(case.kind.clone()).or_default() += 1;
+        }
+        assert!(
+            wrong.is_empty(),
+            "{} of {} requests differ on {family}:\n{}",
+            wrong.len(),
+            cases.len(),
+            wrong
+                .iter()
+                .take(20)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        eprintln!(
+            "{family}: {} requests ({by_kind:?}) matched, {fallbacks} declined locally",
+            cases.len()
+        );
+    }
+}

@@ -85,6 +85,11 @@ fn post(url: &str, body: &str) -> (u16, Value) {
 }
 
 fn start(model_dir: &Path, scratch: &Path, name: &str) -> RenderServer {
+    start_with(model_dir, scratch, name, &[])
+}
+
+/// A render server with `extra` vLLM flags.
+fn start_with(model_dir: &Path, scratch: &Path, name: &str, extra: &[&str]) -> RenderServer {
     use std::os::unix::process::CommandExt;
     // The server binds port 0 and writes the port it got: a port chosen
     // here and released could be taken by another process meanwhile.
@@ -114,6 +119,7 @@ fn start(model_dir: &Path, scratch: &Path, name: &str) -> RenderServer {
             "--port",
             "0",
         ])
+        .args(extra)
         .env("HF_HUB_OFFLINE", "1")
         .env("VLLM_LOGGING_LEVEL", "WARNING")
         .stdout(Stdio::from(out.try_clone().unwrap()))
@@ -272,4 +278,75 @@ fn every_generated_request_matches_live_vllm() {
         "the longest prompt has only {longest} tokens"
     );
     eprintln!("{checked} requests matched live vLLM, the longest {longest} tokens");
+}
+
+/// The divergence corpus (tests/reference/gen_divergence.py) against live
+/// vLLM, which trusts request chat templates here: numbers as Python reads
+/// and prints them, `truncate_prompt_tokens` (`/tokenize` ignores it, the
+/// chat completion's render applies it), Python's Unicode case mapping and
+/// whitespace. Every request matches vLLM's ids (or both refuse), or is one
+/// the corpus allows the native tokenizer to decline locally, so that a
+/// replica tokenizes it.
+#[test]
+#[ignore = "needs real vLLM: make test-vllm"]
+fn every_divergence_request_matches_live_vllm_or_falls_back() {
+    let scratch = common::scratch("live-divergence");
+    let requests = scratch.join("divergence.jsonl");
+    common::run(
+        &common::reference_python(),
+        "gen_divergence.py",
+        &[&requests],
+    );
+    let cases = common::divergence_cases(&requests);
+    assert!(cases.len() >= 500, "only {} requests", cases.len());
+    for (family, dir) in common::families() {
+        let server = start_with(
+            &dir,
+            &scratch,
+            &format!("{family}-trusting"),
+            &["--trust-request-chat-template"],
+        );
+        let tok = common::load_trusting(&dir);
+        let mut wrong = Vec::new();
+        let mut fallbacks = 0usize;
+        for case in &cases {
+            let path = match case.endpoint.as_str() {
+                "tokenize" => "/tokenize",
+                "chat_render" => "/v1/chat/completions/render",
+                _ => "/v1/responses/render",
+            };
+            let (status, answer) = post(&format!("{}{path}", server.url), &with_model(&case.body));
+            assert!(
+                status < 500,
+                "{family} #{}: vLLM answered {status}: {answer}",
+                case.id
+            );
+            let theirs = (status == 200).then(|| live_ids(&answer)).flatten();
+            let refusal = format!("{status}: {answer}");
+            let reference = match &theirs {
+                Some(ids) => Ok(ids.as_slice()),
+                None => Err(refusal.as_str()),
+            };
+            let native = common::native_ids(&tok, &case.endpoint, &case.body);
+            if let Some(why) = common::judge(case, reference, &native, &mut fallbacks) {
+                wrong.push(format!("{family} {why}"));
+            }
+        }
+        assert!(
+            wrong.is_empty(),
+            "{} of {} requests differ from live vLLM on {family}:\n{}",
+            wrong.len(),
+            cases.len(),
+            wrong
+                .iter()
+                .take(20)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        eprintln!(
+            "{family}: {} divergence requests matched live vLLM, {fallbacks} declined locally",
+            cases.len()
+        );
+    }
 }

@@ -112,3 +112,118 @@ pub fn scratch(name: &str) -> PathBuf {
     std::fs::create_dir_all(&d).expect("scratch dir");
     d
 }
+
+/// One request of gen_divergence.py's corpus.
+pub struct DivergenceCase {
+    pub id: u64,
+    pub endpoint: String,
+    pub kind: String,
+    pub may_fall_back: bool,
+    /// The body's JSON text as written (it may hold `-0`, `1e400`, `NaN`).
+    pub body: String,
+}
+
+/// Reads gen_divergence.py's output: the fields before `"body"` as JSON,
+/// the body as text (a strict JSON reader refuses some of its numbers).
+pub fn divergence_cases(path: &Path) -> Vec<DivergenceCase> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let at = line.find(", \"body\": ").expect("a body");
+            let head: serde_json::Value =
+                serde_json::from_str(&format!("{}}}", &line[..at])).expect("a head");
+            let body = line[at + ", \"body\": ".len()..]
+                .trim_end()
+                .strip_suffix('}')
+                .expect("a closing brace")
+                .to_owned();
+            DivergenceCase {
+                id: head["id"].as_u64().unwrap(),
+                endpoint: head["endpoint"].as_str().unwrap().to_owned(),
+                kind: head["kind"].as_str().unwrap().to_owned(),
+                may_fall_back: head["may_fall_back"].as_bool().unwrap(),
+                body,
+            }
+        })
+        .collect()
+}
+
+/// A family's tokenizer trusting request chat templates (as vLLM with
+/// `--trust-request-chat-template`), for the divergence corpus.
+pub fn load_trusting(dir: &Path) -> Tokenizer {
+    Tokenizer::load(
+        dir,
+        "test",
+        LoadOptions {
+            trust_request_chat_template: true,
+            ..LoadOptions::default()
+        },
+    )
+    .expect("load")
+}
+
+/// The native tokenizer's ids for a corpus request: `/tokenize`,
+/// `/v1/responses/render`, or what the chat completion renders
+/// ("chat_render"). The error: its message, and whether it is a local
+/// refusal (a replica would tokenize the request) rather than vLLM's.
+pub fn native_ids(tok: &Tokenizer, endpoint: &str, body: &str) -> Result<Vec<u32>, (String, bool)> {
+    use kvroute_tokenizer::{RequestError, ResponsesRequest, TokenizeRequest};
+    let err = |e: RequestError| (e.to_string(), !e.is_client_error());
+    let bytes = body.as_bytes();
+    match endpoint {
+        "tokenize" => TokenizeRequest::from_json(bytes)
+            .and_then(|r| tok.tokenize(&r))
+            .map(|r| r.tokens)
+            .map_err(err),
+        "chat_render" => TokenizeRequest::from_json(bytes)
+            .and_then(|r| tok.chat_completion_tokens(&r))
+            .map_err(err),
+        _ => ResponsesRequest::from_json(bytes)
+            .and_then(|r| tok.render_responses(&r))
+            .map(|r| r.token_ids)
+            .map_err(err),
+    }
+}
+
+/// Judges one corpus request: `None` when the native tokenizer matches the
+/// reference (ids, or a refusal on both sides) or, where the corpus allows
+/// it, declines it locally; else what went wrong.
+pub fn judge(
+    case: &DivergenceCase,
+    reference: Result<&[u32], &str>,
+    native: &Result<Vec<u32>, (String, bool)>,
+    fallbacks: &mut usize,
+) -> Option<String> {
+    let DivergenceCase { id, kind, .. } = case;
+    match (reference, native) {
+        (_, Err((_, true))) if case.may_fall_back => {
+            *fallbacks += 1;
+            None
+        }
+        (Ok(w), Ok(g)) if w == g.as_slice() => None,
+        (Ok(w), Ok(g)) => {
+            let at = w
+                .iter()
+                .zip(g)
+                .position(|(a, b)| a != b)
+                .unwrap_or(w.len().min(g.len()));
+            Some(format!(
+                "#{id} ({kind}): first difference at token {at} ({} vs {} tokens)",
+                w.len(),
+                g.len()
+            ))
+        }
+        (Err(_), Err((_, false))) => None,
+        (Ok(_), Err((e, local))) => Some(format!(
+            "#{id} ({kind}): reference took it, native refused ({}): {e}",
+            if *local { "locally" } else { "as vLLM would" }
+        )),
+        (Err(r), Err((e, true))) => Some(format!(
+            "#{id} ({kind}): reference refused ({r}), native declined locally where it should refuse: {e}"
+        )),
+        (Err(r), Ok(_)) => Some(format!(
+            "#{id} ({kind}): reference refused ({r}), native took it"
+        )),
+    }
+}

@@ -289,8 +289,8 @@ def responses_tools(tools):
 HF_BASE_PARAMS = frozenset(inspect.signature(PythonBackend.apply_chat_template).parameters)
 
 
-def render(tok, conversation, tools, request_kwargs, add_generation_prompt, continue_final):
-    template = tok.chat_template
+def render(tok, conversation, tools, request_kwargs, add_generation_prompt, continue_final, template=None):
+    template = template or tok.chat_template
     kw = {"tools": tools, "tokenize": False}
     merged = dict(request_kwargs or {})
     merged.update(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final)
@@ -305,20 +305,28 @@ def render(tok, conversation, tools, request_kwargs, add_generation_prompt, cont
     template_vars = jinja2.meta.find_undeclared_variables(env.parse(template))
     accepted = (template_vars | HF_BASE_PARAMS) - {"chat_template", "tokenize"}
     kw = {k: v for k, v in kw.items() if k in accepted}
-    text = tok.apply_chat_template(conversation, tools=tools, tokenize=False, **kw)
+    text = tok.apply_chat_template(conversation, tools=tools, tokenize=False, chat_template=template, **kw)
     return text, bool(tokenize)
 
 
 def compute(tok, fmt, req, max_model_len):
     body = req["body"]
+    template = body.get("chat_template")
+    if template is not None:
+        # A request-supplied template (vLLM with --trust-request-chat-template).
+        fmt = content_format(template)
     if req["endpoint"] == "tokenize" and "messages" not in body:
         return tok(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))["input_ids"]
-    if req["endpoint"] == "tokenize":
+    if req["endpoint"] == "chat_render" and body.get("truncate_prompt_tokens") is not None:
+        # The chat completion applies it; not reproduced here.
+        raise Refused("truncate_prompt_tokens is not reproduced by this reference")
+    if req["endpoint"] in ("tokenize", "chat_render"):
         conv = [parse_message(m, fmt, True) for m in body["messages"]]
         postprocess(conv)
         tools = chat_tools(body["tools"]) if body.get("tools") is not None else None
         text, tokenized = render(tok, conv, tools, body.get("chat_template_kwargs"),
-                                 body.get("add_generation_prompt", True), body.get("continue_final_message", False))
+                                 body.get("add_generation_prompt", True), body.get("continue_final_message", False),
+                                 template)
         add = body.get("add_special_tokens", False) and not tokenized
         return tok(text, add_special_tokens=add)["input_ids"]
     msgs, cont = responses_messages(json.loads(json.dumps(body)))
@@ -329,7 +337,7 @@ def compute(tok, fmt, req, max_model_len):
     if effort is not None:
         kwargs["reasoning_effort"] = effort
         kwargs.setdefault("enable_thinking", effort != "none")
-    text, tokenized = render(tok, conv, responses_tools(body.get("tools")), kwargs, not cont, cont)
+    text, tokenized = render(tok, conv, responses_tools(body.get("tools")), kwargs, not cont, cont, template)
     ids = tok(text, add_special_tokens=not tokenized)["input_ids"]
     if len(ids) > max_model_len:
         raise Refused("prompt too long")
