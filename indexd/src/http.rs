@@ -45,8 +45,29 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     } else {
         "no healthy, fresh replica\n".to_owned()
     };
+    let now = std::time::Instant::now();
     for (model, local) in shared.tokenizers.locals() {
-        let _ = writeln!(body, "tokenizer {model}: {}", local.gate.describe());
+        let _ = writeln!(body, "tokenizer {model}: {}", local.gate.describe_at(now));
+    }
+    if let Some(line) = shared.tokenizers.admission.describe(now) {
+        let _ = writeln!(body, "{line}");
+    }
+    let refused_static = shared.metrics.endpoints_refused.get(["self"]);
+    let refused_now: Vec<String> = crate::state::lock(&shared.refused_self)
+        .iter()
+        .map(ToString::to_string)
+        .collect();
+    if refused_static > 0 || !refused_now.is_empty() {
+        let _ = writeln!(
+            body,
+            "endpoints refused as indexd's own HTTP listener ({}): {refused_static} since start{}",
+            shared.http_addr(),
+            if refused_now.is_empty() {
+                String::new()
+            } else {
+                format!("; discovery lists {} now", refused_now.join(", "))
+            }
+        );
     }
     for (replica, groups, unmodelled) in shared.layouts() {
         // A model with one full-attention group is the common case: only

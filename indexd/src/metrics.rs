@@ -50,13 +50,21 @@ impl<const N: usize> CounterVec<N> {
     }
 
     /// The current value of one series.
-    #[cfg(test)]
     pub fn get(&self, values: [&'static str; N]) -> u64 {
         let map = self
             .values
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         map.get(&values).copied().unwrap_or(0)
+    }
+
+    /// The sum over every label set.
+    pub fn total(&self) -> u64 {
+        let map = self
+            .values
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        map.values().sum()
     }
 
     pub(crate) fn render(&self, out: &mut String) {

@@ -1136,6 +1136,21 @@ async fn a_discovered_endpoint_on_indexds_own_http_port_is_skipped() {
         d.counter("indexd_endpoints_refused_total{reason=\"self\"}"),
         1.0
     );
+    // And /readyz says so.
+    let ready = reqwest::get(format!("http://127.0.0.1:{own}/readyz"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let line = ready
+        .lines()
+        .find(|l| l.starts_with("endpoints refused as indexd's own HTTP listener"))
+        .unwrap_or_else(|| panic!("{ready}"));
+    assert!(
+        line.contains("1 since start") && line.contains(&format!("127.0.0.1:{own} now")),
+        "{line}"
+    );
     d.stop().await;
 }
 

@@ -30,7 +30,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::metrics::{CounterVec, gauge};
 use crate::state::{WarnGate, lock};
@@ -163,6 +163,8 @@ pub struct Admission {
     refused: CounterVec<2>,
     cancelled: CounterVec<1>,
     warn: WarnGate,
+    /// The last refusal: when, its path and its reason (for `/readyz`).
+    last_refused: Mutex<Option<(Instant, &'static str, &'static str)>>,
 }
 
 impl Admission {
@@ -183,6 +185,7 @@ impl Admission {
                 ["path"],
             ),
             warn: WarnGate::default(),
+            last_refused: Mutex::new(None),
         })
     }
 
@@ -230,7 +233,7 @@ impl Admission {
                 ))
             }
             Err((refusal, used)) => {
-                self.refused.inc([via.label(), refusal.label()]);
+                self.count_refused(via, refusal.label());
                 if self.warn.open() {
                     tracing::warn!(
                         path = via.label(),
@@ -250,6 +253,21 @@ impl Admission {
     /// forwarding loop).
     pub fn count_refused(&self, via: Via, reason: &'static str) {
         self.refused.inc([via.label(), reason]);
+        *lock(&self.last_refused) = Some((Instant::now(), via.label(), reason));
+    }
+
+    /// For `/readyz`, once a body has been refused: how many since start,
+    /// the last one's age, path and reason, and the budget.
+    pub fn describe(&self, now: Instant) -> Option<String> {
+        let (at, path, reason) = (*lock(&self.last_refused))?;
+        let total: u64 = self.refused.total();
+        let c = &self.config;
+        Some(format!(
+            "tokenize admission: {total} bodies refused before any work since start, the last {:.0?} ago ({path}, {reason}); budget {} bodies, {} MiB",
+            now.saturating_duration_since(at),
+            c.max_concurrent,
+            c.max_bytes >> 20
+        ))
     }
 
     /// What a body of `body_bytes` would be granted now.

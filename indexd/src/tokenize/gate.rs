@@ -222,12 +222,36 @@ impl Gate {
     /// Its state for `/readyz`: the name, and for a closed gate why and what
     /// reopens it.
     pub fn describe(&self) -> String {
+        self.describe_at(Instant::now())
+    }
+
+    /// [`Gate::describe`] at `now`: an open gate also says how many live
+    /// requests were served a replica's ids because theirs differed (since
+    /// start, and the distinct bodies within the window, of the number
+    /// that closes it).
+    pub fn describe_at(&self, now: Instant) -> String {
         let inner = lock(&self.inner);
         match self.state() {
             GateState::Closed => format!(
                 "closed ({}; reopens after {} clean probe rounds in a row, {} so far)",
                 inner.detail, self.rules.reopen_after_rounds, inner.clean_rounds
             ),
+            GateState::Open => {
+                let fallbacks = self.counts.shadow_mismatch.load(Ordering::Relaxed);
+                if fallbacks == 0 {
+                    return "open".to_owned();
+                }
+                let window = self.rules.mismatch_window;
+                let recent = inner
+                    .mismatches
+                    .iter()
+                    .filter(|(at, _)| now.saturating_duration_since(*at) <= window)
+                    .count();
+                format!(
+                    "open ({fallbacks} live requests whose local ids differed were served a replica's ids; {recent} distinct bodies within {window:?}, {} close it)",
+                    self.rules.close_after_mismatches
+                )
+            }
             other => other.label().to_owned(),
         }
     }

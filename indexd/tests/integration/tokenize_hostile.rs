@@ -151,6 +151,11 @@ async fn one_client_cannot_close_the_gate_and_clean_rounds_reopen_it() {
     assert_eq!(a.prompt_tokens as usize, tokens_of(&truth, &plain).len());
     let metrics = get(&format!("{}/metrics", d.http)).await;
     assert!(metrics.lines().any(|l| l == gate_line(1)), "{metrics}");
+    let ready = get(&format!("{}/readyz", d.http)).await;
+    assert!(
+        ready.contains("tokenizer tiny: open (8 live requests whose local ids differed were served a replica's ids; 1 distinct bodies within 600s, 3 close it)"),
+        "{ready}"
+    );
     assert!(
         metrics.contains(&format!(
             "indexd_tokenizer_checks_total{{model=\"{MODEL}\",kind=\"shadow\",result=\"mismatch\"}} 8"
@@ -253,6 +258,12 @@ async fn bodies_over_the_budget_are_answered_at_once_and_a_gone_caller_gives_its
     ] {
         assert!(metrics.contains(line), "{line}\n{metrics}");
     }
+    let ready = get(&format!("{}/readyz", d.http)).await;
+    assert!(
+        ready.contains("tokenize admission: 2 bodies refused before any work since start")
+            && ready.contains("(tokenize, concurrency)"),
+        "{ready}"
+    );
 
     // The slow Pick's caller goes away: its work is cancelled and the place
     // returns long before the replica would have answered.
