@@ -72,6 +72,11 @@ struct Args {
     /// ~/.cache/kvroute/tiny-llama).
     #[arg(long)]
     model_dir: Option<PathBuf>,
+    /// The context length indexd's tokenizer is given (`max_model_len`):
+    /// its caps grow with it. The default is a long-context model's, the
+    /// most lenient caps (the test model's own is 16,384).
+    #[arg(long, default_value_t = 131_072)]
+    max_model_len: u32,
     /// Bytes of each hostile body.
     #[arg(long, default_value_t = 8 << 20)]
     body_bytes: usize,
@@ -337,8 +342,9 @@ async fn run(args: Args) -> Result<bool, String> {
     std::fs::write(
         &config,
         format!(
-            "grpc_listen: 127.0.0.1:0\nhttp_listen: 127.0.0.1:0\nblock_size: 16\nendpoints:\n  - {{address: '{replica}', model: {MODEL}}}\ntokenize:\n  tokenizers:\n    - {{model: {MODEL}, dir: '{}'}}\n  shadow_per_second: 0\n",
-            dir.display()
+            "grpc_listen: 127.0.0.1:0\nhttp_listen: 127.0.0.1:0\nblock_size: 16\nendpoints:\n  - {{address: '{replica}', model: {MODEL}}}\ntokenize:\n  tokenizers:\n    - {{model: {MODEL}, dir: '{}', max_model_len: {}}}\n  shadow_per_second: 0\n",
+            dir.display(),
+            args.max_model_len
         ),
     )
     .map_err(|e| e.to_string())?;
@@ -363,6 +369,7 @@ async fn run(args: Args) -> Result<bool, String> {
     let addrs: serde_json::Value =
         serde_json::from_str(&line).map_err(|e| format!("{line:?}: {e}"))?;
     let grpc = format!("http://{}", addrs["grpc"].as_str().unwrap_or_default());
+    let grpc_for_flood = grpc.clone();
     let http = format!("http://{}", addrs["http"].as_str().unwrap_or_default());
     wait_for_gate(&http).await?;
     let client = IndexClient::connect(grpc.clone())
@@ -374,9 +381,10 @@ async fn run(args: Args) -> Result<bool, String> {
         .map_err(|e| e.to_string())?;
     let idle = status_mib(pid, "VmRSS:");
     let mut report = format!(
-        "# indexd under hostile bodies\n\nindexd {} with a local tokenizer ({}), its gate open; {} CPUs. Idle RSS {idle:.0} MiB.\n\n",
+        "# indexd under hostile bodies\n\nindexd {} with a local tokenizer ({}, max_model_len {}: its caps), its gate open; {} CPUs. Idle RSS {idle:.0} MiB.\n\n",
         binary.display(),
         dir.display(),
+        args.max_model_len,
         std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
     );
 
@@ -427,13 +435,27 @@ async fn run(args: Args) -> Result<bool, String> {
         String,
         u64,
     >::new()));
+    // The hostile clients run on a runtime of their own: encoding 8 MB
+    // messages must not delay the ordinary stream's client, only indexd.
+    let flood_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    // Its own connection too, made there, so that its I/O runs there.
+    let grpc_addr = grpc_for_flood;
+    let flood_client = flood_rt
+        .spawn(async move { IndexClient::connect(grpc_addr).await })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
     for k in 0..args.hostile_concurrency {
         let (_, api, body) = bodies[k % 3].clone();
-        let mut c = client.clone();
+        let mut c = flood_client.clone();
         let stop = stop.clone();
         let outcomes = outcomes.clone();
         let abandon = args.abandon_after;
-        floods.push(tokio::spawn(async move {
+        floods.push(flood_rt.spawn(async move {
             while !stop.load(Ordering::Relaxed) {
                 let sent = tokio::time::Instant::now();
                 let outcome =
@@ -463,6 +485,8 @@ async fn run(args: Args) -> Result<bool, String> {
     for f in floods {
         let _ = f.await;
     }
+    drop(flood_client);
+    flood_rt.shutdown_background();
     let peak = sampler.await.unwrap_or(0.0);
     let metrics = reqwest::get(format!("{http}/metrics"))
         .await

@@ -28,9 +28,12 @@
 //! worker's other tasks to another thread meanwhile, so a cold 32k-token
 //! conversation's milliseconds stall no one); a larger body, or any body on a
 //! current-thread runtime, on tokio's blocking pool, where the caller's going
-//! away can be seen while it runs.
+//! away can be seen while it runs; a body over `admission.small_body_bytes`
+//! on threads of its own at a lower CPU priority ([`bulk`]), so that on a
+//! busy node the workers answering ordinary Picks go first.
 
 pub mod admission;
+pub mod bulk;
 pub mod config;
 pub mod gate;
 pub mod http;
@@ -91,6 +94,9 @@ pub struct TokenizeConfig {
     /// How long one body's local tokenization may take before it is given
     /// up (checked between its segments).
     pub time_budget: Duration,
+    /// The nice value of the threads that tokenize bodies over
+    /// `admission.small_body_bytes` ([`bulk`]; 0: indexd's own priority).
+    pub large_body_nice: i32,
 }
 
 impl Default for TokenizeConfig {
@@ -103,6 +109,7 @@ impl Default for TokenizeConfig {
             max_body_bytes: 16 << 20,
             admission: AdmissionConfig::default(),
             time_budget: Duration::from_secs(2),
+            large_body_nice: 10,
         }
     }
 }
@@ -259,6 +266,8 @@ pub struct Tokenizers {
     chat_render: AtomicBool,
     /// The budget of bodies in flight.
     pub admission: Arc<Admission>,
+    /// The threads large bodies are tokenized on (with local tokenizers).
+    bulk: Option<bulk::Bulk>,
     /// Metrics.
     pub metrics: TokenizeMetrics,
 }
@@ -273,7 +282,18 @@ pub struct LoadError {
     pub dir: String,
     /// Why.
     #[source]
-    pub source: kvroute_tokenizer::LoadError,
+    pub source: LoadFailure,
+}
+
+/// Why a local tokenizer could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadFailure {
+    /// Its files.
+    #[error(transparent)]
+    Tokenizer(#[from] kvroute_tokenizer::LoadError),
+    /// The threads large bodies are tokenized on.
+    #[error("cannot start the large-body threads: {0}")]
+    Threads(#[from] std::io::Error),
 }
 
 impl Tokenizers {
@@ -281,10 +301,10 @@ impl Tokenizers {
     pub fn load(config: TokenizeConfig) -> Result<Self, LoadError> {
         let mut models = BTreeMap::new();
         for spec in &config.tokenizers {
-            let err = |source| LoadError {
+            let err = |source: kvroute_tokenizer::LoadError| LoadError {
                 model: spec.model.clone(),
                 dir: spec.dir.display().to_string(),
-                source,
+                source: source.into(),
             };
             let chat_template = match &spec.chat_template {
                 None => None,
@@ -312,10 +332,26 @@ impl Tokenizers {
                 },
             );
         }
+        // As many threads as large bodies may be in flight.
+        let bulk = match config.tokenizers.first() {
+            None => None,
+            Some(spec) => {
+                let a = &config.admission;
+                let places = a.max_concurrent.saturating_sub(a.reserved_concurrent);
+                Some(
+                    bulk::Bulk::start(places, config.large_body_nice).map_err(|e| LoadError {
+                        model: spec.model.clone(),
+                        dir: spec.dir.display().to_string(),
+                        source: e.into(),
+                    })?,
+                )
+            }
+        };
         Ok(Self {
             models,
             client: replica::client(),
             admission: Admission::new(config.admission.clone()),
+            bulk,
             config,
             next_replica: AtomicUsize::new(0),
             chat_render: AtomicBool::new(true),
@@ -329,6 +365,7 @@ impl Tokenizers {
             models: BTreeMap::new(),
             client: replica::client(),
             admission: Admission::new(TokenizeConfig::default().admission),
+            bulk: None,
             config: TokenizeConfig::default(),
             next_replica: AtomicUsize::new(0),
             chat_render: AtomicBool::new(true),
@@ -476,13 +513,13 @@ impl Tokenizers {
             // when it ends, even if this future is dropped meanwhile.
             let tokenizer = local.tokenizer.clone();
             let input = body.clone();
-            tokio::task::spawn_blocking(move || {
+            self.off_worker(body.len(), move || {
                 let ids = local_ids(&tokenizer, api, &input, &limits);
                 drop(ticket);
                 ids
             })
             .await
-            .unwrap_or_else(|e| Err(TokenizeError::Unavailable(format!("tokenizer task: {e}"))))
+            .and_then(|ids| ids)
         };
         self.metrics.local_latency.observe(started.elapsed());
         match ids {
@@ -502,6 +539,24 @@ impl Tokenizers {
                     .map_err(|e| (e, Source::Replica))
             }
             Err(e) => Err((e, Source::Local)),
+        }
+    }
+
+    /// Runs `work` for a body of `body_bytes` off the async workers: on the
+    /// [`bulk`] threads, of lower priority, when the body is over
+    /// `admission.small_body_bytes`; else on tokio's blocking pool.
+    pub async fn off_worker<T: Send + 'static>(
+        &self,
+        body_bytes: usize,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, TokenizeError> {
+        match &self.bulk {
+            Some(bulk) if body_bytes > self.config.admission.small_body_bytes => {
+                bulk.run(work).await
+            }
+            _ => tokio::task::spawn_blocking(work)
+                .await
+                .map_err(|e| TokenizeError::Unavailable(format!("tokenizer task: {e}"))),
         }
     }
 

@@ -18,6 +18,7 @@
 //!   gate_reopen_backoff: 30s         # a closed gate's first pause (doubles)
 //!   max_body_bytes: 16777216         # largest body tokenized (HTTP and Pick)
 //!   time_budget: 2s                  # one body's local tokenization, at most
+//!   large_body_nice: 10              # CPU priority of bodies over small_body_bytes (0–19)
 //!   admission:                       # bodies in flight (defaults: the machine's)
 //!     max_bytes: 16777216            # memory/1024, 16–256 MiB
 //!     max_concurrent: 8              # 4 per CPU, at least 8
@@ -51,6 +52,7 @@ pub(crate) struct RawTokenize {
     gate_reopen_backoff: Option<RawDuration>,
     max_body_bytes: Option<usize>,
     time_budget: Option<RawDuration>,
+    large_body_nice: Option<i32>,
     admission: Option<RawAdmission>,
 }
 
@@ -138,6 +140,7 @@ impl RawTokenize {
             max_body_bytes: self.max_body_bytes.unwrap_or(d.max_body_bytes),
             admission,
             time_budget: duration(&f("time_budget"), self.time_budget, d.time_budget)?,
+            large_body_nice: self.large_body_nice.unwrap_or(d.large_body_nice),
         })
     }
 }
@@ -228,6 +231,15 @@ pub fn validate(c: &TokenizeConfig) -> Result<(), ConfigError> {
             "must be a non-negative number",
         ));
     }
+    if !(0..=19).contains(&c.large_body_nice) {
+        return Err(ConfigError::field(
+            "tokenize.large_body_nice",
+            format!(
+                "{} is not a nice value from 0 (indexd's own priority) to 19 (the lowest)",
+                c.large_body_nice
+            ),
+        ));
+    }
     if c.max_body_bytes == 0 {
         return Err(ConfigError::field(
             "tokenize.max_body_bytes",
@@ -262,7 +274,7 @@ mod tests {
         );
         assert_eq!(c.tokenize.gate.shadow_per_second, 0.0);
         let c = Config::from_yaml(
-            "tokenize:\n  gate_close_after_mismatches: 5\n  gate_reopen_backoff: 5s\n  time_budget: 300ms\n  admission: {max_bytes: 1000, max_concurrent: 4}\n",
+            "tokenize:\n  gate_close_after_mismatches: 5\n  gate_reopen_backoff: 5s\n  time_budget: 300ms\n  large_body_nice: 5\n  admission: {max_bytes: 1000, max_concurrent: 4}\n",
         )
         .unwrap();
         assert_eq!(c.tokenize.gate.close_after_mismatches, 5);
@@ -274,6 +286,7 @@ mod tests {
             c.tokenize.time_budget,
             std::time::Duration::from_millis(300)
         );
+        assert_eq!(c.tokenize.large_body_nice, 5);
         assert_eq!(
             (
                 c.tokenize.admission.reserved_bytes,
@@ -290,6 +303,8 @@ mod tests {
                 "tokenizers[1].model",
             ),
             ("tokenize:\n  shadow_per_second: -1\n", "shadow_per_second"),
+            ("tokenize:\n  large_body_nice: 20\n", "large_body_nice"),
+            ("tokenize:\n  large_body_nice: -1\n", "large_body_nice"),
             (
                 "tokenize:\n  gate_close_after_mismatches: 0\n",
                 "gate_close_after_mismatches",

@@ -202,23 +202,28 @@ async fn serve(
         // body is parsed once, no further than the text cap; an invalid
         // salt only costs the cache its namespace (vLLM's `/tokenize` and
         // render do not check it).
-        let answer = tokio::task::spawn_blocking(move || {
-            let _ticket = ticket;
-            let caps = tokenizer.caps();
-            let namespaced = |salt: Result<Option<String>, _>| {
-                let salt = salt.ok().flatten();
-                limits.budget(&tokenizer, salt.as_deref())
-            };
-            match api {
-                Api::Responses => ResponsesRequest::from_json_within(&input, &caps)
-                    .and_then(|r| tokenizer.render_responses_with(&r, &namespaced(r.cache_salt())))
-                    .map(|r| serde_json::to_vec(&r)),
-                Api::Chat | Api::Completions => TokenizeRequest::from_json_within(&input, &caps)
-                    .and_then(|r| tokenizer.tokenize_with(&r, &namespaced(r.cache_salt())))
-                    .map(|r| serde_json::to_vec(&r)),
-            }
-        })
-        .await;
+        let answer = tokenizers
+            .off_worker(body.len(), move || {
+                let _ticket = ticket;
+                let caps = tokenizer.caps();
+                let namespaced = |salt: Result<Option<String>, _>| {
+                    let salt = salt.ok().flatten();
+                    limits.budget(&tokenizer, salt.as_deref())
+                };
+                match api {
+                    Api::Responses => ResponsesRequest::from_json_within(&input, &caps)
+                        .and_then(|r| {
+                            tokenizer.render_responses_with(&r, &namespaced(r.cache_salt()))
+                        })
+                        .map(|r| serde_json::to_vec(&r)),
+                    Api::Chat | Api::Completions => {
+                        TokenizeRequest::from_json_within(&input, &caps)
+                            .and_then(|r| tokenizer.tokenize_with(&r, &namespaced(r.cache_salt())))
+                            .map(|r| serde_json::to_vec(&r))
+                    }
+                }
+            })
+            .await;
         match answer {
             Ok(Ok(Ok(json))) => {
                 tokenizers.metrics.requests.inc(["local", "ok"]);
