@@ -35,6 +35,8 @@
     clippy::cast_sign_loss
 )]
 
+mod common;
+
 use std::fmt::Write as _;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -55,11 +57,15 @@ use kvroute_tokenizer::{LoadOptions, ResponsesRequest, TokenizeRequest, Tokenize
 use serde_json::json;
 use tonic::transport::Channel;
 
+use common::{Child, cpu_time, status_mib};
+
 const MODEL: &str = "tiny";
 
 #[derive(Debug, Parser)]
 #[command(
-    about = "indexd under hostile request bodies: time, CPU and memory per body, and ordinary Picks beside them"
+    about = "indexd under hostile request bodies: time, CPU and memory per body, and ordinary Picks beside them",
+    // HOSTILE_ARGS may repeat the Makefile's --out: the last one wins.
+    args_override_self = true
 )]
 struct Args {
     /// Run (without it, nothing happens).
@@ -77,6 +83,10 @@ struct Args {
     /// most lenient caps (the test model's own is 16,384).
     #[arg(long, default_value_t = 131_072)]
     max_model_len: u32,
+    /// indexd's `tokenize.large_body_nice` (0: large bodies at indexd's
+    /// own CPU priority).
+    #[arg(long, default_value_t = 10)]
+    large_body_nice: i32,
     /// Bytes of each hostile body.
     #[arg(long, default_value_t = 8 << 20)]
     body_bytes: usize,
@@ -154,37 +164,6 @@ async fn stand_in(tokenizer: Arc<Tokenizer>) -> std::net::SocketAddr {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await });
     addr
-}
-
-/// The child, killed on drop.
-struct Child(std::process::Child);
-
-impl Drop for Child {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn status_mib(pid: u32, field: &str) -> f64 {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    text.lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|rest| rest.split_whitespace().next()?.parse::<f64>().ok())
-        .map_or(0.0, |kib| kib / 1024.0)
-}
-
-/// The process's user + system CPU time.
-fn cpu_time(pid: u32) -> Duration {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command's closing parenthesis; utime and stime are
-    // the 14th and 15th of the whole line.
-    let rest = text.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = f.get(11).and_then(|v| v.parse().ok()).unwrap_or(0)
-        + f.get(12).and_then(|v| v.parse().ok()).unwrap_or(0);
-    // USER_HZ is 100 on Linux.
-    Duration::from_millis(ticks * 10)
 }
 
 /// The hostile bodies, each about `bytes` long.
@@ -283,11 +262,7 @@ async fn timed(client: &mut IndexClient<Channel>, req: PickRequest) -> (Duration
 }
 
 fn quantile(sorted: &[Duration], q: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    let i = ((sorted.len() - 1) as f64 * q).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
+    common::quantile(sorted, q).unwrap_or_default()
 }
 
 fn ms(d: Duration) -> String {
@@ -342,9 +317,10 @@ async fn run(args: Args) -> Result<bool, String> {
     std::fs::write(
         &config,
         format!(
-            "grpc_listen: 127.0.0.1:0\nhttp_listen: 127.0.0.1:0\nblock_size: 16\nendpoints:\n  - {{address: '{replica}', model: {MODEL}}}\ntokenize:\n  tokenizers:\n    - {{model: {MODEL}, dir: '{}', max_model_len: {}}}\n  shadow_per_second: 0\n",
+            "grpc_listen: 127.0.0.1:0\nhttp_listen: 127.0.0.1:0\nblock_size: 16\nendpoints:\n  - {{address: '{replica}', model: {MODEL}}}\ntokenize:\n  tokenizers:\n    - {{model: {MODEL}, dir: '{}', max_model_len: {}}}\n  shadow_per_second: 0\n  large_body_nice: {}\n",
             dir.display(),
-            args.max_model_len
+            args.max_model_len,
+            args.large_body_nice
         ),
     )
     .map_err(|e| e.to_string())?;
@@ -381,10 +357,11 @@ async fn run(args: Args) -> Result<bool, String> {
         .map_err(|e| e.to_string())?;
     let idle = status_mib(pid, "VmRSS:");
     let mut report = format!(
-        "# indexd under hostile bodies\n\nindexd {} with a local tokenizer ({}, max_model_len {}: its caps), its gate open; {} CPUs. Idle RSS {idle:.0} MiB.\n\n",
+        "# indexd under hostile bodies\n\nindexd {} with a local tokenizer ({}, max_model_len {}: its caps), its gate open, large bodies at nice {}; {} CPUs. Idle RSS {idle:.0} MiB.\n\n",
         binary.display(),
         dir.display(),
         args.max_model_len,
+        args.large_body_nice,
         std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
     );
 
@@ -479,8 +456,13 @@ async fn run(args: Args) -> Result<bool, String> {
         peak
     });
     tokio::time::sleep(Duration::from_secs(1)).await;
+    let (cpu_before, own_before) = (cpu_time(pid), cpu_time(std::process::id()));
     let (flooded, flooded_failed) =
         ordinary_stream(ordinary_client.clone(), args.ordinary_rate, args.duration).await;
+    let (indexd_cpu, own_cpu) = (
+        cpu_time(pid).saturating_sub(cpu_before),
+        cpu_time(std::process::id()).saturating_sub(own_before),
+    );
     stop.store(true, Ordering::Relaxed);
     for f in floods {
         let _ = f.await;
@@ -503,7 +485,7 @@ async fn run(args: Args) -> Result<bool, String> {
         .collect();
     let _ = write!(
         report,
-        "\n## Ordinary Picks beside {} hostile bodies in flight\n\n{} ordinary chat Picks a second (a ~700-token system prompt and a new question each) for {:?}, alone and then while {} hostile bodies ({} bytes each, the three kinds in turn) are kept in flight, each abandoned after {:?}.\n\n| | Picks | not tokenized | p50 (ms) | p99 (ms) | max (ms) |\n|---|---:|---:|---:|---:|---:|\n| alone | {} | {alone_failed} | {} | {} | {} |\n| beside the flood | {} | {flooded_failed} | {} | {} | {} |\n\nRSS: idle {idle:.0} MiB, before the flood {base:.0} MiB, peak during it {peak:.0} MiB ({:+.0} MiB over idle).\n\nHostile Picks: {:?}\n\n```\n{}\n```\n",
+        "\n## Ordinary Picks beside {} hostile bodies in flight\n\n{} ordinary chat Picks a second (a ~700-token system prompt and a new question each) for {:?}, alone and then while {} hostile bodies ({} bytes each, the three kinds in turn) are kept in flight, each abandoned after {:?}.\n\n| | Picks | not tokenized | p50 (ms) | p99 (ms) | max (ms) |\n|---|---:|---:|---:|---:|---:|\n| alone | {} | {alone_failed} | {} | {} | {} |\n| beside the flood | {} | {flooded_failed} | {} | {} | {} |\n\nRSS: idle {idle:.0} MiB, before the flood {base:.0} MiB, peak during it {peak:.0} MiB ({:+.0} MiB over idle).\n\nCPU during the flood's {:?}: indexd {:.1} s, this bench (both clients) {:.1} s, of {} CPUs.\n\nHostile Picks: {:?}\n\n```\n{}\n```\n",
         args.hostile_concurrency,
         args.ordinary_rate,
         args.duration,
@@ -519,6 +501,10 @@ async fn run(args: Args) -> Result<bool, String> {
         ms(quantile(&flooded, 0.99)),
         ms(flooded.last().copied().unwrap_or_default()),
         peak - idle,
+        args.duration,
+        indexd_cpu.as_secs_f64(),
+        own_cpu.as_secs_f64(),
+        std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
         outcomes.lock().unwrap(),
         refused.join("\n"),
     );

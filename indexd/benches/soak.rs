@@ -25,6 +25,7 @@
     clippy::indexing_slicing
 )]
 
+mod common;
 #[path = "soak/flood.rs"]
 mod flood;
 #[path = "soak/report.rs"]
@@ -45,6 +46,7 @@ use kvroute_proto::v1::index_client::IndexClient;
 use kvroute_proto::v1::{Mode, PickRequest};
 use tokio::net::TcpListener;
 
+use common::status_mib;
 use flood::{Counters, Progress};
 use report::{Setup, Window};
 
@@ -161,14 +163,6 @@ const BYTES_PER_ENTRY: f64 = 100.0;
 /// The process without its index: runtime, 64 connections' read buffers,
 /// metrics, allocator slack.
 const BASE_MIB: f64 = 64.0;
-
-fn status_mib(pid: u32, field: &str) -> f64 {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    text.lines()
-        .find_map(|l| l.strip_prefix(field))
-        .and_then(|rest| rest.split_whitespace().next()?.parse::<f64>().ok())
-        .map_or(0.0, |kib| kib / 1024.0)
-}
 
 /// `name` (with its labels) from a Prometheus page, summed over series.
 fn metric(page: &str, name: &str) -> f64 {
@@ -407,7 +401,10 @@ async fn run(
         .map_err(|e| format!("{}: {e}", binary.display()))?;
     let pid = child.id();
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
+    let stdout = child.stdout.take().unwrap();
+    // Killed on drop: an early return leaves no indexd running.
+    let mut child = common::Child(child);
+    BufReader::new(stdout)
         .read_line(&mut line)
         .map_err(|e| e.to_string())?;
     let addrs: serde_json::Value =
@@ -448,7 +445,6 @@ async fn run(
             break;
         }
         if Instant::now() > deadline {
-            let _ = child.kill();
             return Err("replicas did not all become fresh within 30 s".into());
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -559,11 +555,10 @@ async fn run(
         .args(["-TERM", &pid.to_string()])
         .status();
     let deadline = Instant::now() + Duration::from_secs(15);
-    while Instant::now() < deadline && child.try_wait().ok().flatten().is_none() {
+    while Instant::now() < deadline && child.0.try_wait().ok().flatten().is_none() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
 
     let budget = args
         .rss_budget_mib

@@ -19,6 +19,13 @@ use crate::state::{self, Shared};
 use crate::tokenize::{self, Tokenizers};
 use crate::{discovery, http, kubernetes, snapshot};
 
+/// The gRPC server's HTTP/2 stream window: the body bytes a Pick may send
+/// before indexd acknowledges them.
+const GRPC_STREAM_WINDOW: u32 = 1 << 20;
+/// The connection's window: several Picks' bodies in flight on one
+/// connection (Envoy multiplexes a worker's Picks on one).
+const GRPC_CONNECTION_WINDOW: u32 = 4 << 20;
+
 /// Entry point for starting indexd.
 #[derive(Debug)]
 pub struct Server;
@@ -262,7 +269,14 @@ impl Bound {
         let grpc_service = IndexService::new(Arc::clone(&shared)).into_server();
         let grpc_done = local.clone();
         let grpc_fut = async move {
-            let router = tonic::transport::Server::builder().add_service(grpc_service);
+            // Flow-control windows sized for Picks that carry bodies: with
+            // HTTP/2's 64 KiB default a megabyte body takes sixteen window
+            // updates, each a wake-up of the sender, and on a node of few
+            // CPUs those wake-ups delay every other Pick.
+            let router = tonic::transport::Server::builder()
+                .initial_stream_window_size(Some(GRPC_STREAM_WINDOW))
+                .initial_connection_window_size(Some(GRPC_CONNECTION_WINDOW))
+                .add_service(grpc_service);
             let stopped = async move { grpc_stop.cancelled().await };
             let r = match grpc {
                 GrpcListener::Tcp(l) => {

@@ -32,13 +32,9 @@ pub struct Window {
     pub decode_errors: f64,
 }
 
-/// The `q` quantile of sorted `v` (nearest rank).
+/// The `q` quantile of sorted `v` (nearest rank; 0 when empty).
 pub fn quantile(v: &[u32], q: f64) -> f64 {
-    if v.is_empty() {
-        return 0.0;
-    }
-    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    f64::from(v[rank - 1])
+    super::common::quantile(v, q).map_or(0.0, f64::from)
 }
 
 pub const CSV_HEADER: &str = "phase,end_s,rss_mib,hwm_mib,index_entries,index_mib,batches_per_s,blocks_per_s,picks,pick_p50_us,pick_p99_us,pick_max_us,server_p99_us,seq_gaps,decode_errors";

@@ -19,7 +19,8 @@
 //!   not read its answer.
 //! - **Body timeout.** A request body must be read whole within
 //!   `http_body_read_timeout` of the end of its head; after that its handler
-//!   sees a body error (axum answers 400) and the connection is not reused.
+//!   sees a body error, the client is answered `408 Request Timeout`
+//!   whatever the handler made of it, and the connection is not reused.
 //!
 //! Header and idle timeouts close the connection and count in
 //! `indexd_http_timeouts_total{phase}` (header, idle), body timeouts in
@@ -35,6 +36,7 @@
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -150,6 +152,7 @@ async fn connection(
         hyper::service::service_fn(move |request: hyper::Request<Incoming>| {
             let busy = Busy::begin(&activity);
             let body_limit = limits.body_read_timeout;
+            let late = Arc::new(AtomicBool::new(false));
             let request = request.map(|b| {
                 Body::new(TimedBody {
                     inner: b,
@@ -158,12 +161,16 @@ async fn connection(
                     sleep: None,
                     shared: Arc::clone(&shared),
                     expired: false,
+                    late: Arc::clone(&late),
                 })
             });
             let answer = router.clone().oneshot(request);
             async move {
                 let response = answer.await;
                 drop(busy);
+                if late.load(Ordering::Relaxed) {
+                    return Ok(body_timeout_answer(body_limit));
+                }
                 response
             }
         })
@@ -368,6 +375,28 @@ struct TimedBody {
     sleep: Option<Pin<Box<Sleep>>>,
     shared: Arc<Shared>,
     expired: bool,
+    /// Set when the deadline passes, for the answer (408).
+    late: Arc<AtomicBool>,
+}
+
+/// What a client whose body was late is answered: 408, and the connection
+/// closes (the rest of the body must not be read as a next request).
+fn body_timeout_answer(limit: Duration) -> axum::response::Response {
+    let mut answer = axum::response::Response::new(Body::from(format!(
+        "{}\n",
+        BodyTimeout(limit)
+    )));
+    *answer.status_mut() = axum::http::StatusCode::REQUEST_TIMEOUT;
+    let headers = answer.headers_mut();
+    headers.insert(
+        axum::http::header::CONNECTION,
+        axum::http::HeaderValue::from_static("close"),
+    );
+    headers.insert(
+        axum::http::header::CONTENT_TYPE,
+        axum::http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    answer
 }
 
 /// The error a handler sees when a body is late.
@@ -396,6 +425,7 @@ impl hyper::body::Body for TimedBody {
             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
         if sleep.as_mut().poll(cx).is_ready() {
             this.expired = true;
+            this.late.store(true, Ordering::Relaxed);
             this.shared.metrics.http_timeouts.inc(["body"]);
             return Poll::Ready(Some(Err(Box::new(BodyTimeout(this.limit)))));
         }

@@ -187,7 +187,7 @@ async fn a_body_that_does_not_arrive_in_time_fails_its_request() {
         .await
         .unwrap();
     let (status, body) = response(&mut late).await;
-    assert_eq!(status, 400, "{body}");
+    assert_eq!(status, 408, "{body}");
     assert!(body.contains("http_body_read_timeout"), "{body}");
     assert_eq!(server.timeouts("body"), 1);
     // The rest of that body will not be read as a next request: closed.
