@@ -484,6 +484,13 @@ mod tests {
             seed: 1,
             out: PathBuf::from("/nonexistent/bodies"),
         };
-        assert!(run(&args).is_err());
+        match run(&args) {
+            Err(BenchError::Harness(HarnessError::Unexpected { context, message })) => {
+                assert_eq!(context, "bodies flags");
+                assert_eq!(message, "--size-bytes must be in 1024..=64 MiB: 10");
+            }
+            Err(other) => panic!("not the --size-bytes check: {other}"),
+            Ok(_) => panic!("--size-bytes 10 was accepted"),
+        }
     }
 }

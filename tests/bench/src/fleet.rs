@@ -293,7 +293,7 @@ impl Fleet {
             model: MODEL.into(),
             block_size: self.options.block_size,
             mode: Mode::Precise.into(),
-            body: body.to_string().into_bytes(),
+            body: body.to_string().into_bytes().into(),
             api: match api {
                 Api::Chat => WireApi::Chat,
                 Api::Responses => WireApi::Responses,

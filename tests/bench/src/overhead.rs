@@ -522,6 +522,13 @@ mod tests {
             tokenize_at: TokenizeAt::Indexd,
             out: PathBuf::from("/nonexistent/overhead"),
         };
-        assert!(run(&args).is_err());
+        match run(&args) {
+            Err(BenchError::Harness(HarnessError::Unexpected { context, message })) => {
+                assert_eq!(context, "overhead flags");
+                assert_eq!(message, "--rates must be positive: [10.0, -1.0]");
+            }
+            Err(other) => panic!("not the --rates check: {other}"),
+            Ok(_) => panic!("--rates 10,-1 was accepted"),
+        }
     }
 }

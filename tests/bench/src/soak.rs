@@ -415,6 +415,13 @@ mod tests {
             seed: 1,
             out: PathBuf::from("/nonexistent/soak"),
         };
-        assert!(run(&args).is_err());
+        match run(&args) {
+            Err(BenchError::Harness(HarnessError::Unexpected { context, message })) => {
+                assert_eq!(context, "soak flags");
+                assert_eq!(message, "--rate must be in (0, 10000]: 0");
+            }
+            Err(other) => panic!("not the --rate check: {other}"),
+            Ok(_) => panic!("--rate 0 was accepted"),
+        }
     }
 }
