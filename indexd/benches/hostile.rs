@@ -225,7 +225,7 @@ fn pick(api: Api, body: Vec<u8>) -> PickRequest {
         block_size: 16,
         mode: Mode::Precise.into(),
         request_id: "r".into(),
-        body,
+        body: body.into(),
         api: api.into(),
         ..PickRequest::default()
     }

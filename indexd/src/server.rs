@@ -88,7 +88,7 @@ impl IndexService {
                 "a Pick carries block_keys or a body, not both",
             ));
         }
-        let body = bytes::Bytes::from(std::mem::take(&mut req.body));
+        let body = std::mem::take(&mut req.body);
         let block_size = BlockSize::new(req.block_size).unwrap_or(self.shared.config.block_size);
         let cap = self.shared.config.max_pick_keys;
         // No more ids than the keys a Pick looks at.

@@ -382,10 +382,7 @@ struct TimedBody {
 /// What a client whose body was late is answered: 408, and the connection
 /// closes (the rest of the body must not be read as a next request).
 fn body_timeout_answer(limit: Duration) -> axum::response::Response {
-    let mut answer = axum::response::Response::new(Body::from(format!(
-        "{}\n",
-        BodyTimeout(limit)
-    )));
+    let mut answer = axum::response::Response::new(Body::from(format!("{}\n", BodyTimeout(limit))));
     *answer.status_mut() = axum::http::StatusCode::REQUEST_TIMEOUT;
     let headers = answer.headers_mut();
     headers.insert(

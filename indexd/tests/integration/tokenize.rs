@@ -224,7 +224,7 @@ async fn pick_body(d: &mut Daemon, api: Api, body: Vec<u8>) -> PickResponse {
             block_size: 4,
             mode: Mode::Precise.into(),
             request_id: "r".into(),
-            body,
+            body: body.into(),
             api: api.into(),
             ..PickRequest::default()
         })

@@ -91,7 +91,7 @@ fn pick(body: Vec<u8>) -> PickRequest {
         block_size: 4,
         mode: Mode::Precise.into(),
         request_id: "r".into(),
-        body,
+        body: body.into(),
         api: Api::Chat.into(),
         ..PickRequest::default()
     }
