@@ -4,7 +4,7 @@
 //! kvroute, prints what each achieved, and stops everything.
 //! `make up` (`--up`) keeps a kvroute stack running until Ctrl-C instead.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -89,11 +89,23 @@ fn demo(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
             println!("[{name}] indexd metrics http://{http}/metrics");
         }
         let total = shape.conversations * shape.turns;
+        let terminal = std::io::stdout().is_terminal();
+        let last_tenth = std::sync::atomic::AtomicUsize::new(usize::MAX);
         let samples = workload::run(&stack, shape, &|done| {
-            print!("\r[{name}] {done}/{total} requests");
-            let _ = std::io::stdout().flush();
+            if terminal {
+                print!("\r[{name}] {} {done}/{total} requests", bar(done, total));
+                let _ = std::io::stdout().flush();
+            } else {
+                // A log or CI: one line per tenth of the run.
+                let tenth = done * 10 / total.max(1);
+                if last_tenth.swap(tenth, std::sync::atomic::Ordering::Relaxed) != tenth {
+                    println!("[{name}] {done}/{total} requests");
+                }
+            }
         })?;
-        println!();
+        if terminal {
+            println!();
+        }
         rows.push((name, workload::summarize(&samples), started.elapsed()));
     }
 
@@ -152,4 +164,10 @@ fn up(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     });
     println!("stopping");
     Ok(())
+}
+
+/// A 20-cell progress bar: `[#######             ]`.
+fn bar(done: usize, total: usize) -> String {
+    let filled = (done * 20 / total.max(1)).min(20);
+    format!("[{}{}]", "#".repeat(filled), " ".repeat(20 - filled))
 }
