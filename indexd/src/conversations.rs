@@ -82,7 +82,6 @@ impl Default for Conversations {
 
 /// A key's word and bit in the filter.
 fn bit(key: BlockKey) -> (usize, u64) {
-    #[allow(clippy::cast_possible_truncation)]
     let at = (key.as_u64() as usize) & (FILTER_BITS - 1);
     (at / 64, 1 << (at % 64))
 }

@@ -115,7 +115,6 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
 }
 
 /// The full metrics page.
-#[allow(clippy::cast_precision_loss)]
 pub fn render(shared: &Shared) -> String {
     let mut out = String::with_capacity(8192);
     shared.metrics.render(&mut out);

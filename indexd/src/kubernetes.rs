@@ -304,7 +304,6 @@ pub async fn watch(shared: Arc<Shared>, connection: Connection, config: Kubernet
 
 /// Gauges, and a warning for each address newly left out.
 fn report(shared: &Shared, derived: &derive::Derived, before: &mut BTreeSet<(String, String)>) {
-    #[allow(clippy::cast_precision_loss)]
     {
         shared
             .metrics

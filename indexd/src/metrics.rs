@@ -225,7 +225,6 @@ impl Histogram {
             );
         }
         let count = self.count();
-        #[allow(clippy::cast_precision_loss)]
         let sum = self.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
         let _ = writeln!(
             out,

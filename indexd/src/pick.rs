@@ -497,7 +497,6 @@ fn note(
     // cold replica costs: the overlap is not counted twice, and the tie goes
     // to the replica holding more.
     let added = snap.keys.len().saturating_sub(held);
-    #[allow(clippy::cast_precision_loss)]
     let queued = (added as f64) * f64::from(req.block_size);
     let load = snap.inputs.get(first).map(|i| i.load).unwrap_or_default();
     let prefill = score::prefill_time(&load, queued, &shared.config.weights);

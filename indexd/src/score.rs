@@ -317,7 +317,6 @@ pub fn surviving(matched: PrefixMatch, load: &Load, block_size: u32, w: &Weights
     if !lost.is_finite() || lost < 1.0 {
         return matched;
     }
-    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
     let lost = (lost as u32).min(gpu);
     let blocks = matched.blocks.saturating_sub(lost);
     PrefixMatch {
@@ -545,7 +544,6 @@ fn by_cost<R: Rng>(
         .enumerate()
         .map(|(i, input)| {
             let c = cost(input, prompt_tokens, block_size, w);
-            #[allow(clippy::cast_possible_truncation)]
             let micros = (c * 1e6).round() as i64;
             let in_flight = input.load.in_flight() + input.load.pending_picks;
             (

@@ -374,7 +374,6 @@ pub(crate) fn restore(shared: &Shared, replica: &Replica) {
     );
     replica.set_resume(applied);
     let gauge = &shared.metrics.snapshot_loaded_entries;
-    #[allow(clippy::cast_precision_loss)]
     gauge.set(gauge.get() + restored as f64);
     tracing::debug!(endpoint = %replica.id(), entries = restored, seq = applied.seq, "restored from the snapshot");
 }
@@ -394,7 +393,6 @@ pub(crate) async fn write_now(shared: &Arc<Shared>) {
         Ok(Ok(w)) => {
             m.snapshot_writes
                 .inc([if w.left_out > 0 { "truncated" } else { "ok" }]);
-            #[allow(clippy::cast_precision_loss)]
             m.snapshot_bytes.set(w.bytes as f64);
             tracing::debug!(
                 bytes = w.bytes,

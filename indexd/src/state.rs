@@ -489,11 +489,6 @@ impl Replica {
     /// The load snapshot the scorer uses; `conversations` is this indexd's
     /// count of conversations whose latest turn went here
     /// ([`crate::conversations`], kept for all replicas at once).
-    #[allow(
-        clippy::cast_precision_loss,
-        clippy::cast_possible_truncation,
-        clippy::cast_sign_loss
-    )]
     pub(crate) fn load(&self, now: Instant, pending_ttl: Duration, conversations: usize) -> Load {
         // The scraped figures first (one lock each, never both held): its
         // running requests are its oldest unanswered picks, admitted already.

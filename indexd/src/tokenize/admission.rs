@@ -327,7 +327,6 @@ impl Admission {
     }
 
     /// The counters and gauges.
-    #[allow(clippy::cast_precision_loss)]
     pub fn render(&self, out: &mut String) {
         self.refused.render(out);
         self.cancelled.render(out);

@@ -236,7 +236,6 @@ impl<'a> Reader<'a> {
                 .map_err(value_error(field)),
             Some(Marker::F64) => decode::read_f64(&mut self.buf).map_err(value_error(field)),
             Some(m) => match kind(m) {
-                #[allow(clippy::cast_precision_loss)]
                 Kind::Int => Ok(self.int(field)? as f64),
                 Kind::Nil => {
                     self.byte()?;
