@@ -9,23 +9,11 @@
 //! Responses bodies must go to `/v1/responses/render`: `/tokenize` rejects
 //! them and rendering them as chat misses the second BOS vLLM adds.
 
+use kvroute_proto::tokenize_fields::{CHAT as CHAT_FIELDS, COMPLETION as COMPLETION_FIELDS};
 use serde_json::Value;
 
 use crate::config::{Api, TokenizerCall};
 use crate::request::ParsedRequest;
-
-/// Chat fields that change the rendered prompt and that `/tokenize` accepts.
-const CHAT_FIELDS: &[&str] = &[
-    "messages",
-    "tools",
-    "chat_template",
-    "chat_template_kwargs",
-    "add_generation_prompt",
-    "continue_final_message",
-    "add_special_tokens",
-    "documents",
-];
-const COMPLETION_FIELDS: &[&str] = &["prompt", "add_special_tokens"];
 
 /// The body of the tokenizer call for `req`, whose raw bytes are `raw`.
 /// Fields are copied as the client sent them (no re-serialization).

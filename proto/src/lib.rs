@@ -28,3 +28,30 @@ pub mod grpc_path {
     /// The `Observe` method name.
     pub const OBSERVE: &str = "Observe";
 }
+
+/// The request fields the filter and indexd forward to a replica's
+/// `POST /tokenize` when it tokenizes a body for them: those of vLLM 0.32's
+/// tokenize requests that change the ids it answers. The rest of a body
+/// (sampling parameters, `stream`, …) is left out: `/tokenize` would ignore
+/// it, and some of it is large.
+pub mod tokenize_fields {
+    /// A chat body's. `documents` is not one of `/tokenize`'s (vLLM ignores
+    /// it there, as the chat completion's render endpoint does not), but
+    /// forwarding it costs nothing and keeps one list for both endpoints'
+    /// readers; `mm_processor_kwargs` and `media_io_kwargs` change how many
+    /// tokens a multimodal part becomes.
+    pub const CHAT: &[&str] = &[
+        "messages",
+        "tools",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+        "add_special_tokens",
+        "documents",
+        "mm_processor_kwargs",
+        "media_io_kwargs",
+    ];
+    /// A completions body's.
+    pub const COMPLETION: &[&str] = &["prompt", "add_special_tokens"];
+}

@@ -11,23 +11,11 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use kvroute_proto::tokenize_fields::{CHAT as CHAT_FIELDS, COMPLETION as COMPLETION_FIELDS};
 use serde_json::value::RawValue;
 
 use super::{Api, TokenizeError};
 
-/// Chat fields that change the rendered prompt and that `/tokenize` takes.
-const CHAT_FIELDS: &[&str] = &[
-    "messages",
-    "tools",
-    "chat_template",
-    "chat_template_kwargs",
-    "add_generation_prompt",
-    "continue_final_message",
-    "add_special_tokens",
-    "documents",
-    "mm_processor_kwargs",
-];
-const COMPLETION_FIELDS: &[&str] = &["prompt", "add_special_tokens"];
 /// The header every request indexd forwards to a replica carries (value
 /// [`HOP_VALUE`]): a request that arrives with it has been forwarded once
 /// already, so a server that would forward it again (indexd itself, reached

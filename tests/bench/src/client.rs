@@ -11,12 +11,12 @@ use serde_json::{Value, json};
 use crate::workload::Api;
 
 /// The mock replica's name header (its `ip:port`).
-pub const REPLICA_HEADER: &str = "x-mock-vllm-replica";
+pub const REPLICA_HEADER: &str = mock_vllm::REPLICA_HEADER;
 /// The upstream host Envoy chose (`ip:port`), added by the gateways' and the
 /// fleet's taps' routes.
 pub const UPSTREAM_HEADER: &str = kvroute_e2e::envoy::UPSTREAM_HEADER;
 /// The filter's reason label.
-pub const DECISION_HEADER: &str = "x-kvroute-decision";
+pub const DECISION_HEADER: &str = kvroute_e2e::stack::DECISION_HEADER;
 
 /// What one streamed request returned.
 #[derive(Debug, Clone, Default)]

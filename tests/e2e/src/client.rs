@@ -8,9 +8,9 @@ use crate::stack::DECISION_HEADER;
 use crate::{HarnessError, http};
 
 /// The mock replica's name header (its `ip:port`).
-pub const REPLICA_HEADER: &str = "x-mock-vllm-replica";
+pub const REPLICA_HEADER: &str = mock_vllm::REPLICA_HEADER;
 /// The mock's header naming the data-parallel rank that served.
-pub const RANK_HEADER: &str = "x-mock-vllm-rank";
+pub const RANK_HEADER: &str = mock_vllm::RANK_HEADER;
 
 /// One request's outcome.
 #[derive(Debug, Clone)]
