@@ -8,7 +8,7 @@ use indexd::ListenAddr;
 use kvroute_proto::v1::{DecisionKind, ObserveRequest, PickRequest};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-use super::{Daemon, TIMEOUT, endpoint, start_binary};
+use crate::harness::{Daemon, TIMEOUT, endpoint, start_binary};
 
 const TOKEN: &str = "kvroute-test-token-0123456789abcdef";
 

@@ -3,7 +3,10 @@
 //! vllm-0.32-hybrid-real/`) published over ZMQ to an in-process indexd; its
 //! Picks, `/metrics` and `/readyz` say what it made of them.
 
-use super::*;
+use kvroute_proto::keys::{BlockSize, block_keys};
+use kvroute_proto::v1::{DecisionKind, Mode, PickRequest, PickResponse};
+
+use crate::harness::{Daemon, Publisher, endpoint, eventually, gauge, raw, sync_live};
 
 const HYBRID: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),

@@ -4,10 +4,15 @@
 //! 0), removed (purged), re-added (a fresh replay), and relisted after a
 //! 410 Gone inside the watch and as the watch request's status.
 
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use indexd::{Config, EndpointId};
+use kvroute_proto::v1::{ObserveRequest, Outcome};
 use serde_json::{Value, json};
 
-use super::kube_api::{KubeApi, PODS, SLICES};
-use super::*;
+use crate::harness::{Daemon, Publisher, eventually, replica, stored_batch, tokens};
+use crate::kube_api::{KubeApi, PODS, SLICES};
 
 const SLICE: &str = include_str!("../fixtures/kubernetes/endpointslice-vllm-llama.json");
 const POD: &str = include_str!("../fixtures/kubernetes/pod-vllm-llama.json");

@@ -15,10 +15,17 @@
 use std::path::PathBuf;
 use std::process::Stdio;
 
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use indexd::config::EndpointConfig;
+use kvroute_proto::keys::{BlockSize, block_keys};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout};
 
-use super::*;
+use crate::harness::{
+    Daemon, POLL, TIMEOUT, batch, eventually, raw, replica, stored_batch, tokens,
+};
 
 /// The Python side: binds PUB and ROUTER on 127.0.0.1, prints their ports,
 /// then obeys one command per stdin line (answering `ok`):

@@ -6,9 +6,13 @@
 use std::path::PathBuf;
 use std::process::Stdio;
 
+use kvroute_proto::keys::{BlockSize, block_keys};
+use kvroute_proto::v1::{Mode, PickRequest};
 use tokio::io::AsyncWriteExt;
 
-use super::*;
+use crate::harness::{
+    Daemon, Publisher, endpoint, eventually, raw, replica, stored_batch, sync_live, tokens,
+};
 
 /// `$KVROUTE_PROMTOOL`, `promtool` on the PATH, or the one `.ci/deps.sh`
 /// unpacks into `~/.cache/kvroute/promtool/`.

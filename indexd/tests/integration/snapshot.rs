@@ -4,9 +4,15 @@
 //! replica is fresh, without a replay from seq 0.
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use super::*;
+use indexd::config::EndpointConfig;
+use kvroute_proto::keys::{BlockSize, block_keys};
+use kvroute_proto::v1::{DecisionKind, PickRequest, PickResponse};
+
+use crate::harness::{
+    Daemon, Publisher, batch, endpoint, eventually, raw, replica, stored_batch, sync_live, tokens,
+};
 
 struct Dir(PathBuf);
 

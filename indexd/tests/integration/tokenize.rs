@@ -21,7 +21,7 @@ use kvroute_proto::v1::{Api, DecisionKind, Mode, PickRequest, PickResponse, Toke
 use kvroute_tokenizer::{LoadOptions, ResponsesRequest, TokenizeRequest, Tokenizer};
 use tokio_util::sync::CancellationToken;
 
-use super::eventually;
+use crate::harness::eventually;
 
 pub(super) const MODEL: &str = "tiny";
 

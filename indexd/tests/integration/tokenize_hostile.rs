@@ -21,8 +21,8 @@ use indexd::tokenize::{AdmissionConfig, GateRules, TokenizeConfig};
 use kvroute_proto::v1::{Api, DecisionKind, Mode, PickRequest, PickResponse, TokenizerSource};
 use kvroute_tokenizer::{LoadOptions, TokenizeRequest, Tokenizer};
 
-use super::eventually;
-use super::tokenize::{Daemon, MODEL, chat, get, model_dir, start_indexd_with, tokens_of};
+use crate::harness::eventually;
+use crate::tokenize::{Daemon, MODEL, chat, get, model_dir, start_indexd_with, tokens_of};
 
 /// A replica's `/tokenize`, answered by the real tokenizer, except:
 /// - a body containing `DIVERGE`, or any body while `diverge` is set, gets

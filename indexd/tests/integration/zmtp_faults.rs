@@ -4,10 +4,17 @@
 //! the other subscriptions keep flowing. The bytes are written by hand here,
 //! independently of indexd's encoder.
 
+use std::sync::Arc;
+
+use kvroute_proto::keys::{BlockSize, block_keys};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use zeromq::{PubSocket, Socket};
 
-use super::*;
+use crate::harness::{
+    Daemon, POLL, Publisher, TIMEOUT, endpoint, eventually, raw, replica, stored_batch, sync_live,
+    tokens,
+};
 
 /// A ZMTP 3.0 NULL greeting, as any peer sends it.
 fn greeting() -> Vec<u8> {
