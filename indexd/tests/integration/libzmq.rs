@@ -3,14 +3,15 @@
 //! as vLLM does, and a PUB that connects to indexd's bound SUB.
 //!
 //! Needs a Python with pyzmq: `$KVROUTE_VLLM_VENV` or
-//! `~/.cache/kvroute/vllm-venv` (the real-vLLM tier's venv). Ignored by
-//! default so that `cargo test` never passes it silently; run it with
+//! `~/.cache/kvroute/vllm-venv` (the real-vLLM tier's venv, which
+//! `tests/vllm/install.sh` builds). So it is ignored by `cargo test` and run
+//! by `make test-vllm`, after that venv is built:
 //!
 //! ```sh
 //! cargo test -p indexd --test integration -- --ignored libzmq
 //! ```
 //!
-//! Without such a Python it prints why and returns.
+//! Without such a Python it fails, saying why.
 
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -178,15 +179,13 @@ async fn matched(d: &mut Daemon, t: &[u32]) -> (String, u32) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs pyzmq; see the module doc"]
+#[ignore = "needs pyzmq: make test-vllm runs it"]
 async fn libzmq_publishers_replays_and_heartbeats() {
-    let python = match python_with_zmq() {
-        Ok(p) => p,
-        Err(why) => {
-            eprintln!("skipped: {why}");
-            return;
-        }
-    };
+    let python = python_with_zmq().unwrap_or_else(|why| {
+        panic!(
+            "{why}: build the real-vLLM venv (bash tests/vllm/install.sh) or set KVROUTE_VLLM_VENV"
+        )
+    });
     let mut py = PyPublisher::start(&python).await;
     let mut connecting = EndpointConfig::new(SocketAddr::from(([127, 0, 0, 1], 18100)), "m");
     connecting.events = Some(format!("tcp://127.0.0.1:{}", py.pub_port));

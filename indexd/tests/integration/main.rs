@@ -22,7 +22,7 @@
 //!   bodies.
 //! - `hybrid.rs`: hybrid models' real vLLM events.
 //! - `zmtp_faults.rs`: hostile and broken ZMTP peers.
-//! - `libzmq.rs`: interop with libzmq through pyzmq (ignored by default).
+//! - `libzmq.rs`: interop with libzmq through pyzmq (`make test-vllm` runs it).
 
 // A test binary: its helpers may fail loudly too (clippy.toml only covers
 // `#[test]` functions).
