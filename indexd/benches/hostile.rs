@@ -84,6 +84,10 @@ struct Args {
     /// own CPU priority).
     #[arg(long, default_value_t = 10)]
     large_body_nice: i32,
+    /// Send the flood to a second indexd instead (a control: the ordinary
+    /// Picks' tail that is left is the machine's, not indexd's).
+    #[arg(long)]
+    flood_elsewhere: bool,
     /// Bytes of each hostile body.
     #[arg(long, default_value_t = 8 << 20)]
     body_bytes: usize,
@@ -321,30 +325,22 @@ async fn run(args: Args) -> Result<bool, String> {
         ),
     )
     .map_err(|e| e.to_string())?;
-    let log = std::fs::File::create(args.out.join("indexd.log")).map_err(|e| e.to_string())?;
-    let mut child = Command::new(&binary)
-        .args([
-            "--config".as_ref(),
-            config.as_os_str(),
-            "--print-addresses".as_ref(),
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(log)
-        .spawn()
-        .map_err(|e| format!("{}: {e}", binary.display()))?;
-    let pid = child.id();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .map_err(|e| e.to_string())?;
-    let child = Child(child);
-    let addrs: serde_json::Value =
-        serde_json::from_str(&line).map_err(|e| format!("{line:?}: {e}"))?;
-    let grpc = format!("http://{}", addrs["grpc"].as_str().unwrap_or_default());
-    let grpc_for_flood = grpc.clone();
-    let http = format!("http://{}", addrs["http"].as_str().unwrap_or_default());
+    let (child, pid, grpc, http) = spawn_indexd(&binary, &config, &args.out.join("indexd.log"))?;
     wait_for_gate(&http).await?;
+    // The control: the flood goes to a second indexd, so that what is left
+    // of the ordinary Picks' tail is the machine's (the clients, the
+    // kernel's loopback), not the indexd they ask.
+    let elsewhere = if args.flood_elsewhere {
+        let (other, _, other_grpc, other_http) =
+            spawn_indexd(&binary, &config, &args.out.join("indexd-flooded.log"))?;
+        wait_for_gate(&other_http).await?;
+        Some((other, other_grpc))
+    } else {
+        None
+    };
+    let grpc_for_flood = elsewhere
+        .as_ref()
+        .map_or_else(|| grpc.clone(), |(_, g)| g.clone());
     let client = IndexClient::connect(grpc.clone())
         .await
         .map_err(|e| e.to_string())?;
@@ -354,12 +350,18 @@ async fn run(args: Args) -> Result<bool, String> {
         .map_err(|e| e.to_string())?;
     let idle = status_mib(pid, "VmRSS:");
     let mut report = format!(
-        "# indexd under hostile bodies\n\nindexd {} with a local tokenizer ({}, max_model_len {}: its caps), its gate open, large bodies at nice {}; {} CPUs. Idle RSS {idle:.0} MiB.\n\n",
-        binary.display(),
-        dir.display(),
+        "# indexd under hostile bodies\n\n`{}` (release build) with a local tokenizer ({}, max_model_len {}: its caps), its gate open, large bodies at nice {}; {} CPUs. Idle RSS {idle:.0} MiB.{}\n\n",
+        // Names, not this machine's paths.
+        binary.file_name().unwrap_or_default().to_string_lossy(),
+        dir.file_name().unwrap_or_default().to_string_lossy(),
         args.max_model_len,
         args.large_body_nice,
-        std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
+        std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+        if args.flood_elsewhere {
+            " **Control run**: the flood of the last part goes to a second indexd, not to the one the ordinary Picks ask (its RSS is not the one shown)."
+        } else {
+            ""
+        }
     );
 
     // 1. One at a time.
@@ -516,6 +518,39 @@ async fn run(args: Args) -> Result<bool, String> {
         );
     }
     Ok(ok)
+}
+
+/// Starts indexd with `config`, its log to `log`: the child (killed on
+/// drop), its pid, its gRPC and HTTP URLs.
+fn spawn_indexd(
+    binary: &std::path::Path,
+    config: &std::path::Path,
+    log: &std::path::Path,
+) -> Result<(Child, u32, String, String), String> {
+    let log = std::fs::File::create(log).map_err(|e| e.to_string())?;
+    let mut child = Command::new(binary)
+        .args([
+            "--config".as_ref(),
+            config.as_os_str(),
+            "--print-addresses".as_ref(),
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .map_err(|e| format!("{}: {e}", binary.display()))?;
+    let pid = child.id();
+    let mut line = String::new();
+    let stdout = child.stdout.take().unwrap();
+    let child = Child(child);
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .map_err(|e| e.to_string())?;
+    let addrs: serde_json::Value =
+        serde_json::from_str(&line).map_err(|e| format!("{line:?}: {e}"))?;
+    let grpc = format!("http://{}", addrs["grpc"].as_str().unwrap_or_default());
+    let http = format!("http://{}", addrs["http"].as_str().unwrap_or_default());
+    Ok((child, pid, grpc, http))
 }
 
 async fn wait_for_gate(http: &str) -> Result<(), String> {

@@ -596,7 +596,11 @@ async fn run(
         max_index_entries: args.max_index_entries,
         rss_budget_mib: budget,
         p99_budget_us: args.p99_budget_us,
-        indexd: binary.display().to_string(),
+        // A name, not this machine's path.
+        indexd: format!(
+            "target/perf/{}",
+            binary.file_name().unwrap_or_default().to_string_lossy()
+        ),
         flood_nice: args.flood_nice,
         ingest_nice: args.ingest_nice,
         cpus: machine.len(),
