@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use kvroute_proto::keys::BlockKey;
 
-use crate::config::EndpointId;
 use crate::credits::Credits;
+use crate::ids::EndpointId;
 use crate::ids::{PartitionId, ReplicaSlot};
 use crate::index::PrefixMatch;
 

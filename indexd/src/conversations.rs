@@ -20,8 +20,8 @@ use std::time::{Duration, Instant};
 
 use kvroute_proto::keys::BlockKey;
 
+use crate::ids::FastMap;
 use crate::ids::ReplicaSlot;
-use crate::index::FastMap;
 
 /// A conversation without a turn for this long has ended, as far as the
 /// counts go.

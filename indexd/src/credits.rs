@@ -18,8 +18,8 @@ use std::time::Instant;
 use kvroute_proto::keys::BlockKey;
 use smallvec::SmallVec;
 
+use crate::ids::FastMap;
 use crate::ids::{PartitionId, ReplicaSlot};
-use crate::index::FastMap;
 
 /// Records filed under one first key (oldest dropped beyond this).
 const MAX_PER_START: usize = 64;

@@ -10,12 +10,13 @@ use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 
 use crate::auth::Token;
-use crate::config::{Config, EndpointConfig, EndpointId};
+use crate::config::{Config, EndpointConfig};
 use crate::cpus::{CpuList, CpuSpec};
 use crate::error::StartError;
+use crate::ids::EndpointId;
 use crate::listen::{self, GrpcListener, ListenAddr};
 use crate::server::IndexService;
-use crate::state::{self, Shared};
+use crate::state::Shared;
 use crate::tokenize::{self, Tokenizers};
 use crate::{discovery, http, kubernetes, snapshot};
 
@@ -86,7 +87,7 @@ impl Server {
         }
         if shared.config.discovery_file.is_none() && shared.config.kubernetes.is_none() {
             // No other endpoint will come from the snapshot's era.
-            state::lock(&shared.restores).clear();
+            crate::sync::lock(&shared.restores).clear();
         }
         Ok(Bound {
             grpc,
@@ -243,7 +244,7 @@ impl Bound {
             kubernetes,
             ..
         } = self;
-        for replica in state::read(&shared.registry).all() {
+        for replica in crate::sync::read(&shared.registry).all() {
             discovery::spawn_tasks(&shared, replica);
         }
         shared.tasks.spawn(snapshot::run(Arc::clone(&shared)));
@@ -361,8 +362,8 @@ impl Handle {
 
     /// The status of one replica.
     pub fn replica(&self, id: &EndpointId) -> Option<ReplicaStatus> {
-        let r = state::read(&self.shared.registry).get(id)?;
-        let entries = state::lock(&self.shared.index).replica_entries(r.slot);
+        let r = crate::sync::read(&self.shared.registry).get(id)?;
+        let entries = crate::sync::lock(&self.shared.index).replica_entries(r.slot);
         Some(ReplicaStatus {
             fresh: r.is_fresh(),
             healthy: r.is_healthy(),

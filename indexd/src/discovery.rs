@@ -12,7 +12,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::SystemTime;
 
-use crate::config::{EndpointConfig, EndpointId, parse_discovery};
+use crate::config::{EndpointConfig, parse_discovery};
+use crate::ids::EndpointId;
 use crate::state::{Replica, Shared};
 use crate::{load, subscriber};
 
@@ -97,7 +98,7 @@ pub async fn watch(shared: Arc<Shared>, path: PathBuf) {
         last_seen = stamp;
         reconcile(&shared, &mut known, endpoints);
         // A snapshot's replicas the file no longer lists are gone.
-        crate::state::lock(&shared.restores).clear();
+        crate::sync::lock(&shared.restores).clear();
     }
 }
 
@@ -115,7 +116,7 @@ pub fn reconcile(
         .into_iter()
         .partition(|e| shared.is_own_http(e.id.address));
     {
-        let mut before = crate::state::lock(&shared.refused_self);
+        let mut before = crate::sync::lock(&shared.refused_self);
         let now: BTreeSet<EndpointId> = refused.into_iter().map(|e| e.id).collect();
         for id in now.difference(&before) {
             shared.metrics.endpoints_refused.inc(["self"]);
@@ -157,7 +158,7 @@ mod tests {
     }
 
     fn registered(shared: &Shared) -> Vec<String> {
-        crate::state::read(&shared.registry)
+        crate::sync::read(&shared.registry)
             .all()
             .iter()
             .map(|r| r.id().to_string())

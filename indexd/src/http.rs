@@ -18,7 +18,8 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 
 use crate::metrics::{gauge, label_value};
-use crate::state::{Shared, lock, read};
+use crate::state::Shared;
+use crate::sync::{lock, read};
 
 /// The router serving `/metrics`, `/healthz`, `/readyz`, `/tokenize` and
 /// `/v1/responses/render`.
@@ -53,7 +54,7 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
         let _ = writeln!(body, "{line}");
     }
     let refused_static = shared.metrics.endpoints_refused.get(["self"]);
-    let refused_now: Vec<String> = crate::state::lock(&shared.refused_self)
+    let refused_now: Vec<String> = crate::sync::lock(&shared.refused_self)
         .iter()
         .map(ToString::to_string)
         .collect();

@@ -80,10 +80,7 @@ use store::{Entry, Store, table_bytes};
 use crate::event::{EngineHash, KvEvent, Tier};
 use crate::ids::{PartitionId, ReplicaSlot};
 
-/// The index's hash maps: keys are XXH3 digests and engine hashes, so a
-/// fast hasher (foldhash, seeded per process) does; SipHash cost a third of
-/// a Pick's walk.
-pub(crate) type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+use crate::ids::FastMap;
 
 /// A tier's bit in a tier mask.
 const fn tier_bit(tier: Tier) -> u8 {

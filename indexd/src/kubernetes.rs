@@ -35,9 +35,10 @@ use kube::runtime::watcher;
 use kube::{Api, Client, Resource};
 use serde::de::DeserializeOwned;
 
+use crate::config::EndpointConfig;
 use crate::config::kubernetes::{KubeSource, KubernetesConfig};
-use crate::config::{EndpointConfig, EndpointId};
 use crate::error::StartError;
+use crate::ids::EndpointId;
 use crate::state::Shared;
 
 /// A client for the configured API server and the namespace to watch.
@@ -296,7 +297,7 @@ pub async fn watch(shared: Arc<Shared>, connection: Connection, config: Kubernet
         if first {
             // Every replica the cluster has is known now: a snapshot's
             // replicas that it does not list are gone.
-            crate::state::lock(&shared.restores).clear();
+            crate::sync::lock(&shared.restores).clear();
             first = false;
         }
     }

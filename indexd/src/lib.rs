@@ -70,6 +70,7 @@ mod server;
 mod snapshot;
 pub mod state;
 mod subscriber;
+mod sync;
 pub mod tokenize;
 pub mod wire;
 pub mod zmtp;

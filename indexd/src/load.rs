@@ -34,8 +34,9 @@ use std::time::Duration;
 use tokio::time::{Instant, MissedTickBehavior};
 
 use crate::calibrate::PrefillCounters;
-use crate::config::{EndpointId, HttpUrl};
+use crate::config::HttpUrl;
 use crate::error::ScrapeError;
+use crate::ids::EndpointId;
 use crate::state::{Replica, Shared};
 
 /// Largest response body read.

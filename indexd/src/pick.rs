@@ -21,14 +21,15 @@ use kvroute_proto::v1::{
     BusyReplica, Candidate, DecisionKind, Mode, ObserveRequest, Outcome, PickRequest, PickResponse,
 };
 
-use crate::config::EndpointId;
 use crate::conversations::{Conversations, Placed};
 use crate::error::RequestError;
 use crate::event::Tier;
+use crate::ids::EndpointId;
 use crate::ids::ReplicaSlot;
 use crate::index::{PrefixMatch, Query};
 use crate::score::{self, Input, Move, Ranking};
-use crate::state::{Replica, Shared, lock, read};
+use crate::state::{Replica, Shared};
+use crate::sync::{lock, read};
 
 fn proto_tier(t: Option<Tier>) -> i32 {
     use kvroute_proto::v1::Tier as P;

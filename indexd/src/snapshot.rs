@@ -40,10 +40,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::config::EndpointId;
+use crate::ids::EndpointId;
 use crate::ids::PartitionId;
 use crate::index::SavedBlock;
-use crate::state::{Replica, Shared, lock, read};
+use crate::state::{Replica, Shared};
+use crate::sync::{lock, read};
 
 mod format;
 

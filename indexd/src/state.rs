@@ -52,9 +52,7 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{
-    Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard,
-};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, Instant};
 
 use rand::SeedableRng;
@@ -65,9 +63,10 @@ use tokio_util::task::TaskTracker;
 use crate::affinity::{Affinity, Approximate};
 use crate::auth::Token;
 use crate::calibrate::{Calibration, PrefillCounters, PrefillSpeed};
-use crate::config::{Config, EndpointConfig, EndpointId};
+use crate::config::{Config, EndpointConfig};
 use crate::conversations::Conversations;
 use crate::event::{EventBatch, KvEvent};
+use crate::ids::EndpointId;
 use crate::ids::ReplicaSlot;
 use crate::index::layout::Unmodelled;
 use crate::index::{Applied, ApplyStats, Index, Layout, Lookup};
@@ -75,23 +74,8 @@ use crate::metrics::Metrics;
 use crate::ratelimit::TokenBucket;
 use crate::score::Load;
 use crate::snapshot::Pending;
+use crate::sync::{WarnGate, lock, read, write};
 use crate::tokenize::Tokenizers;
-
-/// Locks a mutex, ignoring poisoning (no invariant spans a panic: there are
-/// none outside tests).
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// Read-locks, ignoring poisoning.
-pub(crate) fn read<T>(l: &RwLock<T>) -> RwLockReadGuard<'_, T> {
-    l.read().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// Write-locks, ignoring poisoning.
-pub(crate) fn write<T>(l: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
-    l.write().unwrap_or_else(PoisonError::into_inner)
-}
 
 /// Load as scraped, plus bookkeeping.
 #[derive(Debug, Default)]
@@ -643,24 +627,6 @@ pub struct Shared {
     pub(crate) refused_warning: WarnGate,
 }
 
-/// A warning's gate: open at most once per 10 s. Bad input is counted
-/// always and logged sparingly.
-#[derive(Debug, Default)]
-pub(crate) struct WarnGate(Mutex<Option<Instant>>);
-
-impl WarnGate {
-    /// True if the last opening was 10 s ago or more (or never).
-    pub(crate) fn open(&self) -> bool {
-        let now = Instant::now();
-        let mut last = lock(&self.0);
-        if last.is_some_and(|t| now.saturating_duration_since(t) < Duration::from_secs(10)) {
-            return false;
-        }
-        *last = Some(now);
-        true
-    }
-}
-
 impl Shared {
     /// Fresh state for `config`.
     pub fn new(config: Config, shutdown: CancellationToken) -> Self {
@@ -951,17 +917,6 @@ mod tests {
     }
 
     const MS: Duration = Duration::from_millis(1);
-
-    #[test]
-    fn a_warning_gate_opens_once_per_ten_seconds() {
-        let gate = WarnGate::default();
-        assert!(gate.open());
-        assert!(!gate.open(), "again at once");
-        *lock(&gate.0) = Instant::now().checked_sub(Duration::from_millis(9_900));
-        assert!(!gate.open(), "9.9 s later");
-        *lock(&gate.0) = Instant::now().checked_sub(Duration::from_secs(10));
-        assert!(gate.open(), "10 s later");
-    }
 
     #[test]
     fn picks_queue_behind_each_other_and_drain_with_time() {

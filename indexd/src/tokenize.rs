@@ -50,7 +50,8 @@ use bytes::Bytes;
 use kvroute_tokenizer::{LoadOptions, ResponsesRequest, TokenizeRequest, Tokenizer};
 
 use crate::metrics::{CounterVec, Histogram};
-use crate::state::{Replica, Shared, read};
+use crate::state::{Replica, Shared};
+use crate::sync::read;
 pub use admission::{Admission, AdmissionConfig, Cancel, Refusal, Via};
 pub use gate::{Gate, GateRules, GateState};
 

@@ -12,25 +12,8 @@ use std::net::{SocketAddr, ToSocketAddrs};
 use serde::Deserialize;
 
 use crate::error::ConfigError;
+pub use crate::ids::EndpointId;
 use crate::zmtp::Endpoint;
-
-/// A replica (one data-parallel rank of one vLLM server).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct EndpointId {
-    /// The host as Envoy knows it.
-    pub address: SocketAddr,
-    /// The data-parallel rank inside the server, if any.
-    pub rank: Option<u32>,
-}
-
-impl std::fmt::Display for EndpointId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.rank {
-            Some(rank) => write!(f, "{}#{rank}", self.address),
-            None => write!(f, "{}", self.address),
-        }
-    }
-}
 
 /// A plain-HTTP URL split for the tiny scrape client.
 #[derive(Clone, Debug, PartialEq, Eq)]

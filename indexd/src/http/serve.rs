@@ -56,7 +56,8 @@ use tokio_util::task::TaskTracker;
 use tower::ServiceExt as _;
 
 use crate::config::HttpServerConfig;
-use crate::state::{Shared, WarnGate, lock};
+use crate::state::Shared;
+use crate::sync::{WarnGate, lock};
 
 /// What a connection over the limit is told before it is closed.
 const REFUSED: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 31\r\nconnection: close\r\n\r\ntoo many connections to indexd\n";

@@ -28,7 +28,7 @@ use super::store::{MASK_IDS, PARTITION_BITS, Store};
 use crate::credits::Credits;
 use crate::event::Tier;
 use crate::ids::{PartitionId, ReplicaSlot};
-use crate::state::{lock, read, write};
+use crate::sync::{lock, read, write};
 
 /// Partitions at most (their ids are packed in 12 bits).
 const MAX_PARTITIONS: usize = 1 << PARTITION_BITS;

@@ -16,8 +16,8 @@ use std::collections::VecDeque;
 
 use smallvec::SmallVec;
 
-use super::FastMap;
 use crate::event::EngineHash;
+use crate::ids::FastMap;
 
 /// The most blocks parked at once (all replicas).
 pub(super) const MAX_PARKED: usize = 1 << 16;

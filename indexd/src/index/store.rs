@@ -27,10 +27,10 @@ use hashbrown::HashTable;
 use kvroute_proto::keys::Chain;
 use smallvec::SmallVec;
 
-use super::FastMap;
 use super::layout::Layout;
 use super::slab::Slab;
 use crate::event::EngineHash;
+use crate::ids::FastMap;
 use crate::ids::ReplicaSlot;
 
 /// No entry (the ends of the eviction order).

@@ -20,7 +20,8 @@ use crate::config::kubernetes::{
     ADAPTERS_ANNOTATION, KubernetesConfig, MODEL_ANNOTATION, PortRef, RANKS_ANNOTATION,
     parse_adapters, parse_ranks,
 };
-use crate::config::{EndpointConfig, EndpointId, HttpUrl};
+use crate::config::{EndpointConfig, HttpUrl};
+use crate::ids::EndpointId;
 
 /// The endpoints derived from a snapshot of the watched objects.
 #[derive(Debug, Default, PartialEq, Eq)]

@@ -13,8 +13,9 @@ use serde::ser::SerializeSeq;
 use serde::{Deserialize, Serialize, Serializer};
 
 use super::SnapshotError;
-use crate::config::{EndpointConfig, EndpointId};
+use crate::config::EndpointConfig;
 use crate::event::{EngineHash, GroupKind};
+use crate::ids::EndpointId;
 use crate::ids::PartitionId;
 use crate::index::{Applied, Layout, SavedBlock};
 

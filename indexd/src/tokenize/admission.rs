@@ -33,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::metrics::{CounterVec, gauge};
-use crate::state::{WarnGate, lock};
+use crate::sync::{WarnGate, lock};
 
 /// The budget's configuration (`tokenize.admission`).
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -17,7 +17,7 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 
 use super::TokenizeError;
-use crate::state::lock;
+use crate::sync::lock;
 
 type Job = Box<dyn FnOnce() + Send + 'static>;
 

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use super::Tokenizers;
 use super::probe::Verdict;
 use crate::metrics::label_value as escape;
-use crate::state::{WarnGate, lock};
+use crate::sync::{WarnGate, lock};
 
 /// Where a gate stands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]

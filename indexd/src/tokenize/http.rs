@@ -25,7 +25,8 @@ use kvroute_tokenizer::{ResponsesRequest, TokenizeRequest};
 
 use super::admission::{Refusal, Via};
 use super::{Api, GateState, Limits, Source, replica};
-use crate::state::{Shared, read};
+use crate::state::Shared;
+use crate::sync::read;
 
 /// The routes, with the body limit of the configuration. A request whose
 /// `Content-Length` is over the limit is refused from its head, before any of
