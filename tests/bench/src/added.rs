@@ -15,7 +15,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::BenchError;
-use crate::overhead::histogram::{
+use crate::histogram::{
     FILTER_DURATION, Hist, INDEX_DURATION, PICK_LATENCY, REQUEST_WORK, TOKENIZE_LOCAL,
     TOKENIZER_DURATION,
 };
@@ -148,13 +148,13 @@ pub fn markdown(rows: &[AddedRow]) -> String {
 
 /// Writes `added.csv` and `added.md` into `dir` (nothing when `rows` is empty).
 pub fn write(dir: &Path, rows: &[AddedRow]) -> Result<(), BenchError> {
-    crate::output::write_table(dir, ADDED_CSV, ADDED_MD, rows, markdown)
+    crate::table::write_table(dir, ADDED_CSV, ADDED_MD, rows, markdown)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::overhead::histogram::Bin;
+    use crate::histogram::Bin;
 
     #[test]
     fn a_table_line_per_gateway_with_each_metric_in_ms() {

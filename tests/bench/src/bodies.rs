@@ -23,10 +23,10 @@ use kvroute_e2e::{HarnessError, Routing, Stack, StackOptions};
 use serde_json::{Value, json};
 
 use crate::client::DECISION_HEADER;
-use crate::overhead::histogram::{self, Hist};
-use crate::overhead::load::micros;
-use crate::overhead::record::{BASELINE, KVROUTE, RunRow};
+use crate::histogram::{self, Hist};
+use crate::load::micros;
 use crate::procfs::{self, Pid};
+use crate::record::{BASELINE, KVROUTE, RunRow};
 use crate::{BenchError, sample};
 use make::Api;
 use report::{HistogramRow, PhaseRow, Report, RequestRow};
@@ -240,7 +240,7 @@ fn measure(
             }
         }
     }
-    let mut hist_before = crate::overhead::envoy_snapshot(kvroute, decided)?;
+    let mut hist_before = histogram::envoy_snapshot(kvroute, decided)?;
     let classes = [("small", args.small_bytes), ("large", args.size_bytes)];
     for (size, bytes) in classes.into_iter().filter(|(_, b)| *b > 0) {
         for api in Api::ALL {
@@ -269,7 +269,7 @@ fn measure(
             for (((profile, _, _), b), a) in targets.iter().zip(&before).zip(&after) {
                 rows.phases.extend(b.rows(a, phase, profile));
             }
-            let hist_after = crate::overhead::envoy_snapshot(kvroute, decided)?;
+            let hist_after = histogram::envoy_snapshot(kvroute, decided)?;
             for metric in HISTOGRAMS {
                 let a = hist_after.get(metric).cloned().unwrap_or_default();
                 let b = hist_before.get(metric).cloned().unwrap_or_default();
@@ -428,15 +428,7 @@ impl Readings {
 
 /// The settings `bodies.md` quotes.
 fn settings(args: &Args, limits: &Limits) -> Vec<RunRow> {
-    let cores = std::thread::available_parallelism().map_or(0, std::num::NonZero::get);
-    let build = if cfg!(debug_assertions) {
-        "debug"
-    } else {
-        "release"
-    };
-    [
-        ("cores", cores.to_string()),
-        ("build", build.to_owned()),
+    crate::record::settings([
         ("size_bytes", args.size_bytes.to_string()),
         ("small_bytes", args.small_bytes.to_string()),
         ("repeat", args.repeat.to_string()),
@@ -452,13 +444,7 @@ fn settings(args: &Args, limits: &Limits) -> Vec<RunRow> {
         ("max_model_len", limits.max_model_len.to_string()),
         ("tokenizer_timeout_ms", TOKENIZER_TIMEOUT_MS.to_string()),
         ("index_timeout_ms", INDEX_TIMEOUT_MS.to_string()),
-    ]
-    .into_iter()
-    .map(|(key, value)| RunRow {
-        key: key.to_owned(),
-        value,
-    })
-    .collect()
+    ])
 }
 
 #[cfg(test)]

@@ -335,7 +335,7 @@ pub fn markdown(workload: &str, groups: &[IndexdGroup]) -> String {
             "| {} | {} | {} | {} | {} | {} / {} | {:.0} / {:.0} | {kv} | {} | {} / {} | {} / {} / {} | {} / {} |",
             g.profile,
             g.readings,
-            crate::summary::percent(g.indexed_share),
+            crate::stats::percent(g.indexed_share),
             worst_round(&g.indexed_share_rounds),
             by_round(&share_rounds, Form::Percent),
             g.indexed_blocks,

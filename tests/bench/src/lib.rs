@@ -22,13 +22,17 @@
 //!   (where the chosen replicas' matched blocks came from, index entries,
 //!   KV cache groups), `indexd.csv`.
 //! - [`charts`]: SVG latency CDFs and hit ratios (plotters).
-//! - [`output`]: what a run or `summarize` writes into its directory.
+//! - [`output`]: what a run or `summarize` writes into its directory;
+//!   [`table`]: a run's side tables (CSV and Markdown).
 //! - [`overhead`]: what kvroute adds to a request's latency against Envoy
 //!   alone, open loop at fixed rates (`overhead`, `summarize-overhead`).
 //! - [`soak`]: Envoy's memory under a long steady mix through the filter,
 //!   every request accounted for (`soak`, `summarize-soak`).
 //! - [`bodies`]: the filter's work and memory in Wasm on big bodies, and
 //!   their latency against Envoy alone (`bodies`, `summarize-bodies`).
+//! - [`histogram`]: latency histograms from Envoy's admin and indexd's
+//!   `/metrics`; [`load`]: the blocking HTTP agent of the open-loop senders;
+//!   [`record`]: a run's settings and the profiles side by side.
 //! - [`procfs`]: RSS and CPU time from `/proc`.
 //! - [`peers`]: vllm-router and sglang-router from PyPI as extra profiles.
 //! - [`rng`]: the seeded generator behind every workload.
@@ -39,15 +43,18 @@ pub mod charts;
 pub mod client;
 mod error;
 pub mod fleet;
+pub mod histogram;
 pub mod history;
 pub mod indexd_metrics;
 pub mod lite;
+pub mod load;
 pub mod load_cpu;
 pub mod output;
 pub mod overhead;
 pub mod peers;
 pub mod procfs;
 pub mod real;
+pub mod record;
 pub mod relay;
 pub mod rng;
 pub mod rounds;
@@ -56,6 +63,7 @@ pub mod sample;
 pub mod soak;
 pub mod stats;
 pub mod summary;
+pub mod table;
 pub mod workload;
 
 pub use error::BenchError;

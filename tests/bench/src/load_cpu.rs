@@ -216,7 +216,7 @@ pub fn markdown(rows: &[CpuRow]) -> String {
 
 /// Writes `cpu.csv` and `cpu.md` into `dir` (nothing when `rows` is empty).
 pub fn write(dir: &Path, rows: &[CpuRow]) -> Result<(), BenchError> {
-    crate::output::write_table(dir, CPU_CSV, CPU_MD, rows, markdown)
+    crate::table::write_table(dir, CPU_CSV, CPU_MD, rows, markdown)
 }
 
 #[cfg(test)]

@@ -39,22 +39,6 @@ pub fn summarize_file(csv: &Path, dir: &Path) -> Result<Summary, BenchError> {
     Ok(summary)
 }
 
-/// Writes `rows` to `dir/csv` and their table, `markdown(rows)`, to
-/// `dir/md` (nothing when `rows` is empty): a run's side tables.
-pub fn write_table<T: serde::Serialize>(
-    dir: &Path,
-    csv: &str,
-    md: &str,
-    rows: &[T],
-    markdown: fn(&[T]) -> String,
-) -> Result<(), BenchError> {
-    if rows.is_empty() {
-        return Ok(());
-    }
-    sample::write_csv(&dir.join(csv), rows)?;
-    write(&dir.join(md), &markdown(rows))
-}
-
 /// The files a run leaves besides the charts.
 pub fn files(dir: &Path) -> [PathBuf; 3] {
     [

@@ -15,7 +15,6 @@
 //! byte for byte.
 
 pub mod cpu;
-pub mod histogram;
 pub mod load;
 pub mod record;
 pub mod report;
@@ -25,10 +24,11 @@ use std::time::{Duration, Instant};
 
 use kvroute_e2e::{HarnessError, Routing, Stack, StackOptions, http};
 
+use crate::histogram::{self, Hist, PICK_LATENCY};
+use crate::record::{BASELINE, KVROUTE, RunRow};
 use crate::{BenchError, sample};
-use histogram::{FILTER_DURATION, Hist, PICK_LATENCY};
 use load::{Prompts, Target};
-use record::{BASELINE, HistogramRow, KVROUTE, RequestRow, RunRow};
+use record::{HistogramRow, RequestRow};
 pub use report::Report;
 
 /// The long help of the subcommand.
@@ -54,8 +54,6 @@ Defaults take about 2 minutes.";
 /// Per-request timeout.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long to wait for Envoy's stats flush to include a phase.
-const FLUSH_TIMEOUT: Duration = Duration::from_secs(15);
-const FLUSH_POLL: Duration = Duration::from_millis(250);
 const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
 /// Replicas per stack.
 const REPLICAS: usize = 2;
@@ -180,7 +178,7 @@ pub fn run(args: &Args) -> Result<Report, BenchError> {
         kvroute.envoy().admin_url(),
         targets[1].url
     );
-    let agent = load::agent(REQUEST_TIMEOUT, args.senders);
+    let agent = crate::load::agent(REQUEST_TIMEOUT, args.senders);
     let prompts = Prompts::new(args.seed);
     let mut requests = Vec::new();
     let mut histograms = Vec::new();
@@ -263,7 +261,7 @@ fn measure(
             decided += u64::from(!row.decision.is_empty());
         }
     }
-    let mut envoy_before = envoy_snapshot(kvroute, decided)?;
+    let mut envoy_before = histogram::envoy_snapshot(kvroute, decided)?;
     let mut indexd_before = indexd_snapshot(kvroute)?;
     for (phase, &rate) in args.rates.iter().enumerate() {
         let jobs = load::schedule(rate, args.secs, targets.len());
@@ -284,7 +282,7 @@ fn measure(
         decided += rows.iter().filter(|r| !r.decision.is_empty()).count() as u64;
         let errors = rows.iter().filter(|r| !r.ok()).count();
         out.requests.append(&mut rows);
-        let envoy_after = envoy_snapshot(kvroute, decided)?;
+        let envoy_after = histogram::envoy_snapshot(kvroute, decided)?;
         let indexd_after = indexd_snapshot(kvroute)?;
         for name in [
             histogram::FILTER_DURATION,
@@ -317,41 +315,6 @@ fn measure(
     Ok(())
 }
 
-/// The filter's histograms once Envoy's stats flush has merged at least
-/// `decided` filter decisions (or after [`FLUSH_TIMEOUT`], with a warning).
-pub(crate) fn envoy_snapshot(
-    stack: &Stack,
-    decided: u64,
-) -> Result<std::collections::BTreeMap<String, Hist>, BenchError> {
-    envoy_histograms(stack.envoy(), decided)
-}
-
-/// [`envoy_snapshot`] of one Envoy.
-pub(crate) fn envoy_histograms(
-    envoy: &kvroute_e2e::Envoy,
-    decided: u64,
-) -> Result<std::collections::BTreeMap<String, Hist>, BenchError> {
-    let url = format!("{}{}", envoy.admin_url(), histogram::ENVOY_QUERY);
-    let started = Instant::now();
-    loop {
-        let response = http::get(&url, &[], ADMIN_TIMEOUT)?;
-        let doc: serde_json::Value = serde_json::from_str(&response.body)?;
-        let hists = histogram::parse_envoy(&doc);
-        let seen = hists.get(FILTER_DURATION).map_or(0, Hist::count);
-        if seen >= decided {
-            return Ok(hists);
-        }
-        if started.elapsed() >= FLUSH_TIMEOUT {
-            eprintln!(
-                "overhead: Envoy's {FILTER_DURATION} holds {seen} of {decided} decisions after \
-                 {FLUSH_TIMEOUT:?}; using it as is"
-            );
-            return Ok(hists);
-        }
-        std::thread::sleep(FLUSH_POLL);
-    }
-}
-
 /// indexd's Pick histogram from its `/metrics`.
 fn indexd_snapshot(stack: &Stack) -> Result<Hist, BenchError> {
     let Some(addr) = stack.indexd_http() else {
@@ -369,15 +332,7 @@ fn indexd_snapshot(stack: &Stack) -> Result<Hist, BenchError> {
 
 /// The settings `overhead.md` quotes.
 fn settings(args: &Args, options: &StackOptions) -> Vec<RunRow> {
-    let cores = std::thread::available_parallelism().map_or(0, std::num::NonZero::get);
-    let build = if cfg!(debug_assertions) {
-        "debug"
-    } else {
-        "release"
-    };
-    [
-        ("cores", cores.to_string()),
-        ("build", build.to_owned()),
+    crate::record::settings([
         ("secs", args.secs.to_string()),
         ("senders", args.senders.to_string()),
         ("warmup", args.warmup.to_string()),
@@ -394,19 +349,13 @@ fn settings(args: &Args, options: &StackOptions) -> Vec<RunRow> {
             "request_timeout_ms",
             REQUEST_TIMEOUT.as_millis().to_string(),
         ),
-    ]
-    .into_iter()
-    .map(|(key, value)| RunRow {
-        key: key.to_owned(),
-        value,
-    })
-    .collect()
+    ])
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use histogram::{Bin, INDEX_DURATION, TOKENIZER_DURATION};
+    use crate::histogram::{Bin, FILTER_DURATION, INDEX_DURATION, TOKENIZER_DURATION};
 
     /// A small synthetic run: summarize-overhead must give the same
     /// overhead.md twice, and the figures must be the ones the rows imply.

@@ -22,13 +22,13 @@ use serde_json::{Value, json};
 use crate::added::{self, AddedRow};
 use crate::client::{self, Reply};
 use crate::fleet::{self, Fleet};
+use crate::histogram::{PICK_LATENCY, TOKENIZE_LOCAL, parse_prometheus_seconds};
 use crate::history::{Msg, apply, request_body};
 use crate::indexd_metrics::IndexdRow;
-use crate::overhead::histogram::{PICK_LATENCY, TOKENIZE_LOCAL, parse_prometheus_seconds};
 use crate::peers::{self, Peer, Worker};
-use crate::sample::{Sample, millis};
+use crate::sample::{STICKY_ORACLE, Sample, millis};
 use crate::workload::{Api, Conversation, Fault, FaultKind, Step, Workload};
-use crate::{BenchError, load_cpu, overhead, procfs};
+use crate::{BenchError, load_cpu, procfs};
 
 /// A routing profile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -113,9 +113,6 @@ impl Profile {
 
 /// The filter's `local_continuations` under [`Profile::PreciseLocal`].
 pub const LOCAL_TURNS: u32 = 8;
-
-/// The sticky oracle's profile name.
-pub const STICKY_ORACLE: &str = "sticky-oracle";
 
 /// Knobs of a run that are not part of the workload script.
 #[derive(Debug, Clone, Copy)]
@@ -482,7 +479,7 @@ fn filter_histograms(
     let indexds = stack.indexd_handles();
     for (gateway, envoy) in (0u32..).zip(stack.gateway_envoys()) {
         let sent = samples.iter().filter(|s| s.gateway == gateway).count() as u64;
-        match overhead::envoy_histograms(envoy, sent) {
+        match crate::histogram::envoy_histograms(envoy, sent) {
             Ok(mut hists) => {
                 // Gateway i's own indexd (the stack starts them in order).
                 if let Some(h) = indexds.get(gateway as usize) {

@@ -94,6 +94,9 @@ pub fn millis(d: std::time::Duration) -> f64 {
     (d.as_secs_f64() * 1_000_000.0).round() / 1_000.0
 }
 
+/// The sticky oracle's profile name.
+pub const STICKY_ORACLE: &str = "sticky-oracle";
+
 /// Where a profile goes in tables: the baseline first, then by name.
 pub(crate) fn profile_rank(profile: &str) -> u8 {
     match profile {

@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 
 use kvroute_e2e::{HarnessError, Routing, Stack, StackOptions};
 
-use crate::overhead::record::RunRow;
 use crate::procfs::{self, Pid};
+use crate::record::RunRow;
 use crate::{BenchError, sample, stats};
 use report::{KindRow, Report, SampleRow};
 use send::Tally;
@@ -144,7 +144,7 @@ pub fn run(args: &Args) -> Result<Report, BenchError> {
         jobs.len(),
         schedule_len.as_secs_f64()
     );
-    let agent = crate::overhead::load::agent(REQUEST_TIMEOUT, args.senders);
+    let agent = crate::load::agent(REQUEST_TIMEOUT, args.senders);
     let bodies = mix::Bodies::new(args.seed);
     let tally = Tally::default();
     let sampler = Sampler::new(&stack);
@@ -330,15 +330,7 @@ fn filter_counters(stack: &Stack) -> Vec<RunRow> {
 
 /// The settings `soak.md` quotes.
 fn settings(args: &Args, options: &StackOptions) -> Vec<RunRow> {
-    let cores = std::thread::available_parallelism().map_or(0, std::num::NonZero::get);
-    let build = if cfg!(debug_assertions) {
-        "debug"
-    } else {
-        "release"
-    };
-    [
-        ("cores", cores.to_string()),
-        ("build", build.to_owned()),
+    crate::record::settings([
         ("rate", args.rate.to_string()),
         ("requests", args.requests.to_string()),
         ("sample_secs", args.sample_secs.to_string()),
@@ -352,13 +344,7 @@ fn settings(args: &Args, options: &StackOptions) -> Vec<RunRow> {
             "request_timeout_ms",
             REQUEST_TIMEOUT.as_millis().to_string(),
         ),
-    ]
-    .into_iter()
-    .map(|(key, value)| RunRow {
-        key: key.to_owned(),
-        value,
-    })
-    .collect()
+    ])
 }
 
 #[cfg(test)]

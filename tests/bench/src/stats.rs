@@ -117,6 +117,11 @@ pub fn ratio(num: u64, den: u64) -> Option<f64> {
     (den > 0).then(|| num as f64 / den as f64)
 }
 
+/// `49.54%`, or `n/a`.
+pub fn percent(r: Option<f64>) -> String {
+    r.map_or_else(|| "n/a".to_owned(), |r| format!("{:.2}%", 100.0 * r))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

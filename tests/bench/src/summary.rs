@@ -36,9 +36,8 @@ use crate::indexd_metrics::{self, IndexdGroup, IndexdRow};
 use crate::rounds::{
     Form, by_round, round_hits, round_means, round_of, round_oracle_ratios, worst_round,
 };
-use crate::runner::STICKY_ORACLE;
-use crate::sample::Sample;
-use crate::stats::{Dist, ratio};
+use crate::sample::{STICKY_ORACLE, Sample};
+use crate::stats::{Dist, percent, ratio};
 
 /// One workload × profile.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -546,11 +545,6 @@ fn load_split(load: &BTreeMap<String, usize>) -> String {
         ratio(max as u64, total as u64)
             .map_or_else(|| "n/a".to_owned(), |r| format!("{:.0}%", 100.0 * r))
     )
-}
-
-/// `49.54%`, or `n/a`.
-pub fn percent(r: Option<f64>) -> String {
-    r.map_or_else(|| "n/a".to_owned(), |r| format!("{:.2}%", 100.0 * r))
 }
 
 #[cfg(test)]

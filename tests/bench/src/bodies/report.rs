@@ -5,8 +5,8 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::overhead::histogram::{Bin, Hist};
-use crate::overhead::record::{BASELINE, KVROUTE, RunRow};
+use crate::histogram::{Bin, Hist};
+use crate::record::{BASELINE, KVROUTE, RunRow};
 use crate::stats;
 
 /// One row per request.
@@ -287,9 +287,9 @@ impl Report {
                 decisions.join(", "),
                 p50(REQUEST_WORK),
                 p50(ANSWER_WORK),
-                p50(crate::overhead::histogram::FILTER_DURATION),
-                p50(crate::overhead::histogram::TOKENIZER_DURATION),
-                p50(crate::overhead::histogram::INDEX_DURATION),
+                p50(crate::histogram::FILTER_DURATION),
+                p50(crate::histogram::TOKENIZER_DURATION),
+                p50(crate::histogram::INDEX_DURATION),
                 mib(w0, 1.0),
                 mib(w1, 1.0),
                 mib(r0, 1024.0),

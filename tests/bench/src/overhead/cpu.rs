@@ -13,8 +13,9 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::overhead::record::{BASELINE, KVROUTE, RequestRow};
+use crate::overhead::record::RequestRow;
 use crate::procfs::{self, Pid};
+use crate::record::{BASELINE, KVROUTE};
 
 /// Per-rate CPU readings.
 pub const CPU_CSV: &str = "overhead-cpu.csv";

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use crate::client;
+use crate::load::micros;
 use crate::overhead::record::RequestRow;
 use crate::rng::Rng;
 use crate::sample::millis;
@@ -114,17 +115,6 @@ impl Prompts {
     }
 }
 
-/// A blocking agent with one idle connection kept per sender and host.
-pub fn agent(timeout: Duration, senders: usize) -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .timeout_global(Some(timeout))
-        .http_status_as_error(false)
-        .max_idle_connections(senders * 4)
-        .max_idle_connections_per_host(senders)
-        .build()
-        .into()
-}
-
 /// Sends one request to `target` and turns the reply into a row.
 pub fn send(agent: &ureq::Agent, target: &Target, rate: f64, seq: u32, body: &Value) -> RequestRow {
     let reply = client::stream(agent, &target.url, Api::Chat, body, &[]);
@@ -199,11 +189,6 @@ pub fn run(
         }
     });
     rows.into_inner().unwrap_or_default()
-}
-
-/// Whole microseconds (saturating).
-pub fn micros(d: Duration) -> u64 {
-    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 #[cfg(test)]

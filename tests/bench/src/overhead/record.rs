@@ -16,15 +16,10 @@ pub const RUN_CSV: &str = "overhead-run.csv";
 /// The report, recomputable from the three CSV files.
 pub const MARKDOWN: &str = "overhead.md";
 
-/// The profile with Envoy, the kvroute filter and indexd (precise mode).
-pub const KVROUTE: &str = "kvroute-precise";
-/// The profile with Envoy alone (least-request, no filter).
-pub const BASELINE: &str = "least-request";
-
 /// What one request did.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RequestRow {
-    /// [`KVROUTE`] or [`BASELINE`].
+    /// [`KVROUTE`](crate::record::KVROUTE) or [`BASELINE`](crate::record::BASELINE).
     pub profile: String,
     /// The profile's request rate in this phase (requests/s).
     pub rate: f64,
@@ -76,15 +71,6 @@ pub struct HistogramRow {
     pub sum_us: f64,
 }
 
-/// One setting of the run.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RunRow {
-    /// The setting.
-    pub key: String,
-    /// Its value.
-    pub value: String,
-}
-
 /// The canonical order of requests: rate, profile (baseline first), seq.
 pub fn sort_requests(rows: &mut [RequestRow]) {
     rows.sort_by(|a, b| {
@@ -99,6 +85,7 @@ pub fn sort_requests(rows: &mut [RequestRow]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::record::{BASELINE, KVROUTE};
 
     #[test]
     fn rows_round_trip_and_sort() {

@@ -4,11 +4,12 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use crate::overhead::cpu::{self, CpuFigures};
-use crate::overhead::histogram::{
+use crate::histogram::{
     Bin, FILTER_DURATION, Hist, INDEX_DURATION, PICK_LATENCY, TOKENIZER_DURATION,
 };
-use crate::overhead::record::{BASELINE, HistogramRow, KVROUTE, RequestRow, RunRow};
+use crate::overhead::cpu::{self, CpuFigures};
+use crate::overhead::record::{HistogramRow, RequestRow};
+use crate::record::{BASELINE, KVROUTE, RunRow};
 use crate::stats::{self, Dist};
 
 /// One profile at one rate.

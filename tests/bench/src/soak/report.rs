@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::overhead::record::RunRow;
+use crate::record::RunRow;
 
 /// One row per sample.
 pub const SAMPLES_CSV: &str = "soak.csv";

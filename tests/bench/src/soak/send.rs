@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::client::DECISION_HEADER;
-use crate::overhead::load::micros;
+use crate::load::micros;
 use crate::soak::mix::{Bodies, Job, Kind, Request};
 
 /// A job due later than this is not sent (the client is saturated).

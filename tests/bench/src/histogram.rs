@@ -14,8 +14,12 @@
 //! (`rank = q · count`), as Prometheus' `histogram_quantile` does.
 
 use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
 
+use kvroute_e2e::{Stack, http};
 use serde_json::Value;
+
+use crate::BenchError;
 
 /// The filter's histograms in Envoy (`wasmcustom.` + the names in
 /// filter/src/metrics.rs), in µs.
@@ -35,6 +39,13 @@ pub const TOKENIZE_LOCAL: &str = "indexd_tokenize_local_seconds";
 
 /// The admin query for the filter's histograms with their bins.
 pub const ENVOY_QUERY: &str = "/stats?format=json&type=Histograms&histogram_buckets=detailed&filter=%5Ewasmcustom%5C.kvroute%5C.";
+
+/// How long a snapshot waits for Envoy's stats flush.
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(15);
+/// How often a snapshot asks Envoy's admin again while it waits.
+const FLUSH_POLL: Duration = Duration::from_millis(250);
+/// One request to Envoy's admin.
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// One bin: `count` observations in `[lower, lower + width)` (µs).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -221,6 +232,38 @@ pub fn parse_prometheus_seconds(text: &str, name: &str) -> Option<Hist> {
         below = below.max(count);
     }
     Some(Hist::new(bins, sum))
+}
+
+/// The filter's histograms once Envoy's stats flush has merged at least
+/// `decided` filter decisions (or after [`FLUSH_TIMEOUT`], with a warning).
+pub fn envoy_snapshot(stack: &Stack, decided: u64) -> Result<BTreeMap<String, Hist>, BenchError> {
+    envoy_histograms(stack.envoy(), decided)
+}
+
+/// [`envoy_snapshot`] of one Envoy.
+pub fn envoy_histograms(
+    envoy: &kvroute_e2e::Envoy,
+    decided: u64,
+) -> Result<BTreeMap<String, Hist>, BenchError> {
+    let url = format!("{}{}", envoy.admin_url(), ENVOY_QUERY);
+    let started = Instant::now();
+    loop {
+        let response = http::get(&url, &[], ADMIN_TIMEOUT)?;
+        let doc: serde_json::Value = serde_json::from_str(&response.body)?;
+        let hists = parse_envoy(&doc);
+        let seen = hists.get(FILTER_DURATION).map_or(0, Hist::count);
+        if seen >= decided {
+            return Ok(hists);
+        }
+        if started.elapsed() >= FLUSH_TIMEOUT {
+            eprintln!(
+                "overhead: Envoy's {FILTER_DURATION} holds {seen} of {decided} decisions after \
+                 {FLUSH_TIMEOUT:?}; using it as is"
+            );
+            return Ok(hists);
+        }
+        std::thread::sleep(FLUSH_POLL);
+    }
 }
 
 #[cfg(test)]
