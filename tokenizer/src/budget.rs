@@ -223,6 +223,71 @@ pub struct Tokens {
     pub truncated: bool,
 }
 
+/// A pre-token longer than the budget's word cap, carried through
+/// `tokenizers`' error type out of the BPE call it refused.
+#[derive(Debug)]
+pub(crate) struct WordTooLong {
+    /// The pre-token's bytes.
+    pub len: usize,
+}
+
+impl std::fmt::Display for WordTooLong {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "a pre-token of {} bytes", self.len)
+    }
+}
+
+impl std::error::Error for WordTooLong {}
+
+/// The budget's deadline or cancellation, met inside a segment and carried
+/// through `tokenizers`' error type.
+#[derive(Debug)]
+pub(crate) struct Interrupted(pub(crate) RequestError);
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+/// What bounds the encoding of one segment's words.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limit<'a> {
+    /// The longest word BPE may see.
+    pub word_cap: usize,
+    /// The segment's encoding may stop once it has more ids than this
+    /// (its ids so far are then a prefix of its full ids).
+    pub room: usize,
+    /// Checked every [`Limit::CHECK_EVERY`] words.
+    pub budget: &'a Budget,
+}
+
+impl Limit<'_> {
+    /// Words between two budget checks inside a segment.
+    const CHECK_EVERY: usize = 64;
+
+    /// Before BPE sees word number `n`: refuses it over the word cap, and
+    /// checks the budget now and then.
+    pub fn word(&self, word: &str, n: usize) -> tokenizers::Result<()> {
+        if word.len() > self.word_cap {
+            return Err(Box::new(WordTooLong { len: word.len() }));
+        }
+        if n.is_multiple_of(Self::CHECK_EVERY) && self.budget.interruptible() {
+            self.budget
+                .check()
+                .map_err(|e| Box::new(Interrupted(e)) as tokenizers::Error)?;
+        }
+        Ok(())
+    }
+
+    /// Whether `ids` ids are enough to stop.
+    pub fn full(&self, ids: usize) -> bool {
+        ids > self.room
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

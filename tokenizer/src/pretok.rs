@@ -160,7 +160,7 @@ impl FastPreTokenizer {
         &self,
         text: &str,
         model: &ModelWrapper,
-        limit: crate::encode::Limit<'_>,
+        limit: crate::budget::Limit<'_>,
     ) -> Option<tokenizers::Result<(Vec<u32>, bool)>> {
         let splits = self.byte_level_words.as_ref()?;
         let table = &*BYTE_CHARS;
