@@ -20,7 +20,7 @@ wasm: ## Build the release filter module and print its path
 	$(CARGO) build -p kvroute-filter --target wasm32-wasip1 --release
 	@echo $(WASM)
 
-# The import-cycle check covers the crates without one; indexd and the mock (cache <-> pool, cli <-> config)
+# The import-cycle check covers the crates without one; indexd and the mock (api, engine, rank and the handlers)
 # join it as their graphs are redrawn (`python3 .ci/modgraph.py indexd/src/lib.rs`).
 lint: ## rustfmt check; clippy -D warnings, native and wasm; no import cycle among the crates' top-level modules
 	$(CARGO) fmt --all -- --check

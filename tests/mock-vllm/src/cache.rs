@@ -13,19 +13,7 @@
 use sha2::{Digest, Sha256};
 
 use crate::pool::BlockPool;
-
-/// A vLLM block hash: 32 bytes; the u64 wire form is its last 8 bytes, big-endian.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BlockHash(pub [u8; 32]);
-
-impl BlockHash {
-    /// vLLM's `ExternalBlockHash` int form.
-    pub fn as_u64(&self) -> u64 {
-        let mut tail = [0u8; 8];
-        tail.copy_from_slice(&self.0[24..]);
-        u64::from_be_bytes(tail)
-    }
-}
+pub use crate::pool::{BlockHash, GroupBlock};
 
 /// One full block of a prompt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,9 +29,6 @@ pub struct BlockScope<'a> {
     pub cache_salt: Option<&'a str>,
     pub lora_name: Option<&'a str>,
 }
-
-/// A block hash in one KV cache group: the key a copy is cached under.
-pub type GroupBlock = (BlockHash, u32);
 
 /// The prefix cache of one replica: one block pool shared by its KV cache groups.
 #[derive(Debug)]

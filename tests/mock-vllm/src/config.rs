@@ -9,7 +9,8 @@ use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use clap::ValueEnum;
 
-pub use crate::cli::Cli;
+pub use crate::error::ConfigError;
+pub(crate) use crate::error::invalid;
 use crate::latency::LatencyConfig;
 use crate::layout::KvCacheLayout;
 
@@ -175,21 +176,6 @@ impl Default for Config {
             latency: LatencyConfig::default(),
             data_parallel_size: 1,
         }
-    }
-}
-
-/// A configuration that cannot run; the message names the field.
-#[derive(Debug, thiserror::Error)]
-#[error("invalid config `{field}`: {reason}")]
-pub struct ConfigError {
-    pub field: &'static str,
-    pub reason: String,
-}
-
-pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
-    ConfigError {
-        field,
-        reason: reason.into(),
     }
 }
 

@@ -115,3 +115,18 @@ mod tests {
         assert_eq!(e.status, StatusCode::BAD_REQUEST);
     }
 }
+
+/// A configuration that cannot run; the message names the field.
+#[derive(Debug, thiserror::Error)]
+#[error("invalid config `{field}`: {reason}")]
+pub struct ConfigError {
+    pub field: &'static str,
+    pub reason: String,
+}
+
+pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field,
+        reason: reason.into(),
+    }
+}

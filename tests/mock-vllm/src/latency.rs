@@ -13,7 +13,7 @@
 
 use std::time::Duration;
 
-use crate::config::ConfigError;
+use crate::error::ConfigError;
 
 /// Parameters of the model, in milliseconds of simulated GPU time.
 #[derive(Debug, Clone, Copy, PartialEq)]

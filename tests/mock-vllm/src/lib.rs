@@ -55,9 +55,8 @@ pub mod tokenizer;
 
 pub use api::{PROMPT_DIGEST_HEADER, RANK_HEADER, REPLICA_HEADER, prompt_digest};
 pub use cache::{BlockHash, PrefixCache};
-pub use config::{
-    ChatTemplate, Cli, Config, EventEncoding, EventsEndpoint, HashForm, KvEventsConfig,
-};
+pub use cli::Cli;
+pub use config::{ChatTemplate, Config, EventEncoding, EventsEndpoint, HashForm, KvEventsConfig};
 pub use engine::DP_RANK_HEADER;
 pub use error::ApiError;
 pub use events::KvEvent;

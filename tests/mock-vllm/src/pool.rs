@@ -18,7 +18,21 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::cache::GroupBlock;
+/// A vLLM block hash: 32 bytes; the u64 wire form is its last 8 bytes, big-endian.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockHash(pub [u8; 32]);
+
+impl BlockHash {
+    /// vLLM's `ExternalBlockHash` int form.
+    pub fn as_u64(&self) -> u64 {
+        let mut tail = [0u8; 8];
+        tail.copy_from_slice(&self.0[24..]);
+        u64::from_be_bytes(tail)
+    }
+}
+
+/// A block hash in one KV cache group: the key a copy is cached under.
+pub type GroupBlock = (BlockHash, u32);
 
 /// A physical block's index in the pool.
 pub type BlockId = usize;
