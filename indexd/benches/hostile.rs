@@ -35,9 +35,8 @@
 mod common;
 
 use std::fmt::Write as _;
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Command, ExitCode, Stdio};
+use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -520,37 +519,19 @@ async fn run(args: Args) -> Result<bool, String> {
     Ok(ok)
 }
 
-/// Starts indexd with `config`, its log to `log`: the child (killed on
-/// drop), its pid, its gRPC and HTTP URLs.
+/// [`common::spawn_indexd`], its addresses as URLs.
 fn spawn_indexd(
     binary: &std::path::Path,
     config: &std::path::Path,
     log: &std::path::Path,
 ) -> Result<(Child, u32, String, String), String> {
-    let log = std::fs::File::create(log).map_err(|e| e.to_string())?;
-    let mut child = Command::new(binary)
-        .args([
-            "--config".as_ref(),
-            config.as_os_str(),
-            "--print-addresses".as_ref(),
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(log)
-        .spawn()
-        .map_err(|e| format!("{}: {e}", binary.display()))?;
-    let pid = child.id();
-    let mut line = String::new();
-    let stdout = child.stdout.take().unwrap();
-    let child = Child(child);
-    BufReader::new(stdout)
-        .read_line(&mut line)
-        .map_err(|e| e.to_string())?;
-    let addrs: serde_json::Value =
-        serde_json::from_str(&line).map_err(|e| format!("{line:?}: {e}"))?;
-    let grpc = format!("http://{}", addrs["grpc"].as_str().unwrap_or_default());
-    let http = format!("http://{}", addrs["http"].as_str().unwrap_or_default());
-    Ok((child, pid, grpc, http))
+    let (child, pid, grpc, http) = common::spawn_indexd(binary, config, log)?;
+    Ok((
+        child,
+        pid,
+        format!("http://{grpc}"),
+        format!("http://{http}"),
+    ))
 }
 
 async fn wait_for_gate(http: &str) -> Result<(), String> {

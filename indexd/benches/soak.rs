@@ -31,9 +31,8 @@ mod flood;
 #[path = "soak/report.rs"]
 mod report;
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -387,39 +386,14 @@ async fn run(
         ),
     )
     .map_err(|e| e.to_string())?;
-    let log = std::fs::File::create(args.out.join("indexd.log")).map_err(|e| e.to_string())?;
-    let mut child = Command::new(&binary)
-        .args([
-            "--config".as_ref(),
-            config.as_os_str(),
-            "--print-addresses".as_ref(),
-        ])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(log)
-        .spawn()
-        .map_err(|e| format!("{}: {e}", binary.display()))?;
-    let pid = child.id();
-    let mut line = String::new();
-    let stdout = child.stdout.take().unwrap();
-    // Killed on drop: an early return leaves no indexd running.
-    let mut child = common::Child(child);
-    BufReader::new(stdout)
-        .read_line(&mut line)
-        .map_err(|e| e.to_string())?;
-    let addrs: serde_json::Value =
-        serde_json::from_str(&line).map_err(|e| format!("{line:?}: {e}"))?;
-    let grpc = addrs["grpc"].as_str().unwrap_or_default();
+    let (mut child, pid, grpc, http) =
+        common::spawn_indexd(&binary, &config, &args.out.join("indexd.log"))?;
     let grpc = if grpc.starts_with("unix:") {
         grpc.to_owned()
     } else {
         format!("http://{grpc}")
     };
-    let http = HttpUrl::parse(&format!(
-        "http://{}/metrics",
-        addrs["http"].as_str().unwrap_or_default()
-    ))
-    .ok_or("no http address")?;
+    let http = HttpUrl::parse(&format!("http://{http}/metrics")).ok_or("no http address")?;
 
     let progress: Vec<Arc<Progress>> = (0..args.replicas).map(|_| Arc::default()).collect();
     let mut floods = Vec::new();

@@ -50,6 +50,9 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     for (model, local) in shared.tokenizers.locals() {
         let _ = writeln!(body, "tokenizer {model}: {}", local.gate.describe_at(now));
     }
+    if !shared.tokenizers.replicas_render() {
+        body.push_str("replica tokenizer: no render endpoints (vLLM without --enable-scale-out): chat bodies go to /tokenize, which ignores documents and reasoning_effort; bodies with truncate_prompt_tokens go unrouted\n");
+    }
     if let Some(line) = shared.tokenizers.admission.describe(now) {
         let _ = writeln!(body, "{line}");
     }

@@ -637,6 +637,13 @@ impl Tokenizers {
         .await
     }
 
+    /// Whether replicas are still taken to serve the render endpoints (a
+    /// 404 from one clears it: chat bodies then go to `/tokenize`, and
+    /// bodies with `truncate_prompt_tokens` are not tokenized).
+    pub fn replicas_render(&self) -> bool {
+        self.chat_render.load(Ordering::Relaxed)
+    }
+
     /// The client replicas are called with.
     pub fn client(&self) -> &reqwest::Client {
         &self.client

@@ -1,9 +1,13 @@
-//! What the indexd benches that run the real binary share: its memory and
-//! CPU time from /proc, a child process killed on drop, and quantiles.
+//! What the indexd benches that run the real binary share: starting it,
+//! its memory and CPU time from /proc, a child process killed on drop, and
+//! quantiles.
 
 // Each bench uses part of this.
 #![allow(dead_code)]
 
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 /// A `/proc/<pid>/status` field given in kB (`VmRSS:`, `VmHWM:`), in MiB;
@@ -38,6 +42,40 @@ impl Drop for Child {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// indexd started as `binary --config config --print-addresses`, its log
+/// (at `warn`) to `log`: the child, its pid, and the gRPC and HTTP
+/// addresses it printed (as printed: `ip:port`, or `unix:PATH` for gRPC).
+pub fn spawn_indexd(
+    binary: &Path,
+    config: &Path,
+    log: &Path,
+) -> Result<(Child, u32, String, String), String> {
+    let log = std::fs::File::create(log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let mut child = Command::new(binary)
+        .args([
+            "--config".as_ref(),
+            config.as_os_str(),
+            "--print-addresses".as_ref(),
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .map_err(|e| format!("{}: {e}", binary.display()))?;
+    let pid = child.id();
+    let stdout = child.stdout.take().ok_or("no stdout")?;
+    // Killed on drop from here: an early return leaves no indexd running.
+    let child = Child(child);
+    let mut line = String::new();
+    BufReader::new(stdout)
+        .read_line(&mut line)
+        .map_err(|e| e.to_string())?;
+    let addrs: serde_json::Value =
+        serde_json::from_str(&line).map_err(|e| format!("{line:?}: {e}"))?;
+    let field = |name: &str| addrs[name].as_str().unwrap_or_default().to_owned();
+    Ok((child, pid, field("grpc"), field("http")))
 }
 
 /// The `q` quantile of sorted `v` (nearest rank); `None` when empty.

@@ -156,6 +156,11 @@ async fn one_client_cannot_close_the_gate_and_clean_rounds_reopen_it() {
         ready.contains("tokenizer tiny: open (8 live requests whose local ids differed were served a replica's ids; 1 distinct bodies within 600s, 3 close it)"),
         "{ready}"
     );
+    // The stand-in serves no chat render endpoint: said too.
+    assert!(
+        ready.contains("replica tokenizer: no render endpoints"),
+        "{ready}"
+    );
     assert!(
         metrics.contains(&format!(
             "indexd_tokenizer_checks_total{{model=\"{MODEL}\",kind=\"shadow\",result=\"mismatch\"}} 8"
