@@ -31,7 +31,7 @@
 //! Pieces with their own module: [`endpoint`] (endpoints and the discovery
 //! file), [`kubernetes`] (Kubernetes discovery), [`http`] (the HTTP server's
 //! timeouts and connection limit), [`access`] (the token, listeners beyond loopback, the Observe
-//! rate), `crate::tokenize::config` (the `tokenize:` section).
+//! rate), [`tokenize`] (the `tokenize:` section).
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;
@@ -43,13 +43,15 @@ use serde::Deserialize;
 
 use crate::error::ConfigError;
 use crate::listen::ListenAddr;
-use crate::score::Weights;
 use crate::wire::Limits;
 
 pub mod access;
 pub mod endpoint;
 pub mod http;
 pub mod kubernetes;
+pub mod snapshot;
+pub mod tokenize;
+pub mod weights;
 
 pub use access::AccessConfig;
 use endpoint::RawEndpoint;
@@ -59,6 +61,8 @@ pub use endpoint::{
 };
 pub use http::HttpServerConfig;
 pub use kubernetes::KubernetesConfig;
+pub use snapshot::SnapshotConfig;
+pub use weights::Weights;
 
 /// The whole daemon's configuration.
 #[derive(Clone, Debug)]
@@ -128,9 +132,9 @@ pub struct Config {
     /// Seed of the tie-breaking RNG (None: from entropy).
     pub seed: Option<u64>,
     /// Index snapshots (restart without a full replay).
-    pub snapshot: crate::snapshot::SnapshotConfig,
+    pub snapshot: SnapshotConfig,
     /// Tokenization: local tokenizers, the replica fallback, the gate.
-    pub tokenize: crate::tokenize::TokenizeConfig,
+    pub tokenize: tokenize::TokenizeConfig,
     /// Who may call: the token, listeners beyond loopback, Observe's rate.
     pub access: AccessConfig,
     /// Per served model, the chunk of its chunked local attention in tokens
@@ -173,8 +177,8 @@ impl Config {
             limits: Limits::default(),
             weights: Weights::default(),
             seed: None,
-            snapshot: crate::snapshot::SnapshotConfig::default(),
-            tokenize: crate::tokenize::TokenizeConfig::default(),
+            snapshot: SnapshotConfig::default(),
+            tokenize: tokenize::TokenizeConfig::default(),
             access: AccessConfig::default(),
             attention_chunk_size: std::collections::BTreeMap::new(),
         }
@@ -289,7 +293,7 @@ impl Config {
             ));
         }
         http::validate(&self.http)?;
-        crate::tokenize::config::validate(&self.tokenize)?;
+        tokenize::validate(&self.tokenize)?;
         access::validate(self)?;
         Ok(())
     }
@@ -421,7 +425,7 @@ struct RawConfig {
     max_snapshot_bytes: Option<u64>,
     max_snapshot_age: Option<RawDuration>,
     max_snapshot_write_time: Option<RawDuration>,
-    tokenize: Option<crate::tokenize::config::RawTokenize>,
+    tokenize: Option<tokenize::RawTokenize>,
     auth_token_file: Option<PathBuf>,
     allow_unauthenticated: Option<bool>,
     observe_rate: Option<u32>,

@@ -78,7 +78,7 @@ pub enum StartError {
     },
     /// A local tokenizer did not load.
     #[error(transparent)]
-    Tokenizer(#[from] crate::tokenize::LoadError),
+    Tokenizer(#[from] LoadError),
 }
 
 /// A Pick or Observe the daemon refuses.
@@ -194,4 +194,28 @@ pub enum ScrapeError {
     /// The body exceeded the cap.
     #[error("response larger than {0} bytes")]
     TooLarge(usize),
+}
+
+/// A local tokenizer that did not load.
+#[derive(Debug, thiserror::Error)]
+#[error("tokenizer for model {model:?} in {dir}: {source}")]
+pub struct LoadError {
+    /// The model.
+    pub model: String,
+    /// Its directory.
+    pub dir: String,
+    /// Why.
+    #[source]
+    pub source: LoadFailure,
+}
+
+/// Why a local tokenizer could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadFailure {
+    /// Its files.
+    #[error(transparent)]
+    Tokenizer(#[from] kvroute_tokenizer::LoadError),
+    /// The threads large bodies are tokenized on.
+    #[error("cannot start the large-body threads: {0}")]
+    Threads(#[from] std::io::Error),
 }

@@ -75,14 +75,15 @@ pub mod tokenize;
 pub mod wire;
 pub mod zmtp;
 
-pub use config::{AccessConfig, Config, EndpointConfig, EndpointId, HttpUrl, KubernetesConfig};
+pub use config::{
+    AccessConfig, Config, EndpointConfig, EndpointId, HttpUrl, KubernetesConfig, SnapshotConfig,
+    Weights,
+};
 pub use daemon::{Bound, Handle, ReplicaStatus, Server, run, without_huge_pages};
 pub use error::{ConfigError, StartError};
 pub use event::Tier;
 pub use ids::{PartitionId, ReplicaSlot};
 pub use index::Index;
 pub use listen::ListenAddr;
-pub use score::Weights;
-pub use snapshot::SnapshotConfig;
 pub use state::Shared;
 pub use wire::Limits;

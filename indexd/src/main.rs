@@ -128,7 +128,7 @@ fn config(args: &Args) -> anyhow::Result<indexd::Config> {
     for text in &args.tokenizers {
         c.tokenize
             .tokenizers
-            .push(indexd::tokenize::config::parse_flag(text)?);
+            .push(indexd::config::tokenize::parse_flag(text)?);
     }
     c.validate()?;
     Ok(c)

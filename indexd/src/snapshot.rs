@@ -40,6 +40,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+pub use crate::config::SnapshotConfig;
 use crate::ids::EndpointId;
 use crate::ids::PartitionId;
 use crate::index::SavedBlock;
@@ -50,33 +51,6 @@ mod format;
 
 use format::{Header, Sink, encode, unix_ms};
 pub(crate) use format::{Loaded, MAGIC, Section, VERSION, parse};
-
-/// Where and how indexd snapshots its index.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SnapshotConfig {
-    /// The snapshot file (None: no snapshots).
-    pub path: Option<PathBuf>,
-    /// How often it is written (and once more at shutdown).
-    pub interval: Duration,
-    /// Largest file written or read.
-    pub max_bytes: u64,
-    /// An older file is not loaded.
-    pub max_age: Duration,
-    /// A write still running after this is abandoned.
-    pub max_write_time: Duration,
-}
-
-impl Default for SnapshotConfig {
-    fn default() -> Self {
-        Self {
-            path: None,
-            interval: Duration::from_secs(30),
-            max_bytes: 256 << 20,
-            max_age: Duration::from_secs(600),
-            max_write_time: Duration::from_secs(10),
-        }
-    }
-}
 
 /// Why a snapshot was not written or not loaded. Each variant is a metric
 /// label ([`SnapshotError::label`]).

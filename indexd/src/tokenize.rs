@@ -34,86 +34,34 @@
 
 pub mod admission;
 pub mod bulk;
-pub mod config;
 pub mod gate;
 pub mod http;
 pub mod probe;
 pub mod replica;
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use kvroute_tokenizer::{LoadOptions, ResponsesRequest, TokenizeRequest, Tokenizer};
 
+/// The `tokenize:` section's types live with the rest of the configuration.
+pub use crate::config::tokenize::{
+    AdmissionConfig, GateRules, TokenizeConfig, TokenizerSpec, reserve_for,
+};
+pub use crate::error::{LoadError, LoadFailure};
 use crate::metrics::{CounterVec, Histogram};
 use crate::state::{Replica, Shared};
 use crate::sync::read;
-pub use admission::{Admission, AdmissionConfig, Cancel, Refusal, Via};
-pub use gate::{Gate, GateRules, GateState};
+pub use admission::{Admission, Cancel, Refusal, Via};
+pub use gate::{Gate, GateState};
 
 /// Bodies up to this size are tokenized on the worker that took them
 /// (`block_in_place`); larger ones on the blocking pool, so that a caller
 /// going away is seen while the work runs.
 pub const INLINE_BODY_BYTES: usize = 256 << 10;
-
-/// One model's local tokenizer, as configured.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TokenizerSpec {
-    /// The model name requests carry.
-    pub model: String,
-    /// Its directory: `tokenizer.json`, `tokenizer_config.json`, optionally
-    /// `chat_template.jinja` and `config.json`.
-    pub dir: PathBuf,
-    /// vLLM's `--max-model-len` (else from config.json, as vLLM does).
-    pub max_model_len: Option<u32>,
-    /// vLLM's `--chat-template`, as a file.
-    pub chat_template: Option<PathBuf>,
-    /// vLLM's `--trust-request-chat-template`.
-    pub trust_request_chat_template: bool,
-}
-
-/// How tokenization behaves, from the configuration.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenizeConfig {
-    /// Local tokenizers.
-    pub tokenizers: Vec<TokenizerSpec>,
-    /// Bound of each local tokenizer's segment cache.
-    pub cache_bytes: usize,
-    /// Timeout of a replica's tokenizer call.
-    pub replica_timeout: Duration,
-    /// The exactness gate's rules (`gate_interval`, `shadow_per_second`,
-    /// `gate_close_after_mismatches`, …).
-    pub gate: GateRules,
-    /// Largest request body accepted.
-    pub max_body_bytes: usize,
-    /// The budget of bodies in flight (`admission:`).
-    pub admission: AdmissionConfig,
-    /// How long one body's local tokenization may take before it is given
-    /// up (checked between its segments).
-    pub time_budget: Duration,
-    /// The nice value of the threads that tokenize bodies over
-    /// `admission.small_body_bytes` ([`bulk`]; 0: indexd's own priority).
-    pub large_body_nice: i32,
-}
-
-impl Default for TokenizeConfig {
-    fn default() -> Self {
-        Self {
-            tokenizers: Vec::new(),
-            cache_bytes: 64 << 20,
-            replica_timeout: Duration::from_secs(2),
-            gate: GateRules::default(),
-            max_body_bytes: 16 << 20,
-            admission: AdmissionConfig::default(),
-            time_budget: Duration::from_secs(2),
-            large_body_nice: 10,
-        }
-    }
-}
 
 /// The OpenAI-compatible API a body speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -271,30 +219,6 @@ pub struct Tokenizers {
     bulk: Option<bulk::Bulk>,
     /// Metrics.
     pub metrics: TokenizeMetrics,
-}
-
-/// A local tokenizer that did not load.
-#[derive(Debug, thiserror::Error)]
-#[error("tokenizer for model {model:?} in {dir}: {source}")]
-pub struct LoadError {
-    /// The model.
-    pub model: String,
-    /// Its directory.
-    pub dir: String,
-    /// Why.
-    #[source]
-    pub source: LoadFailure,
-}
-
-/// Why a local tokenizer could not be set up.
-#[derive(Debug, thiserror::Error)]
-pub enum LoadFailure {
-    /// Its files.
-    #[error(transparent)]
-    Tokenizer(#[from] kvroute_tokenizer::LoadError),
-    /// The threads large bodies are tokenized on.
-    #[error("cannot start the large-body threads: {0}")]
-    Threads(#[from] std::io::Error),
 }
 
 impl Tokenizers {

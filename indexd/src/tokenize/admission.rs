@@ -30,66 +30,11 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use crate::config::tokenize::AdmissionConfig;
 use crate::metrics::{CounterVec, gauge};
 use crate::sync::{WarnGate, lock};
-
-/// The budget's configuration (`tokenize.admission`).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct AdmissionConfig {
-    /// Request-body bytes tokenized at once (locally or by a replica).
-    pub max_bytes: usize,
-    /// Bodies tokenized at once.
-    pub max_concurrent: usize,
-    /// A body of at most this many bytes may use the reserve.
-    pub small_body_bytes: usize,
-    /// Of `max_bytes`, what only small bodies may use.
-    pub reserved_bytes: usize,
-    /// Of `max_concurrent`, what only small bodies may use.
-    pub reserved_concurrent: usize,
-    /// The `Retry-After` of an HTTP refusal.
-    pub retry_after: Duration,
-}
-
-impl AdmissionConfig {
-    /// The defaults for a machine with `cpus` CPUs and `memory` bytes:
-    /// bodies worth a 1/1024th of the memory in flight (16 MiB to
-    /// 256 MiB: at a hostile body's ~64× in the tokenizer, 1/16th of the
-    /// memory), 4 per CPU and at least 8 bodies, a quarter of the bytes and
-    /// all but an eighth of the places ([`reserve_for`]) kept for bodies of
-    /// at most 1 MiB.
-    pub fn for_machine(cpus: usize, memory: u64) -> Self {
-        let max_bytes = usize::try_from(memory / 1024)
-            .unwrap_or(usize::MAX)
-            .clamp(16 << 20, 256 << 20);
-        let max_concurrent = cpus.saturating_mul(4).max(8);
-        Self {
-            max_bytes,
-            max_concurrent,
-            small_body_bytes: 1 << 20,
-            reserved_bytes: max_bytes / 4,
-            reserved_concurrent: reserve_for(max_concurrent),
-            retry_after: Duration::from_secs(1),
-        }
-    }
-}
-
-/// The places of `max_concurrent` kept for small bodies: all but an eighth
-/// (at least one left for large bodies). Large bodies are the ones a hostile
-/// client sends, and each keeps a CPU busy for as long as its time budget:
-/// with the default of 4 places per CPU, an eighth is half the CPUs (one on
-/// a 2-CPU node), so ordinary requests always find CPUs free.
-pub fn reserve_for(max_concurrent: usize) -> usize {
-    max_concurrent.saturating_sub((max_concurrent / 8).max(1))
-}
-
-impl Default for AdmissionConfig {
-    /// [`AdmissionConfig::for_machine`] of this machine.
-    fn default() -> Self {
-        Self::for_machine(crate::machine::cpus(), crate::machine::memory_bytes())
-    }
-}
 
 /// Where a body came in (the metric's `path` label).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -446,7 +391,10 @@ impl Drop for Caller {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
+    use crate::config::tokenize::reserve_for;
 
     fn budget() -> Arc<Admission> {
         Admission::new(AdmissionConfig {

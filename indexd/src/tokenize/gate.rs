@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use super::Tokenizers;
 use super::probe::Verdict;
+use crate::config::tokenize::GateRules;
 use crate::metrics::label_value as escape;
 use crate::sync::{WarnGate, lock};
 
@@ -111,37 +112,6 @@ pub struct Transition {
     pub to: GateState,
     /// Why.
     pub why: Why,
-}
-
-/// The rules a gate follows (from `tokenize:`).
-#[derive(Clone, Debug, PartialEq)]
-pub struct GateRules {
-    /// The probe set's period while open; the cap of a closed gate's pause.
-    pub interval: Duration,
-    /// Live requests compared per second at most (0: none).
-    pub shadow_per_second: f64,
-    /// Distinct live bodies whose ids differ within `mismatch_window` that
-    /// close the gate (at least 1).
-    pub close_after_mismatches: u32,
-    /// See `close_after_mismatches`.
-    pub mismatch_window: Duration,
-    /// Clean probe rounds in a row that reopen a closed gate (at least 1).
-    pub reopen_after_rounds: u32,
-    /// A closed gate's first pause between probe rounds.
-    pub reopen_backoff: Duration,
-}
-
-impl Default for GateRules {
-    fn default() -> Self {
-        Self {
-            interval: Duration::from_secs(600),
-            shadow_per_second: 1.0,
-            close_after_mismatches: 3,
-            mismatch_window: Duration::from_secs(600),
-            reopen_after_rounds: 2,
-            reopen_backoff: Duration::from_secs(30),
-        }
-    }
 }
 
 /// Checks counted by kind (probe, shadow) and verdict.

@@ -97,7 +97,7 @@ async fn promtool_accepts_the_metrics_page() {
     let mut d = Daemon::start_with(vec![ep, plain], 16, move |c| {
         if let Some(dir) = dir {
             c.tokenize.tokenizers.push(
-                indexd::tokenize::config::parse_flag(&format!("m={}", dir.display())).unwrap(),
+                indexd::config::tokenize::parse_flag(&format!("m={}", dir.display())).unwrap(),
             );
         }
     })
@@ -259,7 +259,7 @@ async fn the_dashboard_names_only_exported_metrics() {
     let d = Daemon::start_with(vec![endpoint(18411, None)], 16, move |c| {
         c.tokenize
             .tokenizers
-            .push(indexd::tokenize::config::parse_flag(&format!("m={}", dir.display())).unwrap());
+            .push(indexd::config::tokenize::parse_flag(&format!("m={}", dir.display())).unwrap());
     })
     .await;
     let page = d.handle.metrics_text();

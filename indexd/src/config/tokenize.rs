@@ -29,12 +29,154 @@
 //! ```
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{AdmissionConfig, GateRules, TokenizeConfig, TokenizerSpec};
 use crate::config::{RawDuration, duration};
 use crate::error::ConfigError;
+
+/// One model's local tokenizer, as configured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenizerSpec {
+    /// The model name requests carry.
+    pub model: String,
+    /// Its directory: `tokenizer.json`, `tokenizer_config.json`, optionally
+    /// `chat_template.jinja` and `config.json`.
+    pub dir: PathBuf,
+    /// vLLM's `--max-model-len` (else from config.json, as vLLM does).
+    pub max_model_len: Option<u32>,
+    /// vLLM's `--chat-template`, as a file.
+    pub chat_template: Option<PathBuf>,
+    /// vLLM's `--trust-request-chat-template`.
+    pub trust_request_chat_template: bool,
+}
+
+/// How tokenization behaves, from the configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenizeConfig {
+    /// Local tokenizers.
+    pub tokenizers: Vec<TokenizerSpec>,
+    /// Bound of each local tokenizer's segment cache.
+    pub cache_bytes: usize,
+    /// Timeout of a replica's tokenizer call.
+    pub replica_timeout: Duration,
+    /// The exactness gate's rules (`gate_interval`, `shadow_per_second`,
+    /// `gate_close_after_mismatches`, …).
+    pub gate: GateRules,
+    /// Largest request body accepted.
+    pub max_body_bytes: usize,
+    /// The budget of bodies in flight (`admission:`).
+    pub admission: AdmissionConfig,
+    /// How long one body's local tokenization may take before it is given
+    /// up (checked between its segments).
+    pub time_budget: Duration,
+    /// The nice value of the threads that tokenize bodies over
+    /// `admission.small_body_bytes` ([`bulk`]; 0: indexd's own priority).
+    pub large_body_nice: i32,
+}
+
+impl Default for TokenizeConfig {
+    fn default() -> Self {
+        Self {
+            tokenizers: Vec::new(),
+            cache_bytes: 64 << 20,
+            replica_timeout: Duration::from_secs(2),
+            gate: GateRules::default(),
+            max_body_bytes: 16 << 20,
+            admission: AdmissionConfig::default(),
+            time_budget: Duration::from_secs(2),
+            large_body_nice: 10,
+        }
+    }
+}
+
+/// The budget's configuration (`tokenize.admission`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdmissionConfig {
+    /// Request-body bytes tokenized at once (locally or by a replica).
+    pub max_bytes: usize,
+    /// Bodies tokenized at once.
+    pub max_concurrent: usize,
+    /// A body of at most this many bytes may use the reserve.
+    pub small_body_bytes: usize,
+    /// Of `max_bytes`, what only small bodies may use.
+    pub reserved_bytes: usize,
+    /// Of `max_concurrent`, what only small bodies may use.
+    pub reserved_concurrent: usize,
+    /// The `Retry-After` of an HTTP refusal.
+    pub retry_after: Duration,
+}
+
+impl AdmissionConfig {
+    /// The defaults for a machine with `cpus` CPUs and `memory` bytes:
+    /// bodies worth a 1/1024th of the memory in flight (16 MiB to
+    /// 256 MiB: at a hostile body's ~64× in the tokenizer, 1/16th of the
+    /// memory), 4 per CPU and at least 8 bodies, a quarter of the bytes and
+    /// all but an eighth of the places ([`reserve_for`]) kept for bodies of
+    /// at most 1 MiB.
+    pub fn for_machine(cpus: usize, memory: u64) -> Self {
+        let max_bytes = usize::try_from(memory / 1024)
+            .unwrap_or(usize::MAX)
+            .clamp(16 << 20, 256 << 20);
+        let max_concurrent = cpus.saturating_mul(4).max(8);
+        Self {
+            max_bytes,
+            max_concurrent,
+            small_body_bytes: 1 << 20,
+            reserved_bytes: max_bytes / 4,
+            reserved_concurrent: reserve_for(max_concurrent),
+            retry_after: Duration::from_secs(1),
+        }
+    }
+}
+
+/// The places of `max_concurrent` kept for small bodies: all but an eighth
+/// (at least one left for large bodies). Large bodies are the ones a hostile
+/// client sends, and each keeps a CPU busy for as long as its time budget:
+/// with the default of 4 places per CPU, an eighth is half the CPUs (one on
+/// a 2-CPU node), so ordinary requests always find CPUs free.
+pub fn reserve_for(max_concurrent: usize) -> usize {
+    max_concurrent.saturating_sub((max_concurrent / 8).max(1))
+}
+
+impl Default for AdmissionConfig {
+    /// [`AdmissionConfig::for_machine`] of this machine.
+    fn default() -> Self {
+        Self::for_machine(crate::machine::cpus(), crate::machine::memory_bytes())
+    }
+}
+
+/// The rules a gate follows (from `tokenize:`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GateRules {
+    /// The probe set's period while open; the cap of a closed gate's pause.
+    pub interval: Duration,
+    /// Live requests compared per second at most (0: none).
+    pub shadow_per_second: f64,
+    /// Distinct live bodies whose ids differ within `mismatch_window` that
+    /// close the gate (at least 1).
+    pub close_after_mismatches: u32,
+    /// See `close_after_mismatches`.
+    pub mismatch_window: Duration,
+    /// Clean probe rounds in a row that reopen a closed gate (at least 1).
+    pub reopen_after_rounds: u32,
+    /// A closed gate's first pause between probe rounds.
+    pub reopen_backoff: Duration,
+}
+
+impl Default for GateRules {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(600),
+            shadow_per_second: 1.0,
+            close_after_mismatches: 3,
+            mismatch_window: Duration::from_secs(600),
+            reopen_after_rounds: 2,
+            reopen_backoff: Duration::from_secs(30),
+        }
+    }
+}
 
 /// The YAML shape.
 #[derive(Debug, Deserialize)]
@@ -115,7 +257,7 @@ impl RawTokenize {
             reserved_bytes: a.reserved_bytes.unwrap_or(max_bytes / 4),
             reserved_concurrent: a
                 .reserved_concurrent
-                .unwrap_or_else(|| super::admission::reserve_for(max_concurrent)),
+                .unwrap_or_else(|| reserve_for(max_concurrent)),
             retry_after: duration(&f("admission.retry_after"), a.retry_after, da.retry_after)?,
         };
         Ok(TokenizeConfig {
