@@ -20,7 +20,7 @@ use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
 
 use crate::error::{AuthError, ConfigError};
-use crate::state::Shared;
+use crate::metrics::CounterVec;
 
 /// The shortest token accepted.
 pub const MIN_TOKEN_BYTES: usize = 16;
@@ -94,21 +94,38 @@ impl Token {
     }
 }
 
-/// The gRPC interceptor: passes every call when no token is configured.
-#[derive(Clone, Debug)]
-pub(crate) struct GrpcAuth {
-    shared: Arc<Shared>,
+/// What the checks read from the daemon's state: the token, if one is
+/// configured, and the counter of refusals.
+pub(crate) trait Guarded: Send + Sync + 'static {
+    /// The expected token (None: every call passes).
+    fn token(&self) -> Option<&Token>;
+    /// `indexd_auth_failures_total{listener}`.
+    fn auth_failures(&self) -> &CounterVec<1>;
 }
 
-impl GrpcAuth {
-    pub(crate) fn new(shared: Arc<Shared>) -> Self {
-        Self { shared }
+/// The gRPC interceptor: passes every call when no token is configured.
+#[derive(Debug)]
+pub(crate) struct GrpcAuth<S> {
+    state: Arc<S>,
+}
+
+impl<S> Clone for GrpcAuth<S> {
+    fn clone(&self) -> Self {
+        Self {
+            state: Arc::clone(&self.state),
+        }
     }
 }
 
-impl tonic::service::Interceptor for GrpcAuth {
+impl<S: Guarded> GrpcAuth<S> {
+    pub(crate) fn new(state: Arc<S>) -> Self {
+        Self { state }
+    }
+}
+
+impl<S: Guarded> tonic::service::Interceptor for GrpcAuth<S> {
     fn call(&mut self, request: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
-        let Some(token) = &self.shared.token else {
+        let Some(token) = self.state.token() else {
             return Ok(request);
         };
         let header = request
@@ -118,7 +135,7 @@ impl tonic::service::Interceptor for GrpcAuth {
         match token.check(header) {
             Ok(()) => Ok(request),
             Err(e) => {
-                self.shared.metrics.auth_failures.inc(["grpc"]);
+                self.state.auth_failures().inc(["grpc"]);
                 Err(e.into())
             }
         }
@@ -127,12 +144,12 @@ impl tonic::service::Interceptor for GrpcAuth {
 
 /// The HTTP middleware, layered on every route but the probes when a token
 /// is configured.
-pub(crate) async fn http(
-    State(shared): State<Arc<Shared>>,
+pub(crate) async fn http<S: Guarded>(
+    State(state): State<Arc<S>>,
     request: Request,
     next: Next,
 ) -> Response {
-    let Some(token) = &shared.token else {
+    let Some(token) = state.token() else {
         return next.run(request).await;
     };
     let header = request
@@ -142,7 +159,7 @@ pub(crate) async fn http(
     match token.check(header) {
         Ok(()) => next.run(request).await,
         Err(e) => {
-            shared.metrics.auth_failures.inc(["http"]);
+            state.auth_failures().inc(["http"]);
             (
                 StatusCode::UNAUTHORIZED,
                 [("www-authenticate", "Bearer")],

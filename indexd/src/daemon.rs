@@ -260,9 +260,12 @@ impl Bound {
         }
         let models: Vec<String> = shared.tokenizers.locals().map(|(m, _)| m.clone()).collect();
         for model in models {
-            shared
-                .tasks
-                .spawn(tokenize::probe::run(Arc::clone(&shared), model));
+            shared.tasks.spawn(tokenize::probe::run(
+                Arc::clone(&shared.tokenizers),
+                Arc::clone(&shared) as Arc<dyn tokenize::Replicas>,
+                shared.shutdown.clone(),
+                model,
+            ));
         }
         // Either server stopping (shutdown, or an error) stops the other.
         let local = shutdown.child_token();

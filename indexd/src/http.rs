@@ -17,6 +17,8 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
 
+mod tokenize;
+
 use crate::metrics::{gauge, label_value};
 use crate::state::Shared;
 use crate::sync::{lock, read};
@@ -26,11 +28,11 @@ use crate::sync::{lock, read};
 pub fn router(shared: Arc<Shared>) -> Router {
     let mut guarded = Router::new()
         .route("/metrics", get(metrics))
-        .merge(crate::tokenize::http::routes(&shared));
+        .merge(tokenize::routes(&shared));
     if shared.token.is_some() {
         guarded = guarded.route_layer(axum::middleware::from_fn_with_state(
             Arc::clone(&shared),
-            crate::auth::http,
+            crate::auth::http::<Shared>,
         ));
     }
     Router::new()

@@ -33,7 +33,7 @@ impl IndexService {
 
     /// The tonic server wrapper behind the token check; a Pick may carry a
     /// request body up to `tokenize.max_body_bytes`.
-    pub fn into_server(self) -> InterceptedService<IndexServer<Self>, GrpcAuth> {
+    pub fn into_server(self) -> InterceptedService<IndexServer<Self>, GrpcAuth<Shared>> {
         let limit = self
             .shared
             .tokenizers
@@ -97,7 +97,7 @@ impl IndexService {
             .shared
             .tokenizers
             .tokenize(
-                &self.shared,
+                self.shared.as_ref(),
                 Via::Pick,
                 api,
                 &req.model,

@@ -49,11 +49,8 @@
 //! the request path on the other CPUs), so a flood of events cannot queue
 //! Picks behind it, and at most that many writers contend for `index`.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock};
-use std::time::{Duration, Instant};
 
 use rand::SeedableRng;
 use rand::rngs::StdRng;
@@ -61,517 +58,20 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::affinity::{Affinity, Approximate};
-use crate::auth::Token;
-use crate::calibrate::{Calibration, PrefillCounters, PrefillSpeed};
+use crate::auth::{Guarded, Token};
 use crate::config::{Config, EndpointConfig};
 use crate::conversations::Conversations;
 use crate::event::{EventBatch, KvEvent};
 use crate::ids::EndpointId;
-use crate::ids::ReplicaSlot;
 use crate::index::layout::Unmodelled;
 use crate::index::{Applied, ApplyStats, Index, Layout, Lookup};
 use crate::metrics::Metrics;
 use crate::ratelimit::TokenBucket;
-use crate::score::Load;
+pub(crate) use crate::score::Registry;
+pub use crate::score::Replica;
 use crate::snapshot::Pending;
 use crate::sync::{WarnGate, lock, read, write};
-use crate::tokenize::Tokenizers;
-
-/// Load as scraped, plus bookkeeping.
-#[derive(Debug, Default)]
-struct Scraped {
-    running: f64,
-    waiting: f64,
-    /// `waiting` of the scrape before the latest.
-    waiting_before: f64,
-    kv_usage: f64,
-    consecutive_failures: u32,
-    occupancy: Option<f64>,
-    cache_available: Option<bool>,
-    /// The calibration's latest speed, copied here so that a Pick reads a
-    /// replica's load under this one lock (and its pending picks').
-    prefill: Option<PrefillSpeed>,
-    /// Its KV cache's size in blocks, as its metrics say.
-    cache_blocks: Option<f64>,
-}
-
-/// One replica's runtime state.
-#[derive(Debug)]
-pub struct Replica {
-    /// Its configuration.
-    pub(crate) config: EndpointConfig,
-    /// Its slot in the index.
-    pub(crate) slot: ReplicaSlot,
-    /// Cancels its tasks when it is removed or indexd stops.
-    pub(crate) cancel: CancellationToken,
-    fresh: AtomicBool,
-    healthy: AtomicBool,
-    scraped: Mutex<Scraped>,
-    pending: Mutex<PickQueue>,
-    block_size_seen: AtomicU32,
-    block_size_warned: AtomicBool,
-    /// The KV cache layout last reported (`kind/reason` of its first group
-    /// not modelled, or empty): a warning per change.
-    layout_reported: Mutex<String>,
-    loras: Mutex<BTreeSet<String>>,
-    warning: WarnGate,
-    /// Where its event stream resumes, when a snapshot restored its blocks.
-    resume: Mutex<Option<Applied>>,
-    /// Its prefill speed, fitted from its metrics.
-    calibration: Mutex<Fitted>,
-    /// Its host as a Pick's candidates name it (`ip:port`), written once:
-    /// formatting the address took a twentieth of a Pick.
-    address: String,
-}
-
-/// A replica's calibration and what it last concluded.
-#[derive(Debug, Default)]
-struct Fitted {
-    fit: Calibration,
-    speed: Option<PrefillSpeed>,
-    /// The rate last logged (changes of a quarter or more are logged).
-    logged: Option<f64>,
-}
-
-const MAX_PENDING: usize = 4096;
-/// The longest prefill one pick may stand for (a bound on bad estimates).
-const MAX_PICK_PREFILL: Duration = Duration::from_secs(60);
-
-/// The picks sent to a replica, and the prefill queue they make there.
-///
-/// Each pick's prefill is placed after those before it (one replica's
-/// prefill is compute-bound: work queued ahead delays it by its own length)
-/// and lasts its estimated time, so the queue drains as the replica works
-/// instead of standing until a scrape or an answer: a request that is
-/// decoding has left the prefill queue. An answer that comes sooner than
-/// estimated shortens the queue by what its pick had left.
-///
-/// Apart from time, each pick stands for the KV blocks its prompt will
-/// allocate there until the filter reports it answered (or
-/// `pending_pick_ttl` passes): blocks that requests queued ahead of a new
-/// one take from the cache before it is admitted ([`crate::score`]).
-#[derive(Debug, Default)]
-struct PickQueue {
-    /// Picks its metrics may not show yet, oldest first (a scrape that began
-    /// after a pick drops it from here, not from the queue).
-    picks: VecDeque<PendingPick>,
-    /// When the prefill of every pick noted so far is estimated to be done.
-    busy_until: Option<Instant>,
-    /// Picks not answered yet with the blocks they allocate, oldest first.
-    allocating: VecDeque<Allocation>,
-}
-
-/// A pick's KV blocks still to come, until it is answered.
-#[derive(Clone, Debug)]
-struct Allocation {
-    at: Instant,
-    /// Shared with its [`PendingPick`]: one copy of the id a pick.
-    request_id: Arc<str>,
-    blocks: u32,
-}
-
-/// One pick sent to the replica.
-#[derive(Clone, Debug)]
-struct PendingPick {
-    at: Instant,
-    /// The request's `x-request-id` (empty if none).
-    request_id: Arc<str>,
-    /// Its prefill's estimated start and end.
-    start: Instant,
-    end: Instant,
-}
-
-impl PickQueue {
-    /// Queues a pick made at `at` (at most `now`: a request the filter
-    /// reports after the fact) whose prefill starts once the queue ahead of
-    /// it is done, `now` at the earliest.
-    fn note(
-        &mut self,
-        at: Instant,
-        now: Instant,
-        request_id: Arc<str>,
-        prefill: Duration,
-        blocks: u32,
-    ) {
-        if self.picks.len() >= MAX_PENDING {
-            self.picks.pop_front();
-        }
-        if self.allocating.len() >= MAX_PENDING {
-            self.allocating.pop_front();
-        }
-        if blocks > 0 {
-            self.allocating.push_back(Allocation {
-                at: at.min(now),
-                request_id: Arc::clone(&request_id),
-                blocks,
-            });
-        }
-        let start = self.busy_until.filter(|b| *b > now).unwrap_or(now);
-        let end = start + prefill.min(MAX_PICK_PREFILL);
-        self.busy_until = Some(end);
-        self.picks.push_back(PendingPick {
-            at: at.min(now),
-            request_id,
-            start,
-            end,
-        });
-    }
-
-    /// Forgets `request_id`'s pick; the queue loses what its prefill had
-    /// left. Returns whether one was found.
-    fn complete(&mut self, now: Instant, request_id: &str) -> bool {
-        let allocated = self
-            .allocating
-            .iter()
-            .position(|a| *a.request_id == *request_id)
-            .and_then(|i| self.allocating.remove(i))
-            .is_some();
-        let Some(i) = self.picks.iter().position(|p| *p.request_id == *request_id) else {
-            return allocated;
-        };
-        let Some(p) = self.picks.remove(i) else {
-            return false;
-        };
-        let left = p.end.saturating_duration_since(p.start.max(now));
-        if let Some(b) = self.busy_until
-            && b > now
-        {
-            self.busy_until = Some(b.checked_sub(left).map_or(now, |e| e.max(now)));
-        }
-        true
-    }
-
-    /// Blocks the unanswered picks not admitted yet will allocate: all but
-    /// the oldest `admitted` (the replica's running requests: admitted in
-    /// order, their blocks are allocated already), those older than `ttl`
-    /// at `now` forgotten first.
-    fn demand_blocks(&mut self, now: Instant, ttl: Duration, admitted: usize) -> u64 {
-        while self
-            .allocating
-            .front()
-            .is_some_and(|a| now.saturating_duration_since(a.at) > ttl)
-        {
-            self.allocating.pop_front();
-        }
-        self.allocating
-            .iter()
-            .skip(admitted)
-            .map(|a| u64::from(a.blocks))
-            .sum()
-    }
-
-    /// Seconds of prefill queued at `now`.
-    fn queued_seconds(&self, now: Instant) -> f64 {
-        self.busy_until
-            .map_or(0.0, |b| b.saturating_duration_since(now).as_secs_f64())
-    }
-}
-const MAX_LORAS: usize = 256;
-
-impl Replica {
-    fn new(config: EndpointConfig, slot: ReplicaSlot, cancel: CancellationToken) -> Self {
-        Self {
-            // Without an event source there is nothing to be stale about;
-            // without a metrics URL there is no health signal.
-            fresh: AtomicBool::new(config.events.is_none()),
-            healthy: AtomicBool::new(config.metrics_url.is_none()),
-            address: config.id.address.to_string(),
-            config,
-            slot,
-            cancel,
-            scraped: Mutex::new(Scraped::default()),
-            pending: Mutex::new(PickQueue::default()),
-            block_size_seen: AtomicU32::new(0),
-            block_size_warned: AtomicBool::new(false),
-            layout_reported: Mutex::new(String::new()),
-            loras: Mutex::new(BTreeSet::new()),
-            warning: WarnGate::default(),
-            resume: Mutex::new(None),
-            calibration: Mutex::new(Fitted::default()),
-        }
-    }
-
-    /// Takes one scrape's prefill counters, scraped at `at`, into the fit of
-    /// its speed (`prior`: the configured tokens per second).
-    pub(crate) fn calibrate(&self, counters: PrefillCounters, at: Instant, prior: f64) {
-        let mut f = lock(&self.calibration);
-        // An idle interval adds nothing; a restart resets the fit.
-        f.fit.observe(counters, Some(at));
-        f.speed = f.fit.speed(prior);
-        lock(&self.scraped).prefill = f.speed;
-        let Some(speed) = f.speed else {
-            return;
-        };
-        let moved = f.logged.is_none_or(|l| {
-            let ratio = speed.tokens_per_second / l;
-            !(0.8..=1.25).contains(&ratio)
-        });
-        if moved {
-            f.logged = Some(speed.tokens_per_second);
-            drop(f);
-            tracing::info!(
-                endpoint = %self.id(),
-                tokens_per_second = speed.tokens_per_second.round(),
-                overhead_ms = (speed.overhead_seconds * 1e3).round(),
-                prior,
-                "prefill speed calibrated from the replica's metrics"
-            );
-        }
-    }
-
-    /// Its fitted prefill speed (None: not enough evidence yet; the prior
-    /// applies).
-    pub(crate) fn prefill_speed(&self) -> Option<PrefillSpeed> {
-        lock(&self.calibration).speed
-    }
-
-    /// True at most once per 10 s: bad input from one replica is counted
-    /// always but logged sparingly.
-    pub(crate) fn may_warn(&self) -> bool {
-        self.warning.open()
-    }
-
-    /// Takes the point a snapshot says its stream resumes from.
-    pub(crate) fn take_resume(&self) -> Option<Applied> {
-        lock(&self.resume).take()
-    }
-
-    /// Records the point its stream resumes from (its blocks were restored).
-    pub(crate) fn set_resume(&self, point: Applied) {
-        *lock(&self.resume) = Some(point);
-    }
-
-    /// Its identity.
-    pub fn id(&self) -> &EndpointId {
-        &self.config.id
-    }
-
-    /// Its host address as text (`ip:port`, what Envoy's override names).
-    pub fn address(&self) -> &str {
-        &self.address
-    }
-
-    /// Subscribed with no unrecovered gap.
-    pub fn is_fresh(&self) -> bool {
-        self.fresh.load(Ordering::Acquire)
-    }
-
-    /// Marks the event stream complete (or not).
-    pub(crate) fn set_fresh(&self, fresh: bool) {
-        self.fresh.store(fresh, Ordering::Release);
-    }
-
-    /// The last scrapes succeeded (or there is nothing to scrape).
-    pub fn is_healthy(&self) -> bool {
-        self.healthy.load(Ordering::Acquire)
-    }
-
-    /// Healthy and fresh: may be named in an answer.
-    pub fn is_eligible(&self) -> bool {
-        self.is_healthy() && self.is_fresh()
-    }
-
-    /// The block size its events carry (0: none seen).
-    pub(crate) fn block_size_seen(&self) -> u32 {
-        self.block_size_seen.load(Ordering::Relaxed)
-    }
-
-    /// True if it serves `model` (configured, or a LoRA seen in its events).
-    pub(crate) fn serves(&self, model: &str) -> bool {
-        self.config.serves(model) || lock(&self.loras).contains(model)
-    }
-
-    /// Records a successful scrape that started at `started`: its load and
-    /// the KV cache size it gave (None: the page does not say), under one
-    /// lock, so that a Pick never pairs one scrape's usage with another's
-    /// cache size.
-    pub(crate) fn scrape_ok(
-        &self,
-        running: f64,
-        waiting: f64,
-        kv_usage: f64,
-        cache_blocks: Option<f64>,
-        started: Instant,
-    ) {
-        {
-            let mut s = lock(&self.scraped);
-            s.running = running;
-            s.waiting_before = s.waiting;
-            s.waiting = waiting;
-            s.kv_usage = kv_usage;
-            s.cache_blocks = cache_blocks;
-            s.consecutive_failures = 0;
-        }
-        // Picks made before the scrape started are visible in it now (their
-        // prefill stays in the queue: a scrape does not say it is done).
-        let mut pending = lock(&self.pending);
-        while pending.picks.front().is_some_and(|p| p.at < started) {
-            pending.picks.pop_front();
-        }
-        drop(pending);
-        self.healthy.store(true, Ordering::Release);
-    }
-
-    /// Records a failed scrape; returns true if the replica just became
-    /// unhealthy.
-    pub(crate) fn scrape_failed(&self, unhealthy_after: u32) -> bool {
-        let failures = {
-            let mut s = lock(&self.scraped);
-            s.consecutive_failures = s.consecutive_failures.saturating_add(1);
-            s.consecutive_failures
-        };
-        failures >= unhealthy_after && self.healthy.swap(false, Ordering::AcqRel)
-    }
-
-    /// Its KV cache size in blocks, if its metrics said.
-    pub(crate) fn cache_blocks(&self) -> Option<f64> {
-        lock(&self.scraped).cache_blocks
-    }
-
-    /// Records the capacity signal.
-    pub(crate) fn set_capacity(&self, occupancy: Option<f64>, cache_available: Option<bool>) {
-        let mut s = lock(&self.scraped);
-        s.occupancy = occupancy;
-        s.cache_available = cache_available;
-    }
-
-    /// Queues a pick's estimated `prefill` time behind the prefill already
-    /// queued ([`PickQueue`]), and counts the pick until a scrape shows it or
-    /// the filter reports it answered ([`Self::complete_pick`]), and the
-    /// `blocks` it allocates until it is answered.
-    pub(crate) fn note_pick(&self, now: Instant, request_id: &str, prefill: Duration, blocks: u32) {
-        // The id's copy is made before the lock is taken.
-        let request_id = Arc::from(request_id);
-        lock(&self.pending).note(now, now, request_id, prefill, blocks);
-    }
-
-    /// [`Self::note_pick`] for a request routed at `at` without a Pick (the
-    /// filter's `local_continuations`), reported by a later Pick: it counts
-    /// for `pending_pick_ttl` from `at`.
-    pub(crate) fn note_continued(
-        &self,
-        at: Instant,
-        now: Instant,
-        request_id: &str,
-        prefill: Duration,
-        blocks: u32,
-    ) {
-        let request_id = Arc::from(request_id);
-        lock(&self.pending).note(at, now, request_id, prefill, blocks);
-    }
-
-    /// Forgets the pending pick of `request_id`: the replica has answered
-    /// (its prefill is done), so what its prefill had left leaves the queue.
-    /// Returns whether one was found.
-    pub(crate) fn complete_pick(&self, now: Instant, request_id: &str) -> bool {
-        if request_id.is_empty() {
-            return false;
-        }
-        lock(&self.pending).complete(now, request_id)
-    }
-
-    /// The load snapshot the scorer uses; `conversations` is this indexd's
-    /// count of conversations whose latest turn went here
-    /// ([`crate::conversations`], kept for all replicas at once).
-    pub(crate) fn load(&self, now: Instant, pending_ttl: Duration, conversations: usize) -> Load {
-        // The scraped figures first (one lock each, never both held): its
-        // running requests are its oldest unanswered picks, admitted already.
-        let mut load = {
-            let s = lock(&self.scraped);
-            let prefill = s.prefill;
-            Load {
-                prefill_tokens_per_second: prefill.map(|p| p.tokens_per_second),
-                prefill_overhead_seconds: prefill.map_or(0.0, |p| p.overhead_seconds),
-                running: s.running,
-                waiting: s.waiting,
-                waiting_before: s.waiting_before,
-                kv_usage: s.kv_usage,
-                cache_blocks: s.cache_blocks,
-                conversations: conversations as f64,
-                occupancy: s.occupancy,
-                cache_available: s.cache_available.unwrap_or(true),
-                ..Load::default()
-            }
-        };
-        let admitted = load.running.max(0.0).min(MAX_PENDING as f64) as usize;
-        let mut p = lock(&self.pending);
-        while p
-            .picks
-            .front()
-            .is_some_and(|p| now.saturating_duration_since(p.at) > pending_ttl)
-        {
-            p.picks.pop_front();
-        }
-        load.pending_picks = p.picks.len() as f64;
-        load.demand_blocks = p.demand_blocks(now, pending_ttl, admitted) as f64;
-        load.queued_seconds = p.queued_seconds(now);
-        load
-    }
-}
-
-/// The replicas indexd knows, by identity.
-#[derive(Debug, Default)]
-pub(crate) struct Registry {
-    replicas: BTreeMap<EndpointId, Arc<Replica>>,
-    next_slot: u32,
-}
-
-impl Registry {
-    /// All replicas.
-    pub(crate) fn all(&self) -> Vec<Arc<Replica>> {
-        self.replicas.values().cloned().collect()
-    }
-
-    /// The replicas serving `model` that are eligible (healthy and fresh),
-    /// in [`Registry::all`]'s order, and whether any replica serves it at
-    /// all.
-    pub(crate) fn eligible(&self, model: &str) -> (Vec<Arc<Replica>>, bool) {
-        let mut serving = false;
-        let eligible = self
-            .replicas
-            .values()
-            .filter(|r| {
-                let serves = r.serves(model);
-                serving |= serves;
-                serves && r.is_eligible()
-            })
-            .cloned()
-            .collect();
-        (eligible, serving)
-    }
-
-    /// One replica.
-    pub(crate) fn get(&self, id: &EndpointId) -> Option<Arc<Replica>> {
-        self.replicas.get(id).cloned()
-    }
-
-    /// The replica an Observe may name: `id` itself; with no rank, any
-    /// replica at the address; with a rank, a replica registered at the
-    /// address without ranks. Never a replica at another address, nor
-    /// another rank of a server registered by rank.
-    pub(crate) fn observed(&self, id: &EndpointId) -> Option<Arc<Replica>> {
-        if id.rank.is_none() {
-            return self.find(id);
-        }
-        self.get(id).or_else(|| {
-            self.get(&EndpointId {
-                address: id.address,
-                rank: None,
-            })
-        })
-    }
-
-    /// The replica `id` names, or, when the rank is unknown or differs, the
-    /// first replica at that address.
-    pub(crate) fn find(&self, id: &EndpointId) -> Option<Arc<Replica>> {
-        self.get(id).or_else(|| {
-            self.replicas
-                .values()
-                .find(|r| r.id().address == id.address)
-                .cloned()
-        })
-    }
-}
+use crate::tokenize::{Replicas, Tokenizers};
 
 /// Everything the tasks and handlers share.
 #[derive(Debug)]
@@ -607,7 +107,7 @@ pub struct Shared {
     pub(crate) ingest: OnceLock<tokio::runtime::Handle>,
     /// Local tokenizers and the replica fallback (read-only after start;
     /// each model's gate and cache synchronise themselves).
-    pub(crate) tokenizers: Tokenizers,
+    pub(crate) tokenizers: Arc<Tokenizers>,
     /// The shared token every call must carry, if configured.
     pub(crate) token: Option<Token>,
     /// The Observe rate limit.
@@ -625,6 +125,27 @@ pub struct Shared {
     /// Warnings about endpoints added in code that name indexd's own HTTP
     /// listener.
     pub(crate) refused_warning: WarnGate,
+}
+
+impl Replicas for Shared {
+    fn serving(&self, model: &str) -> Vec<std::net::SocketAddr> {
+        read(&self.registry)
+            .all()
+            .into_iter()
+            .filter(|r| r.serves(model) && r.is_healthy())
+            .map(|r| r.id().address)
+            .collect()
+    }
+}
+
+impl Guarded for Shared {
+    fn token(&self) -> Option<&Token> {
+        self.token.as_ref()
+    }
+
+    fn auth_failures(&self) -> &crate::metrics::CounterVec<1> {
+        &self.metrics.auth_failures
+    }
 }
 
 impl Shared {
@@ -649,7 +170,7 @@ impl Shared {
             restores: Mutex::new(Pending::default()),
             snapshot_lock: Mutex::new(()),
             ingest: OnceLock::new(),
-            tokenizers: Tokenizers::none(),
+            tokenizers: Arc::new(Tokenizers::none()),
             token: None,
             observe_bucket: Mutex::new(TokenBucket::new(
                 config.access.observe_rate,
@@ -685,29 +206,20 @@ impl Shared {
 
     /// The same state tokenizing with `tokenizers`.
     pub fn with_tokenizers(mut self, tokenizers: Tokenizers) -> Self {
-        self.tokenizers = tokenizers;
+        self.tokenizers = Arc::new(tokenizers);
         self
     }
 
     /// Registers an endpoint; `None` if it is already known.
     pub fn add_replica(&self, config: EndpointConfig) -> Option<Arc<Replica>> {
-        let mut reg = write(&self.registry);
-        if reg.replicas.contains_key(&config.id) {
-            return None;
-        }
-        let slot = ReplicaSlot(reg.next_slot);
-        reg.next_slot = reg.next_slot.saturating_add(1);
-        let replica = Arc::new(Replica::new(config, slot, self.shutdown.child_token()));
-        reg.replicas
-            .insert(replica.id().clone(), Arc::clone(&replica));
-        drop(reg);
+        let replica = write(&self.registry).add(config, &self.shutdown)?;
         crate::snapshot::restore(self, &replica);
         Some(replica)
     }
 
     /// Unregisters an endpoint, stops its tasks and drops its entries.
     pub(crate) fn remove_replica(&self, id: &EndpointId) -> bool {
-        let Some(replica) = write(&self.registry).replicas.remove(id) else {
+        let Some(replica) = write(&self.registry).remove(id) else {
             return false;
         };
         replica.cancel.cancel();
@@ -749,10 +261,7 @@ impl Shared {
                 KvEvent::BlockStored(s) => {
                     self.note_block_size(replica, s.block_size);
                     if let Some(lora) = &s.lora_name {
-                        let mut loras = lock(&replica.loras);
-                        if loras.len() < MAX_LORAS {
-                            loras.insert(lora.clone());
-                        }
+                        replica.note_lora(lora);
                     }
                     "block_stored"
                 }
@@ -823,41 +332,12 @@ impl Shared {
             .as_ref()
             .map(|u| format!("{}/{}", u.kind, u.reason))
             .unwrap_or_default();
-        let mut reported = lock(&replica.layout_reported);
-        let groups = describe_layout(layout);
-        match &unmodelled {
-            Some(u) if *reported != now => tracing::warn!(
-                endpoint = %replica.id(),
-                model = %replica.config.model,
-                group = u.group,
-                kind = %u.kind,
-                reason = u.reason,
-                groups = %groups,
-                "replica has a KV cache group indexd does not model: its hits are estimated \
-                 from the other groups and its Picks are answered approximate \
-                 (indexd_unmodelled_kv_groups)"
-            ),
-            _ => tracing::info!(
-                endpoint = %replica.id(),
-                groups = %groups,
-                "replica's KV cache groups"
-            ),
-        }
-        *reported = now;
+        replica.report_layout(now, unmodelled.as_ref(), &describe_layout(layout));
     }
 
     fn note_block_size(&self, replica: &Replica, block_size: u32) {
-        replica.block_size_seen.store(block_size, Ordering::Relaxed);
-        if block_size != self.config.block_size.get() {
+        if !replica.note_block_size(block_size, self.config.block_size.get()) {
             self.metrics.block_size_mismatch.inc(["event"]);
-            if !replica.block_size_warned.swap(true, Ordering::Relaxed) {
-                tracing::warn!(
-                    endpoint = %replica.id(),
-                    event_block_size = block_size,
-                    configured = self.config.block_size.get(),
-                    "replica's KV events use a different block size than configured: its blocks will not match"
-                );
-            }
         }
     }
 
@@ -879,10 +359,7 @@ impl Shared {
 
     /// True when some replica may be named in an answer.
     pub fn is_ready(&self) -> bool {
-        read(&self.registry)
-            .replicas
-            .values()
-            .any(|r| r.is_eligible())
+        read(&self.registry).all().iter().any(|r| r.is_eligible())
     }
 }
 
@@ -901,107 +378,4 @@ pub(crate) fn describe_layout(layout: &Layout) -> String {
         let _ = write!(out, "@{}", g.block_size);
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A replica of model `m`, never scraped.
-    fn replica() -> Replica {
-        Replica::new(
-            EndpointConfig::new("10.0.0.1:8000".parse().expect("address"), "m"),
-            ReplicaSlot(0),
-            CancellationToken::new(),
-        )
-    }
-
-    const MS: Duration = Duration::from_millis(1);
-
-    #[test]
-    fn picks_queue_behind_each_other_and_drain_with_time() {
-        let t0 = Instant::now();
-        let mut q = PickQueue::default();
-        q.note(t0, t0, "a".into(), 300 * MS, 0);
-        q.note(t0, t0, "b".into(), 200 * MS, 0);
-        assert!((q.queued_seconds(t0) - 0.5).abs() < 1e-9);
-        assert!((q.queued_seconds(t0 + 400 * MS) - 0.1).abs() < 1e-9);
-        assert_eq!(q.queued_seconds(t0 + 600 * MS), 0.0);
-        // A pick after the queue ran dry starts at once.
-        q.note(t0 + 600 * MS, t0 + 600 * MS, "c".into(), 100 * MS, 0);
-        assert!((q.queued_seconds(t0 + 600 * MS) - 0.1).abs() < 1e-9);
-    }
-
-    #[test]
-    fn an_answer_takes_what_its_pick_had_left_out_of_the_queue() {
-        let t0 = Instant::now();
-        let mut q = PickQueue::default();
-        q.note(t0, t0, "a".into(), 300 * MS, 0);
-        q.note(t0, t0, "b".into(), 200 * MS, 0);
-        // `b` answered 100 ms in, before its estimated start: all of its
-        // 200 ms leave; `a` still has 200 ms.
-        assert!(q.complete(t0 + 100 * MS, "b"));
-        assert!((q.queued_seconds(t0 + 100 * MS) - 0.2).abs() < 1e-9);
-        assert!(!q.complete(t0 + 100 * MS, "b"), "once");
-        // `a` answered early: the queue is empty, never negative.
-        assert!(q.complete(t0 + 150 * MS, "a"));
-        assert_eq!(q.queued_seconds(t0 + 150 * MS), 0.0);
-    }
-
-    #[test]
-    fn a_scrape_stops_counting_picks_but_leaves_their_prefill_queued() {
-        let r = replica();
-        let t0 = Instant::now();
-        r.note_pick(t0, "a", 500 * MS, 0);
-        let ttl = Duration::from_secs(5);
-        assert_eq!(r.load(t0, ttl, 0).pending_picks, 1.0);
-        r.scrape_ok(1.0, 0.0, 0.1, None, t0 + MS);
-        let load = r.load(t0 + 100 * MS, ttl, 0);
-        assert_eq!(load.pending_picks, 0.0);
-        assert!((load.queued_seconds - 0.4).abs() < 1e-9);
-    }
-
-    #[test]
-    fn picks_stand_for_the_blocks_they_allocate_until_answered_or_expired() {
-        let r = replica();
-        let (t0, ttl) = (Instant::now(), Duration::from_secs(5));
-        assert_eq!(r.load(t0, ttl, 0).cache_blocks, None);
-        r.scrape_ok(0.0, 0.0, 0.0, Some(86.0), t0);
-        r.note_pick(t0, "a", 100 * MS, 30);
-        r.note_pick(t0 + MS, "b", 100 * MS, 12);
-        r.note_pick(t0 + MS, "c", 100 * MS, 0);
-        let load = r.load(t0 + MS, ttl, 0);
-        assert_eq!((load.cache_blocks, load.demand_blocks), (Some(86.0), 42.0));
-        // A scrape shows them (they leave the pending count); one is
-        // running: the oldest, whose blocks are allocated (in the usage).
-        r.scrape_ok(1.0, 2.0, 0.5, Some(86.0), t0 + 2 * MS);
-        assert_eq!(r.load(t0 + 2 * MS, ttl, 0).demand_blocks, 12.0);
-        r.scrape_ok(0.0, 3.0, 0.5, Some(86.0), t0 + 2 * MS);
-        assert_eq!(r.load(t0 + 2 * MS, ttl, 0).demand_blocks, 42.0);
-        assert!(
-            r.complete_pick(t0 + 3 * MS, "a"),
-            "found by its blocks alone"
-        );
-        assert_eq!(r.load(t0 + 3 * MS, ttl, 0).demand_blocks, 12.0);
-        // Unanswered past the TTL: forgotten.
-        assert_eq!(r.load(t0 + ttl + 2 * MS, ttl, 0).demand_blocks, 0.0);
-    }
-
-    #[test]
-    fn the_load_keeps_the_waiting_of_the_scrape_before() {
-        let r = replica();
-        let (t0, ttl) = (Instant::now(), Duration::from_secs(5));
-        let waiting = |r: &Replica| {
-            let l = r.load(t0, ttl, 0);
-            (l.waiting, l.waiting_before)
-        };
-        assert_eq!(waiting(&r), (0.0, 0.0));
-        r.scrape_ok(1.0, 3.0, 0.1, None, t0);
-        assert_eq!(waiting(&r), (3.0, 0.0), "one scrape: no queue seen before");
-        r.scrape_ok(1.0, 2.0, 0.1, None, t0);
-        assert_eq!(waiting(&r), (2.0, 3.0));
-        // A failed scrape changes neither.
-        r.scrape_failed(3);
-        assert_eq!(waiting(&r), (2.0, 3.0));
-    }
 }

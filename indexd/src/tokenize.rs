@@ -35,7 +35,6 @@
 pub mod admission;
 pub mod bulk;
 pub mod gate;
-pub mod http;
 pub mod probe;
 pub mod replica;
 
@@ -53,8 +52,6 @@ pub use crate::config::tokenize::{
 };
 pub use crate::error::{LoadError, LoadFailure};
 use crate::metrics::{CounterVec, Histogram};
-use crate::state::{Replica, Shared};
-use crate::sync::read;
 pub use admission::{Admission, Cancel, Refusal, Via};
 pub use gate::{Gate, GateState};
 
@@ -62,6 +59,14 @@ pub use gate::{Gate, GateState};
 /// (`block_in_place`); larger ones on the blocking pool, so that a caller
 /// going away is seen while the work runs.
 pub const INLINE_BODY_BYTES: usize = 256 << 10;
+
+/// The replicas tokenization may ask for ids, as it sees them: the shared
+/// state implements this over its registry, so tokenization needs nothing
+/// else of it.
+pub trait Replicas: Send + Sync {
+    /// The addresses of the healthy replicas serving `model`.
+    fn serving(&self, model: &str) -> Vec<std::net::SocketAddr>;
+}
 
 /// The OpenAI-compatible API a body speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -313,18 +318,18 @@ impl Tokenizers {
         self.models.iter()
     }
 
-    /// A healthy replica serving `model`, round robin.
-    pub fn replica_for(&self, shared: &Shared, model: &str) -> Option<Arc<Replica>> {
-        let candidates: Vec<Arc<Replica>> = read(&shared.registry)
-            .all()
-            .into_iter()
-            .filter(|r| r.serves(model) && r.is_healthy())
-            .collect();
+    /// A healthy replica serving `model`, round robin: its address.
+    pub fn replica_for(
+        &self,
+        replicas: &dyn Replicas,
+        model: &str,
+    ) -> Option<std::net::SocketAddr> {
+        let candidates = replicas.serving(model);
         if candidates.is_empty() {
             return None;
         }
         let n = self.next_replica.fetch_add(1, Ordering::Relaxed);
-        candidates.get(n % candidates.len()).cloned()
+        candidates.get(n % candidates.len()).copied()
     }
 
     /// The token ids of `body` (a request of `api` for `model`, come in by
@@ -336,7 +341,7 @@ impl Tokenizers {
     /// the prompt's first `max_tokens`.
     pub async fn tokenize(
         &self,
-        shared: &Arc<Shared>,
+        replicas: &dyn Replicas,
         via: Via,
         api: Api,
         model: &str,
@@ -344,7 +349,7 @@ impl Tokenizers {
         max_tokens: Option<usize>,
     ) -> Result<Tokenized, TokenizeError> {
         let result = self
-            .admitted(shared, via, api, model, body, max_tokens)
+            .admitted(replicas, via, api, model, body, max_tokens)
             .await;
         match result {
             Ok((ids, salt, source)) => {
@@ -362,7 +367,7 @@ impl Tokenizers {
     /// who tokenized; or the error and who failed.
     async fn admitted(
         &self,
-        shared: &Arc<Shared>,
+        replicas: &dyn Replicas,
         via: Via,
         api: Api,
         model: &str,
@@ -385,12 +390,12 @@ impl Tokenizers {
             // The local path reads the salt from the body it parses anyway.
             Some(local) => {
                 let work = Admitted { ticket, max_tokens };
-                self.local_or_replica(shared, local, api, model, body, work)
+                self.local_or_replica(replicas, local, api, model, body, work)
                     .await
             }
             None => match salt_of(&body) {
                 Ok(salt) => {
-                    let ids = self.timed_replica_ids(shared, api, model, &body).await;
+                    let ids = self.timed_replica_ids(replicas, api, model, &body).await;
                     drop(ticket);
                     ids.map(|ids| (ids, salt, Source::Replica))
                         .map_err(|e| (e, Source::Replica))
@@ -409,7 +414,7 @@ impl Tokenizers {
     /// request.
     async fn local_or_replica(
         &self,
-        shared: &Arc<Shared>,
+        replicas: &dyn Replicas,
         local: &LocalModel,
         api: Api,
         model: &str,
@@ -451,14 +456,14 @@ impl Tokenizers {
             Ok(mine) => {
                 let salt = mine.salt.clone();
                 let (ids, source) = self
-                    .shadow_checked(shared, local, api, model, &body, mine)
+                    .shadow_checked(replicas, local, api, model, &body, mine)
                     .await;
                 Ok((ids, salt, source))
             }
             Err(TokenizeError::Unsupported(why)) => {
                 tracing::debug!(model, reason = %why, "request not reproduced locally; asking a replica");
                 let salt = salt_of(&body).map_err(|e| (e, Source::Local))?;
-                self.timed_replica_ids(shared, api, model, &body)
+                self.timed_replica_ids(replicas, api, model, &body)
                     .await
                     .map(|ids| (ids, salt, Source::Replica))
                     .map_err(|e| (e, Source::Replica))
@@ -489,7 +494,7 @@ impl Tokenizers {
     /// differ (where `mine` stopped at its token cap, in the ids it has).
     async fn shadow_checked(
         &self,
-        shared: &Arc<Shared>,
+        replicas: &dyn Replicas,
         local: &LocalModel,
         api: Api,
         model: &str,
@@ -499,7 +504,7 @@ impl Tokenizers {
         let Some(_slot) = local.gate.take_shadow_slot() else {
             return (mine.ids, Source::Local);
         };
-        let mut theirs = self.timed_replica_ids(shared, api, model, body).await;
+        let mut theirs = self.timed_replica_ids(replicas, api, model, body).await;
         if mine.truncated
             && let Ok(full) = &mut theirs
         {
@@ -525,13 +530,13 @@ impl Tokenizers {
     /// [`Tokenizers::replica_ids`], timed.
     async fn timed_replica_ids(
         &self,
-        shared: &Shared,
+        replicas: &dyn Replicas,
         api: Api,
         model: &str,
         body: &[u8],
     ) -> Result<Vec<u32>, TokenizeError> {
         let started = Instant::now();
-        let ids = self.replica_ids(shared, api, model, body).await;
+        let ids = self.replica_ids(replicas, api, model, body).await;
         self.metrics.replica_latency.observe(started.elapsed());
         ids
     }
@@ -539,19 +544,19 @@ impl Tokenizers {
     /// The token ids a healthy replica serving `model` computes for `body`.
     pub async fn replica_ids(
         &self,
-        shared: &Shared,
+        replicas: &dyn Replicas,
         api: Api,
         model: &str,
         body: &[u8],
     ) -> Result<Vec<u32>, TokenizeError> {
-        let Some(replica) = self.replica_for(shared, model) else {
+        let Some(address) = self.replica_for(replicas, model) else {
             return Err(TokenizeError::Unavailable(format!(
                 "no healthy replica serves {model:?}"
             )));
         };
         replica::token_ids(
             &self.client,
-            replica.id().address,
+            address,
             api,
             model,
             body,

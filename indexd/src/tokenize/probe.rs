@@ -17,8 +17,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{Api, Limits, TokenizeError, Tokenizers, local_ids};
-use crate::state::Shared;
+use tokio_util::sync::CancellationToken;
+
+use super::{Api, Limits, Replicas, TokenizeError, Tokenizers, local_ids};
 
 /// How one comparison ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -143,7 +144,7 @@ pub fn probes(model: &str) -> Vec<(Api, String)> {
 /// One round of the probe set; the verdict of the round: the first
 /// mismatch, else inconclusive if any probe was or none agreed, else agree.
 /// Probes the replica refuses by its serving flags (tools, say) are left out.
-pub async fn probe_round(shared: &Shared, tokenizers: &Tokenizers, model: &str) -> Verdict {
+pub async fn probe_round(replicas: &dyn Replicas, tokenizers: &Tokenizers, model: &str) -> Verdict {
     let Some(local) = tokenizers.local(model) else {
         return Verdict::Inconclusive("no local tokenizer".to_owned());
     };
@@ -158,7 +159,7 @@ pub async fn probe_round(shared: &Shared, tokenizers: &Tokenizers, model: &str) 
         .await
         .unwrap_or_else(|e| Err(TokenizeError::Unavailable(format!("tokenizer task: {e}"))));
         let theirs = tokenizers
-            .replica_ids(shared, api, model, body.as_bytes())
+            .replica_ids(replicas, api, model, body.as_bytes())
             .await;
         let verdict = compare(&mine, &theirs);
         local.gate.count(false, &verdict);
@@ -182,14 +183,18 @@ pub async fn probe_round(shared: &Shared, tokenizers: &Tokenizers, model: &str) 
 
 /// The gate task of `model`: probe rounds until shutdown, each verdict
 /// applied to the gate, the pause between rounds the gate's to say.
-pub async fn run(shared: Arc<Shared>, model: String) {
+pub async fn run(
+    tokenizers: Arc<Tokenizers>,
+    replicas: Arc<dyn Replicas>,
+    shutdown: CancellationToken,
+    model: String,
+) {
     let retry = Duration::from_secs(2);
     loop {
-        let tokenizers = &shared.tokenizers;
         let Some(local) = tokenizers.local(&model) else {
             return;
         };
-        let verdict = probe_round(&shared, tokenizers, &model).await;
+        let verdict = probe_round(replicas.as_ref(), &tokenizers, &model).await;
         if let Verdict::Inconclusive(why) | Verdict::Refused(why) = &verdict {
             tracing::debug!(model, reason = %why, "tokenizer probe round inconclusive");
         }
@@ -201,7 +206,7 @@ pub async fn run(shared: Arc<Shared>, model: String) {
         // starts the pause the new state asks for.
         loop {
             tokio::select! {
-                () = shared.shutdown.cancelled() => return,
+                () = shutdown.cancelled() => return,
                 () = tokio::time::sleep(pause) => break,
                 () = local.gate.changed() => pause = local.gate.pause(false, retry),
             }

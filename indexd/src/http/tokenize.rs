@@ -5,7 +5,7 @@
 //! (`local` or `replica`). Errors are vLLM's error objects: 400 for a body
 //! vLLM would refuse, 404 for a model nobody serves, 413 for a body over
 //! `max_body_bytes`, 503 when no tokenizer can answer, and 503 with
-//! `Retry-After` for a body over the admission budget ([`super::admission`]).
+//! `Retry-After` for a body over the admission budget ([`crate::tokenize::admission`]).
 //! A request carrying [`replica::HOP_HEADER`] (an indexd forwarded it) is
 //! refused with 508: it is never forwarded again. A closed connection
 //! cancels its body's work.
@@ -23,10 +23,10 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use kvroute_tokenizer::{ResponsesRequest, TokenizeRequest};
 
-use super::admission::{Refusal, Via};
-use super::{Api, GateState, Limits, Source, replica};
 use crate::state::Shared;
 use crate::sync::read;
+use crate::tokenize::admission::{Refusal, Via};
+use crate::tokenize::{Api, GateState, Limits, Source, replica};
 
 /// The routes, with the body limit of the configuration. A request whose
 /// `Content-Length` is over the limit is refused from its head, before any of
@@ -181,7 +181,7 @@ async fn serve(
     shared: &Arc<Shared>,
     api: Api,
     body: Bytes,
-    ticket: super::admission::Ticket,
+    ticket: crate::tokenize::admission::Ticket,
 ) -> Response {
     let model = match model_of(shared, &body) {
         Ok(m) => m,
@@ -245,7 +245,7 @@ async fn serve(
             _ => {}
         }
     }
-    let Some(target) = tokenizers.replica_for(shared, &model) else {
+    let Some(target) = tokenizers.replica_for(shared.as_ref(), &model) else {
         let known = read(&shared.registry)
             .all()
             .iter()
@@ -270,15 +270,7 @@ async fn serve(
         Api::Chat | Api::Completions => "/tokenize",
     };
     let timeout = tokenizers.config().replica_timeout;
-    match replica::call(
-        tokenizers.client(),
-        target.id().address,
-        path,
-        body.to_vec(),
-        timeout,
-    )
-    .await
-    {
+    match replica::call(tokenizers.client(), target, path, body.to_vec(), timeout).await {
         Ok((status, answer)) => {
             let result = if status == 200 { "ok" } else { "refused" };
             tokenizers.metrics.requests.inc(["replica", result]);
