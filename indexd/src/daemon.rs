@@ -79,7 +79,7 @@ impl Server {
             let _ = shared.ingest.set(rt.handle().clone());
         }
         // A snapshot's replicas are restored as they are registered.
-        snapshot::load(&shared);
+        snapshot::load(shared.as_ref());
         // Static endpoints are known (and visible through the handle) from
         // here on; their tasks start with `serve`.
         for endpoint in shared.config.endpoints.clone() {
@@ -87,7 +87,7 @@ impl Server {
         }
         if shared.config.discovery_file.is_none() && shared.config.kubernetes.is_none() {
             // No other endpoint will come from the snapshot's era.
-            crate::sync::lock(&shared.restores).clear();
+            shared.snapshots.forget_unrestored();
         }
         Ok(Bound {
             grpc,
@@ -366,7 +366,7 @@ impl Handle {
     /// The status of one replica.
     pub fn replica(&self, id: &EndpointId) -> Option<ReplicaStatus> {
         let r = crate::sync::read(&self.shared.registry).get(id)?;
-        let entries = crate::sync::lock(&self.shared.index).replica_entries(r.slot);
+        let entries = self.shared.index.replica_entries(r.slot);
         Some(ReplicaStatus {
             fresh: r.is_fresh(),
             healthy: r.is_healthy(),

@@ -98,7 +98,7 @@ pub async fn watch(shared: Arc<Shared>, path: PathBuf) {
         last_seen = stamp;
         reconcile(&shared, &mut known, endpoints);
         // A snapshot's replicas the file no longer lists are gone.
-        crate::sync::lock(&shared.restores).clear();
+        shared.snapshots.forget_unrestored();
     }
 }
 

@@ -125,15 +125,13 @@ pub fn render(shared: &Shared) -> String {
     let mut out = String::with_capacity(8192);
     shared.metrics.render(&mut out);
     shared.tokenizers.render_metrics(&mut out);
-    let (entries, keys, bytes, spec) = {
-        let index = lock(&shared.index);
-        (
-            index.entries(),
-            index.distinct_keys(),
-            index.approx_bytes(),
-            index.speculative_entries(),
-        )
-    };
+    let totals = shared.index.totals();
+    let (entries, keys, bytes, spec) = (
+        totals.entries,
+        totals.distinct_keys,
+        totals.bytes,
+        totals.speculative,
+    );
     gauge(
         &mut out,
         "indexd_index_entries",
@@ -210,7 +208,6 @@ pub fn render(shared: &Shared) -> String {
         );
     }
     let replicas = read(&shared.registry).all();
-    let index = lock(&shared.index);
     for (name, help) in [
         (
             "indexd_replica_fresh",
@@ -248,7 +245,7 @@ pub fn render(shared: &Shared) -> String {
                     speed.map_or(0.0, |s| s.overhead_seconds)
                 }
                 "indexd_replica_cache_blocks" => r.cache_blocks().unwrap_or(0.0),
-                _ => index.replica_entries(r.slot) as f64,
+                _ => shared.index.replica_entries(r.slot) as f64,
             };
             let _ = writeln!(
                 out,

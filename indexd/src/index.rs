@@ -74,6 +74,7 @@ pub use apply::ApplyStats;
 pub use layout::{KvGroup, Layout};
 pub use lookup::{Lookup, Query};
 pub(crate) use saved::{Applied, SavedBlock};
+pub use shared::{SharedIndex, Totals};
 
 use store::{Entry, Store, table_bytes};
 
@@ -716,6 +717,7 @@ pub mod layout;
 mod lookup;
 mod parked;
 mod saved;
+mod shared;
 mod slab;
 mod store;
 

@@ -297,7 +297,7 @@ pub async fn watch(shared: Arc<Shared>, connection: Connection, config: Kubernet
         if first {
             // Every replica the cluster has is known now: a snapshot's
             // replicas that it does not list are gone.
-            crate::sync::lock(&shared.restores).clear();
+            shared.snapshots.forget_unrestored();
             first = false;
         }
     }

@@ -104,7 +104,7 @@ fn picks_do_not_wait_for_a_writer_holding_the_index() {
     let s = Arc::new(s);
     let (a, b): (Vec<u32>, Vec<u32>) = ((0..16).collect(), (100..116).collect());
     store(&s, &rs[0], &a);
-    let mut index = crate::sync::lock(&s.index);
+    let mut index = s.index.locked();
     // Half a batch for replica 1, not yet published.
     let ev = KvEvent::BlockStored(BlockStored {
         block_hashes: (0..4).map(EngineHash).collect(),

@@ -42,10 +42,12 @@ use std::time::{Duration, Instant, SystemTime};
 
 pub use crate::config::SnapshotConfig;
 use crate::ids::EndpointId;
-use crate::ids::PartitionId;
-use crate::index::SavedBlock;
-use crate::state::{Replica, Shared};
-use crate::sync::{lock, read};
+use tokio_util::sync::CancellationToken;
+
+use crate::index::SharedIndex;
+use crate::metrics::Metrics;
+use crate::score::Replica;
+use crate::sync::lock;
 
 mod format;
 
@@ -112,11 +114,47 @@ pub(crate) struct Pending {
     sections: HashMap<EndpointId, Section>,
 }
 
-impl Pending {
-    /// Forgets every replica not restored by now (their endpoints are gone).
-    pub(crate) fn clear(&mut self) {
-        self.sections = HashMap::new();
+/// The snapshot feature's own state: its settings, the loaded snapshot's
+/// replicas still to restore, and the lock that serializes writers (the
+/// periodic one and the one at shutdown).
+#[derive(Debug)]
+pub(crate) struct Snapshots {
+    config: SnapshotConfig,
+    block_size: u32,
+    restores: std::sync::Mutex<Pending>,
+    one_writer: std::sync::Mutex<()>,
+}
+
+impl Snapshots {
+    /// Snapshots as `config` says, of an index of `block_size` blocks.
+    pub(crate) fn new(config: SnapshotConfig, block_size: u32) -> Self {
+        Self {
+            config,
+            block_size,
+            restores: std::sync::Mutex::new(Pending::default()),
+            one_writer: std::sync::Mutex::new(()),
+        }
     }
+
+    /// Forgets every replica not restored by now (their endpoints are gone).
+    pub(crate) fn forget_unrestored(&self) {
+        lock(&self.restores).sections = HashMap::new();
+    }
+}
+
+/// What snapshots read of the daemon's state: the shared state implements
+/// it, so this module needs nothing else of it.
+pub(crate) trait Source: Send + Sync + 'static {
+    /// The snapshot feature's own state.
+    fn snapshots(&self) -> &Snapshots;
+    /// The index saved and restored.
+    fn index(&self) -> &SharedIndex;
+    /// Every registered replica.
+    fn replicas(&self) -> Vec<Arc<Replica>>;
+    /// The counters (`indexd_snapshot_*`).
+    fn metrics(&self) -> &Metrics;
+    /// Fires at shutdown.
+    fn shutdown(&self) -> &CancellationToken;
 }
 
 /// What a write did.
@@ -145,35 +183,31 @@ pub(crate) fn partial_path(path: &Path) -> PathBuf {
 /// One replica's section: captured under the index's read lock, encoded
 /// after it is released. None if the replica has applied nothing since its
 /// last purge (nothing to resume from).
-fn capture(shared: &Shared, replica: &Replica) -> Result<Option<(Vec<u8>, usize)>, SnapshotError> {
-    let (applied, layout, blocks, names) = {
-        let index = lock(&shared.index);
-        let Some(applied) = index.applied(replica.slot) else {
-            return Ok(None);
-        };
-        let layout = index.layout(replica.slot);
-        let blocks: Vec<SavedBlock> = index.saved_blocks(replica.slot).collect();
-        let mut names: HashMap<PartitionId, String> = HashMap::new();
-        for b in &blocks {
-            if !names.contains_key(&b.partition)
-                && let Some(name) = index.partition_name(b.partition)
-            {
-                names.insert(b.partition, name);
-            }
-        }
-        (applied, layout, blocks, names)
+fn capture<S: Source>(
+    shared: &S,
+    replica: &Replica,
+) -> Result<Option<(Vec<u8>, usize)>, SnapshotError> {
+    let Some(c) = shared.index().capture(replica.slot) else {
+        return Ok(None);
     };
-    format::section(&replica.config, applied, layout.as_deref(), blocks, names).map(Some)
+    format::section(
+        &replica.config,
+        c.applied,
+        c.layout.as_deref(),
+        c.blocks,
+        c.names,
+    )
+    .map(Some)
 }
 
 /// Writes a snapshot of `shared`'s index to the configured path (blocking:
 /// run it off the async threads). Writers are serialized.
-pub(crate) fn write(shared: &Shared) -> Result<Written, SnapshotError> {
-    let cfg = &shared.config.snapshot;
+pub(crate) fn write<S: Source>(shared: &S) -> Result<Written, SnapshotError> {
+    let cfg = &shared.snapshots().config;
     let Some(path) = cfg.path.as_deref() else {
         return Ok(Written::default());
     };
-    let _one_writer = lock(&shared.snapshot_lock);
+    let _one_writer = lock(&shared.snapshots().one_writer);
     let deadline = Instant::now() + cfg.max_write_time;
     let partial = partial_path(path);
     let result = write_to(shared, &partial, deadline);
@@ -194,8 +228,12 @@ pub(crate) fn write(shared: &Shared) -> Result<Written, SnapshotError> {
     result
 }
 
-fn write_to(shared: &Shared, partial: &Path, deadline: Instant) -> Result<Written, SnapshotError> {
-    let cfg = &shared.config.snapshot;
+fn write_to<S: Source>(
+    shared: &S,
+    partial: &Path,
+    deadline: Instant,
+) -> Result<Written, SnapshotError> {
+    let cfg = &shared.snapshots().config;
     let file = create_partial(partial)?;
     let mut sink = Sink {
         out: BufWriter::with_capacity(1 << 20, file),
@@ -206,11 +244,11 @@ fn write_to(shared: &Shared, partial: &Path, deadline: Instant) -> Result<Writte
     sink.put(&VERSION.to_le_bytes())?;
     let header = encode(&Header {
         created_unix_ms: unix_ms(SystemTime::now()),
-        block_size: shared.config.block_size.get(),
+        block_size: shared.snapshots().block_size,
     })?;
     sink.put_section(&header)?;
     let mut written = Written::default();
-    let mut replicas = read(&shared.registry).all();
+    let mut replicas = shared.replicas();
     replicas.sort_by(|a, b| a.id().cmp(b.id()));
     // The end marker and the checksum.
     let trailer = 8;
@@ -298,8 +336,8 @@ pub(crate) fn read_file(
 
 /// At start, before any replica is registered: removes a partial file left
 /// by a crash, reads the snapshot, and keeps its replicas for [`restore`].
-pub(crate) fn load(shared: &Shared) {
-    let cfg = &shared.config.snapshot;
+pub(crate) fn load<S: Source>(shared: &S) {
+    let cfg = &shared.snapshots().config;
     let Some(path) = cfg.path.as_deref() else {
         return;
     };
@@ -307,14 +345,14 @@ pub(crate) fn load(shared: &Shared) {
     if fs::remove_file(&partial).is_ok() {
         tracing::info!(path = %partial.display(), "removed a partial snapshot left by an interrupted write");
     }
-    let result = read_file(path, cfg, shared.config.block_size.get());
+    let result = read_file(path, cfg, shared.snapshots().block_size);
     let label = result.as_ref().map_or_else(SnapshotError::label, |_| "ok");
-    shared.metrics.snapshot_loads.inc([label]);
+    shared.metrics().snapshot_loads.inc([label]);
     match result {
         Ok(loaded) => {
             let entries: usize = loaded.sections.iter().map(Section::entries).sum();
             tracing::info!(path = %path.display(), replicas = loaded.sections.len(), entries, age = ?loaded.age, "loaded the index snapshot");
-            let mut pending = lock(&shared.restores);
+            let mut pending = lock(&shared.snapshots().restores);
             for section in loaded.sections {
                 if let Some(id) = section.id() {
                     pending.sections.insert(id, section);
@@ -332,8 +370,11 @@ pub(crate) fn load(shared: &Shared) {
 
 /// Restores what the loaded snapshot saved of `replica` (if anything, and if
 /// it was saved with the same model and sources) and sets its resume point.
-pub(crate) fn restore(shared: &Shared, replica: &Replica) {
-    let Some(section) = lock(&shared.restores).sections.remove(replica.id()) else {
+pub(crate) fn restore<S: Source>(shared: &S, replica: &Replica) {
+    let Some(section) = lock(&shared.snapshots().restores)
+        .sections
+        .remove(replica.id())
+    else {
         return;
     };
     if !section.matches(&replica.config) {
@@ -341,28 +382,28 @@ pub(crate) fn restore(shared: &Shared, replica: &Replica) {
         return;
     }
     let applied = section.applied();
-    let restored = lock(&shared.index).restore(
+    let restored = shared.index().restore(
         replica.slot,
         applied,
         Some(section.layout()),
         section.blocks(),
     );
     replica.set_resume(applied);
-    let gauge = &shared.metrics.snapshot_loaded_entries;
+    let gauge = &shared.metrics().snapshot_loaded_entries;
     gauge.set(gauge.get() + restored as f64);
     tracing::debug!(endpoint = %replica.id(), entries = restored, seq = applied.seq, "restored from the snapshot");
 }
 
 /// Writes a snapshot now, off the async threads, and records the outcome.
-pub(crate) async fn write_now(shared: &Arc<Shared>) {
-    if shared.config.snapshot.path.is_none() {
+pub(crate) async fn write_now<S: Source>(shared: &Arc<S>) {
+    if shared.snapshots().config.path.is_none() {
         return;
     }
     let started = Instant::now();
     let for_write = Arc::clone(shared);
-    let result = tokio::task::spawn_blocking(move || write(&for_write)).await;
+    let result = tokio::task::spawn_blocking(move || write(for_write.as_ref())).await;
     let elapsed = started.elapsed();
-    let m = &shared.metrics;
+    let m = &shared.metrics();
     m.snapshot_write_seconds.set(elapsed.as_secs_f64());
     match result {
         Ok(Ok(w)) => {
@@ -390,16 +431,16 @@ pub(crate) async fn write_now(shared: &Arc<Shared>) {
 }
 
 /// Writes a snapshot every `snapshot_interval` until shutdown.
-pub(crate) async fn run(shared: Arc<Shared>) {
-    if shared.config.snapshot.path.is_none() {
+pub(crate) async fn run<S: Source>(shared: Arc<S>) {
+    if shared.snapshots().config.path.is_none() {
         return;
     }
-    let interval = shared.config.snapshot.interval;
+    let interval = shared.snapshots().config.interval;
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            () = shared.shutdown.cancelled() => return,
+            () = shared.shutdown().cancelled() => return,
             _ = tick.tick() => {}
         }
         write_now(&shared).await;

@@ -12,6 +12,7 @@ use super::*;
 use crate::config::{Config, EndpointConfig};
 use crate::event::{BlockStored, EngineHash, EventBatch, ExtraKeys, KvEvent, Tier};
 use crate::index::Applied;
+use crate::state::Shared;
 
 const BS: u32 = 4;
 
@@ -110,7 +111,7 @@ fn store(shared: &Shared, replica: &Replica, seq: u64, blocks: u32, salt: &str) 
 }
 
 fn matched(shared: &Shared, replica: &Replica, keys: &[u64]) -> u32 {
-    let index = lock(&shared.index);
+    let index = shared.index.locked();
     let keys: Vec<_> = keys
         .iter()
         .map(|k| kvroute_proto::BlockKey::from_u64(*k))
@@ -149,7 +150,7 @@ fn a_snapshot_round_trips_blocks_tiers_and_resume_points() {
     assert_eq!(matched(&restored, &replicas[1], &b), 5);
     assert_eq!(matched(&restored, &replicas[0], &b), 0);
     let m = {
-        let index = lock(&restored.index);
+        let index = restored.index.locked();
         let keys: Vec<_> = a
             .iter()
             .map(|k| kvroute_proto::BlockKey::from_u64(*k))
@@ -276,7 +277,7 @@ fn a_refused_file_restores_nothing_and_is_counted() {
     let eps = vec![endpoint(8000, "tcp://10.0.0.1:5558")];
     let (shared, replicas) = start(config(&dir.file(), eps));
     assert_eq!(shared.metrics.snapshot_loads.get(["corrupt"]), 1);
-    assert_eq!(lock(&shared.index).entries(), 0);
+    assert_eq!(shared.index.locked().entries(), 0);
     assert_eq!(replicas[0].take_resume(), None);
 }
 
@@ -294,7 +295,7 @@ fn a_snapshot_older_than_max_age_is_refused() {
     std::thread::sleep(Duration::from_millis(5));
     let (shared, _) = start(cfg);
     assert_eq!(shared.metrics.snapshot_loads.get(["too_old"]), 1);
-    assert_eq!(lock(&shared.index).entries(), 0);
+    assert_eq!(shared.index.locked().entries(), 0);
 }
 
 #[test]
@@ -332,6 +333,7 @@ fn max_snapshot_bytes_leaves_replicas_out_and_refuses_larger_files() {
 /// `shared` under another configuration, its index kept.
 fn reconfigure(shared: Shared, config: Config) -> Shared {
     let mut s = shared;
+    s.snapshots = Snapshots::new(config.snapshot.clone(), config.block_size.get());
     s.config = config;
     s
 }
@@ -489,7 +491,7 @@ fn a_snapshot_keeps_kv_cache_groups_and_the_layout() {
 
     let (restored, replicas) = start(config(&dir.file(), eps));
     assert_eq!(restored.metrics.snapshot_loaded_entries.get(), 6.0);
-    let layout = lock(&restored.index).layout(replicas[0].slot).unwrap();
+    let layout = restored.index.locked().layout(replicas[0].slot).unwrap();
     assert_eq!(
         crate::state::describe_layout(&layout),
         "0:sliding_window/8@4 1:full_attention@4"

@@ -1,9 +1,10 @@
 //! Shared state: the replica registry, the index and the side tables, with
 //! one owner each.
 //!
-//! - `index`: `Mutex` — the writer's side: subscribers apply one batch at a
-//!   time and publish it; the snapshot writer, discovery and `/metrics` read
-//!   it. Never held across `.await`. Picks never take it.
+//! - `index`: [`SharedIndex`], the writer's side behind a `Mutex` that only
+//!   its own methods take: subscribers apply one batch at a time and publish
+//!   it; the snapshot writer, discovery and `/metrics` read it. Never held
+//!   across `.await`. Picks never take it.
 //! - `lookup`: what Picks read ([`Lookup`]): the index's one copy under a
 //!   read lock (a publish takes the write lock a block at a time and yields
 //!   it to waiting Picks in between; see [`crate::index`]), the partitions (an
@@ -30,11 +31,11 @@
 //!   tokenizer's segment cache locks itself briefly (never while encoding).
 //!   Local tokenization runs on the worker that took the Pick
 //!   (`block_in_place`) or on the blocking pool, never under a lock here.
-//! - `restores` (a snapshot's replicas not registered yet): a short `Mutex`,
-//!   taken when a replica is added; restoring its blocks then takes the
-//!   `index` write lock once (start-up or discovery, not the request path).
-//!   The snapshot writer reads the index one replica at a time, under the
-//!   read lock, in a blocking task (no `.await` while held); `snapshot_lock`
+//! - `snapshots` ([`crate::snapshot`]): the snapshot's replicas not
+//!   registered yet behind a short `Mutex`, taken when a replica is added;
+//!   restoring its blocks then takes the `index` lock once (start-up or
+//!   discovery, not the request path). The snapshot writer reads the index
+//!   one replica at a time, in a blocking task; a second `Mutex` there
 //!   serializes writers (the periodic one and the one at shutdown).
 //! - per-replica prefill calibration: a short `Mutex`, written by that
 //!   replica's scrape task, which copies the fitted speed into the
@@ -64,12 +65,12 @@ use crate::conversations::Conversations;
 use crate::event::{EventBatch, KvEvent};
 use crate::ids::EndpointId;
 use crate::index::layout::Unmodelled;
-use crate::index::{Applied, ApplyStats, Index, Layout, Lookup};
+use crate::index::{Applied, ApplyStats, Index, Layout, Lookup, SharedIndex};
 use crate::metrics::Metrics;
 use crate::ratelimit::TokenBucket;
 pub(crate) use crate::score::Registry;
 pub use crate::score::Replica;
-use crate::snapshot::Pending;
+use crate::snapshot::{Snapshots, Source};
 use crate::sync::{WarnGate, lock, read, write};
 use crate::tokenize::{Replicas, Tokenizers};
 
@@ -79,7 +80,7 @@ pub struct Shared {
     /// The configuration indexd started with.
     pub(crate) config: Config,
     /// The block index (the writer's side).
-    pub(crate) index: Mutex<Index>,
+    pub(crate) index: SharedIndex,
     /// What Picks read (the index's published side).
     pub(crate) lookup: Arc<Lookup>,
     /// The replica registry.
@@ -98,10 +99,9 @@ pub struct Shared {
     pub(crate) shutdown: CancellationToken,
     /// Every background task, awaited on shutdown.
     pub(crate) tasks: TaskTracker,
-    /// A loaded snapshot's replicas, restored when they are registered.
-    pub(crate) restores: Mutex<Pending>,
-    /// Held while a snapshot is written.
-    pub(crate) snapshot_lock: Mutex<()>,
+    /// Snapshots: their settings, a loaded snapshot's replicas (restored
+    /// when they are registered) and the writers' lock.
+    pub(crate) snapshots: Snapshots,
     /// The runtime the subscriptions run on, apart from the request path
     /// (unset: the current one).
     pub(crate) ingest: OnceLock<tokio::runtime::Handle>,
@@ -138,6 +138,28 @@ impl Replicas for Shared {
     }
 }
 
+impl Source for Shared {
+    fn snapshots(&self) -> &Snapshots {
+        &self.snapshots
+    }
+
+    fn index(&self) -> &SharedIndex {
+        &self.index
+    }
+
+    fn replicas(&self) -> Vec<Arc<Replica>> {
+        read(&self.registry).all()
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    fn shutdown(&self) -> &CancellationToken {
+        &self.shutdown
+    }
+}
+
 impl Guarded for Shared {
     fn token(&self) -> Option<&Token> {
         self.token.as_ref()
@@ -158,7 +180,7 @@ impl Shared {
         let index = Index::new(config.max_index_entries, config.max_speculative_entries);
         Self {
             lookup: index.lookup(),
-            index: Mutex::new(index),
+            index: SharedIndex::new(index),
             registry: RwLock::new(Registry::default()),
             affinity: Mutex::new(Affinity::new(config.affinity_capacity, config.affinity_ttl)),
             approximate: Mutex::new(Approximate::new(config.approximate_capacity)),
@@ -167,8 +189,7 @@ impl Shared {
             rng: Mutex::new(rng),
             shutdown,
             tasks: TaskTracker::new(),
-            restores: Mutex::new(Pending::default()),
-            snapshot_lock: Mutex::new(()),
+            snapshots: Snapshots::new(config.snapshot.clone(), config.block_size.get()),
             ingest: OnceLock::new(),
             tokenizers: Arc::new(Tokenizers::none()),
             token: None,
@@ -223,7 +244,7 @@ impl Shared {
             return false;
         };
         replica.cancel.cancel();
-        lock(&self.index).remove_replica(replica.slot);
+        self.index.remove_replica(replica.slot);
         lock(&self.approximate).forget_replica(replica.slot);
         self.metrics.purges.inc(["removed"]);
         true
@@ -231,7 +252,7 @@ impl Shared {
 
     /// Forgets what `replica` holds.
     pub(crate) fn purge(&self, replica: &Replica, reason: &'static str) {
-        lock(&self.index).purge(replica.slot);
+        self.index.purge(replica.slot);
         self.metrics.purges.inc([reason]);
         tracing::info!(endpoint = %replica.id(), reason, "purged replica from the index");
     }
@@ -272,19 +293,13 @@ impl Shared {
             m.events.inc([ty]);
         }
         let mut stats = ApplyStats::default();
-        let layout = {
-            let mut index = lock(&self.index);
-            for ev in batch.events {
-                index.apply_unpublished(replica.slot, &replica.config.model, ev);
-            }
-            if let Some(applied) = applied {
-                index.set_applied(replica.slot, applied);
-            }
-            index.publish(&mut stats);
-            (stats.groups_learned > 0)
-                .then(|| index.layout(replica.slot))
-                .flatten()
-        };
+        let layout = self.index.apply_batch(
+            replica.slot,
+            &replica.config.model,
+            batch.events,
+            applied,
+            &mut stats,
+        );
         if let Some(layout) = layout {
             self.note_layout(replica, &layout);
         }
@@ -345,11 +360,10 @@ impl Shared {
     /// first one not modelled, if any (`/readyz`, `/metrics`).
     pub(crate) fn layouts(&self) -> Vec<(Arc<Replica>, String, Option<Unmodelled>)> {
         let replicas = read(&self.registry).all();
-        let index = lock(&self.index);
         replicas
             .into_iter()
             .filter_map(|r| {
-                let layout = index.layout(r.slot)?;
+                let layout = self.index.layout(r.slot)?;
                 let chunk = self.config.chunk_tokens(&r.config.model);
                 let unmodelled = layout.unmodelled(self.config.block_size.get(), chunk);
                 Some((r, describe_layout(&layout), unmodelled))

@@ -123,7 +123,7 @@ fn agrees(shared: &Shared, replica: &crate::state::Replica, world: &World, promp
             ids: ids.to_vec(),
         };
         let keys = block_keys(&p.tokens(0..p.ids.len()), bs(BLOCK), p.salt);
-        let index = crate::sync::lock(&shared.index);
+        let index = shared.index.locked();
         let got = index.match_prefix(
             index.partition("m"),
             &keys,
@@ -213,7 +213,7 @@ fn a_seq_the_buffer_no_longer_holds_purges_that_replica_and_replays_from_zero() 
         assert!(replicas[0].is_fresh());
         // What the buffer still held (the last two batches) is all it keeps:
         // the early prompts it cannot prove are forgotten, none invented.
-        let index = crate::sync::lock(&shared.index);
+        let index = shared.index.locked();
         assert_eq!(index.replica_entries(replicas[0].slot), 5);
     });
 }

@@ -298,7 +298,7 @@ fn run(
                         continue;
                     }
                     let keys = block_keys(&p.tokens(0..p.ids.len()), bs(BLOCK), p.salt);
-                    let index = crate::sync::lock(&shared.index);
+                    let index = shared.index.locked();
                     let got = index.match_prefix(
                         index.partition(p.model()),
                         &keys,

@@ -326,5 +326,5 @@ fn disk_tier_events_without_extra_keys_are_counted_not_indexed() {
     shared.ingest(&replica, batch);
     assert_eq!(shared.metrics.blocks.get(["skipped_salt_unknown"]), 2);
     assert_eq!(shared.metrics.blocks.get(["stored"]), 0);
-    assert_eq!(crate::sync::lock(&shared.index).entries(), 0);
+    assert_eq!(shared.index.locked().entries(), 0);
 }

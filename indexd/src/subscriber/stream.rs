@@ -153,7 +153,7 @@ impl<'a, R: Replay> Stream<'a, R> {
         } else if purge_counted {
             self.shared.purge(self.replica, "resync");
         } else {
-            crate::sync::lock(&self.shared.index).purge(self.replica.slot);
+            self.shared.index.purge(self.replica.slot);
         }
         self.tracker = Tracker::default();
         let result = self.replay(0, None, None, "start").await;
@@ -282,7 +282,7 @@ impl<'a, R: Replay> Stream<'a, R> {
                 }
                 // Its removals are lost: what we hold may be wrong.
                 self.shared.purge(self.replica, "decode_error");
-                crate::sync::lock(&self.shared.index).set_applied(self.replica.slot, applied);
+                self.shared.index.set_applied(self.replica.slot, applied);
             }
         }
     }
