@@ -17,9 +17,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_proto::SCHEME_VERSION;
 use kvroute_proto::keys::BlockKey;
-use kvroute_proto::v1::{
-    BusyReplica, Candidate, DecisionKind, Mode, ObserveRequest, Outcome, PickRequest, PickResponse,
-};
+use kvroute_proto::v1::{BusyReplica, Candidate, DecisionKind, Mode, PickRequest, PickResponse};
 
 use crate::conversations::{Conversations, Placed};
 use crate::error::RequestError;
@@ -30,6 +28,10 @@ use crate::index::{PrefixMatch, Query};
 use crate::score::{self, Input, Move, Ranking};
 use crate::state::{Replica, Shared};
 use crate::sync::{lock, read};
+
+mod observe;
+
+pub use observe::observe;
 
 fn proto_tier(t: Option<Tier>) -> i32 {
     use kvroute_proto::v1::Tier as P;
@@ -651,78 +653,6 @@ pub fn pick(
     explain(req, &snap, &ranking);
     credit(shared, req, &snap, &ranking, now);
     Ok(classify(shared, req, &snap, &ranking))
-}
-
-/// Records which replica served a request (feeds response-id affinity).
-///
-/// Nothing a caller sends is trusted: the call is refused, and changes
-/// nothing, when it is over the rate limit (`RESOURCE_EXHAUSTED`); when an
-/// id is too long or its endpoint is not a registered replica serving the
-/// Observe's model (`INVALID_ARGUMENT`); or when its response id is recorded
-/// already for another replica or model (`ALREADY_EXISTS`). Each refusal is
-/// counted in `indexd_observes_total{result}`.
-pub fn observe(shared: &Shared, req: &ObserveRequest, now: Instant) -> Result<(), RequestError> {
-    let metrics = &shared.metrics;
-    if !lock(&shared.observe_bucket).take(now) {
-        metrics.observes.inc(["rate_limited"]);
-        return Err(RequestError::RateLimited);
-    }
-    let valid = bounded("request_id", &req.request_id, MAX_REQUEST_ID_BYTES)
-        .and_then(|()| bounded("response_id", &req.response_id, MAX_RESPONSE_ID_BYTES))
-        .and_then(|()| {
-            req.endpoint
-                .parse()
-                .map_err(|_| RequestError::BadEndpoint(req.endpoint.clone()))
-        });
-    let address = match valid {
-        Ok(a) => a,
-        Err(e) => {
-            metrics.observes.inc(["invalid"]);
-            return Err(e);
-        }
-    };
-    let id = EndpointId {
-        address,
-        rank: req.data_parallel_rank,
-    };
-    let Some(replica) = read(&shared.registry).observed(&id) else {
-        metrics.observes.inc(["unknown_endpoint"]);
-        return Err(RequestError::UnknownEndpoint(id.to_string()));
-    };
-    if !replica.serves(&req.model) {
-        metrics.observes.inc(["model_not_served"]);
-        return Err(RequestError::ModelNotServed {
-            endpoint: id.to_string(),
-            model: req.model.clone(),
-        });
-    }
-    // The request was answered: its pick no longer stands for queued work.
-    complete_pick(shared, &req.request_id, now);
-    if req.response_id.is_empty() {
-        metrics.observes.inc(["no_response_id"]);
-        return Ok(());
-    }
-    let ok = req.outcome == Outcome::Ok as i32 || req.outcome == Outcome::Unspecified as i32;
-    if !ok {
-        metrics.observes.inc(["failed_request"]);
-        return Ok(());
-    }
-    let mut affinity = lock(&shared.affinity);
-    // A response id is recorded once: vLLM never serves one id twice, so
-    // another endpoint or model for a known id is a conflict, not news.
-    if let Some((held, model)) = affinity.get(&req.response_id, now)
-        && (*held != id || model != req.model)
-    {
-        drop(affinity);
-        metrics.observes.inc(["conflict"]);
-        return Err(RequestError::ResponseIdTaken);
-    }
-    let recorded = affinity.insert(&req.response_id, id, &req.model, now);
-    drop(affinity);
-    metrics
-        .observes
-        .inc([if recorded { "recorded" } else { "rejected" }]);
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,0 +1,162 @@
+//! A body's ids from the local tokenizer ([`local_ids`]) within its
+//! [`Limits`] (the caller's cancel, the time budget, the token cap), and the
+//! `cache_salt` read from a body ([`salt_of`]).
+
+use std::time::Instant;
+
+use kvroute_tokenizer::{ResponsesRequest, TokenizeRequest, Tokenizer};
+
+use super::{Api, Cancel, TokenizeError};
+
+/// What bounds one body's local tokenization.
+#[derive(Clone, Debug, Default)]
+pub struct Limits {
+    /// Set once the caller has gone away.
+    pub cancel: Cancel,
+    /// When to give up.
+    pub deadline: Option<Instant>,
+    /// Encoding stops once this many ids exist.
+    pub max_tokens: Option<usize>,
+}
+
+/// A body's ids from the local tokenizer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LocalIds {
+    /// The ids: all of them, or the first [`Limits::max_tokens`].
+    pub ids: Vec<u32>,
+    /// Encoding stopped at [`Limits::max_tokens`].
+    pub truncated: bool,
+    /// The request's `cache_salt`.
+    pub salt: Option<String>,
+}
+
+impl Limits {
+    /// No bounds (the probe set, tests).
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// The tokenizer's budget for a request salted `salt`: these bounds,
+    /// the model's caps, and the salt's cache namespace (a hash; 0 without
+    /// a salt), so that text one tenant sent is no faster for another.
+    pub fn budget(&self, tokenizer: &Tokenizer, salt: Option<&str>) -> kvroute_tokenizer::Budget {
+        kvroute_tokenizer::Budget {
+            max_tokens: self.max_tokens,
+            deadline: self.deadline,
+            cancelled: Some(self.cancel.flag().clone()),
+            namespace: salt.map_or(0, |s| body_hash(s.as_bytes()) | 1),
+            caps: tokenizer.caps(),
+        }
+    }
+
+    /// Whether the work should stop now.
+    fn check(&self) -> Result<(), TokenizeError> {
+        if self.cancel.is_cancelled() {
+            return Err(TokenizeError::Cancelled);
+        }
+        if self.deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(TokenizeError::OverBudget(
+                "tokenize.time_budget passed".to_owned(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The tokenizer's error as indexd's: what vLLM refuses is refused, a
+/// local refusal asks a replica, over a cap or the time budget is over
+/// budget.
+fn from_request_error(e: kvroute_tokenizer::RequestError) -> TokenizeError {
+    use kvroute_tokenizer::RequestError as E;
+    match e {
+        E::Cancelled => TokenizeError::Cancelled,
+        E::OverCap { .. } | E::DeadlineExceeded => TokenizeError::OverBudget(e.to_string()),
+        e if e.is_client_error() => TokenizeError::Refused {
+            status: 400,
+            message: e.to_string(),
+        },
+        e => TokenizeError::Unsupported(e.to_string()),
+    }
+}
+
+/// A body's hash (telling distinct bodies apart in the gate's window).
+pub(crate) fn body_hash(body: &[u8]) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    body.hash(&mut h);
+    h.finish()
+}
+
+/// The ids `tokenizer` computes for a body of `api`, within `limits`: the
+/// body is parsed once (and no further than the tokenizer's text cap), its
+/// salt read from it.
+pub fn local_ids(
+    tokenizer: &Tokenizer,
+    api: Api,
+    body: &[u8],
+    limits: &Limits,
+) -> Result<LocalIds, TokenizeError> {
+    limits.check()?;
+    let refused = from_request_error;
+    let caps = tokenizer.caps();
+    let (tokens, salt) = match api {
+        Api::Completions | Api::Chat => {
+            let req = TokenizeRequest::from_json_within(body, &caps).map_err(refused)?;
+            let salt = valid_salt(req.cache_salt().map_err(refused)?)?;
+            let budget = limits.budget(tokenizer, salt.as_deref());
+            let tokens = if api == Api::Chat {
+                // What the chat completion itself renders (`/tokenize`
+                // ignores the few fields only chat completions hand the
+                // template).
+                tokenizer.chat_completion_tokens_with(&req, &budget)
+            } else {
+                tokenizer.completion_tokens_with(&req, &budget)
+            };
+            (tokens.map_err(refused)?, salt)
+        }
+        Api::Responses => {
+            let req = ResponsesRequest::from_json_within(body, &caps).map_err(refused)?;
+            let salt = valid_salt(req.cache_salt().map_err(refused)?)?;
+            let budget = limits.budget(tokenizer, salt.as_deref());
+            let tokens = tokenizer
+                .responses_tokens_with(&req, &budget)
+                .map_err(refused)?;
+            (tokens, salt)
+        }
+    };
+    Ok(LocalIds {
+        ids: tokens.ids,
+        truncated: tokens.truncated,
+        salt,
+    })
+}
+
+/// The body's `cache_salt` (vLLM's rules: a non-empty string of at most 128
+/// characters without `@ / \ NUL`).
+pub fn salt_of(body: &[u8]) -> Result<Option<String>, TokenizeError> {
+    #[derive(serde::Deserialize)]
+    struct Salt {
+        cache_salt: Option<String>,
+    }
+    let salt: Salt = serde_json::from_slice(body).map_err(|e| TokenizeError::Refused {
+        status: 400,
+        message: format!("invalid JSON body: {e}"),
+    })?;
+    valid_salt(salt.cache_salt)
+}
+
+/// `salt` if vLLM takes it, else its 400.
+pub fn valid_salt(salt: Option<String>) -> Result<Option<String>, TokenizeError> {
+    match salt {
+        None => Ok(None),
+        Some(s)
+            if !s.is_empty() && s.chars().count() <= 128 && !s.contains(['@', '/', '\\', '\0']) =>
+        {
+            Ok(Some(s))
+        }
+        Some(_) => Err(TokenizeError::Refused {
+            status: 400,
+            message: "`cache_salt` is not a valid salt".to_owned(),
+        }),
+    }
+}
