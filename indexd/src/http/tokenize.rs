@@ -26,7 +26,7 @@ use kvroute_tokenizer::{ResponsesRequest, TokenizeRequest};
 use crate::state::Shared;
 use crate::sync::read;
 use crate::tokenize::admission::{Refusal, Via};
-use crate::tokenize::{Api, GateState, Limits, Source, replica};
+use crate::tokenize::{Api, GateState, Limits, LocalModel, Source, Tokenizers, replica};
 
 /// The routes, with the body limit of the configuration. A request whose
 /// `Content-Length` is over the limit is refused from its head, before any of
@@ -187,70 +187,92 @@ async fn serve(
         Ok(m) => m,
         Err(response) => return *response,
     };
-    let tokenizers = &shared.tokenizers;
-    if let Some(local) = tokenizers.local(&model)
-        && local.gate.state() == GateState::Open
-    {
-        let tokenizer = local.tokenizer.clone();
-        let input = body.clone();
-        let limits = Limits {
-            cancel: ticket.cancel().clone(),
-            deadline: std::time::Instant::now().checked_add(tokenizers.config().time_budget),
-            max_tokens: None,
-        };
-        // The budget's share goes with the work: a closed connection sets
-        // the cancel flag, and the share returns when the work stops. The
-        // body is parsed once, no further than the text cap; an invalid
-        // salt only costs the cache its namespace (vLLM's `/tokenize` and
-        // render do not check it).
-        let answer = tokenizers
-            .off_worker(body.len(), move || {
-                let _ticket = ticket;
-                let caps = tokenizer.caps();
-                let namespaced = |salt: Result<Option<String>, _>| {
-                    let salt = salt.ok().flatten();
-                    limits.budget(&tokenizer, salt.as_deref())
-                };
-                match api {
-                    Api::Responses => ResponsesRequest::from_json_within(&input, &caps)
-                        .and_then(|r| {
-                            tokenizer.render_responses_with(&r, &namespaced(r.cache_salt()))
-                        })
-                        .map(|r| serde_json::to_vec(&r)),
-                    Api::Chat | Api::Completions => {
-                        TokenizeRequest::from_json_within(&input, &caps)
-                            .and_then(|r| tokenizer.tokenize_with(&r, &namespaced(r.cache_salt())))
-                            .map(|r| serde_json::to_vec(&r))
-                    }
-                }
-            })
-            .await;
-        match answer {
-            Ok(Ok(Ok(json))) => {
-                tokenizers.metrics.requests.inc(["local", "ok"]);
-                return with_source(
-                    (StatusCode::OK, [("content-type", "application/json")], json).into_response(),
-                    Source::Local,
-                );
+    let open = shared
+        .tokenizers
+        .local(&model)
+        .filter(|local| local.gate.state() == GateState::Open);
+    // The budget's share stays held while a replica answers, unless the
+    // local attempt took it (it returns when that work stops).
+    let ticket = match open {
+        Some(local) => {
+            if let Some(answer) = serve_locally(&shared.tokenizers, local, api, &body, ticket).await
+            {
+                return answer;
             }
-            Ok(Err(e)) if e.is_client_error() => {
-                tokenizers.metrics.requests.inc(["local", "refused"]);
-                return with_source(
-                    error(StatusCode::BAD_REQUEST, &e.to_string(), e.param()),
-                    Source::Local,
-                );
-            }
-            // Not reproduced locally, over the local caps or time budget, or
-            // the task failed: a replica answers.
-            _ => {}
+            None
         }
+        None => Some(ticket),
+    };
+    let answer = by_replica(shared, api, &model, &body).await;
+    drop(ticket);
+    answer
+}
+
+/// The local tokenizer's answer; None where a replica should answer
+/// instead (not reproduced locally, over the local caps or time budget, or
+/// the task failed).
+async fn serve_locally(
+    tokenizers: &Tokenizers,
+    local: &LocalModel,
+    api: Api,
+    body: &Bytes,
+    ticket: crate::tokenize::admission::Ticket,
+) -> Option<Response> {
+    let tokenizer = local.tokenizer.clone();
+    let input = body.clone();
+    let limits = Limits {
+        cancel: ticket.cancel().clone(),
+        deadline: std::time::Instant::now().checked_add(tokenizers.config().time_budget),
+        max_tokens: None,
+    };
+    // The budget's share goes with the work: a closed connection sets
+    // the cancel flag, and the share returns when the work stops. The
+    // body is parsed once, no further than the text cap; an invalid
+    // salt only costs the cache its namespace (vLLM's `/tokenize` and
+    // render do not check it).
+    let answer = tokenizers
+        .off_worker(body.len(), move || {
+            let _ticket = ticket;
+            let caps = tokenizer.caps();
+            let namespaced = |salt: Result<Option<String>, _>| {
+                let salt = salt.ok().flatten();
+                limits.budget(&tokenizer, salt.as_deref())
+            };
+            match api {
+                Api::Responses => ResponsesRequest::from_json_within(&input, &caps)
+                    .and_then(|r| tokenizer.render_responses_with(&r, &namespaced(r.cache_salt())))
+                    .map(|r| serde_json::to_vec(&r)),
+                Api::Chat | Api::Completions => TokenizeRequest::from_json_within(&input, &caps)
+                    .and_then(|r| tokenizer.tokenize_with(&r, &namespaced(r.cache_salt())))
+                    .map(|r| serde_json::to_vec(&r)),
+            }
+        })
+        .await;
+    match answer {
+        Ok(Ok(Ok(json))) => {
+            tokenizers.metrics.requests.inc(["local", "ok"]);
+            Some(with_source(
+                (StatusCode::OK, [("content-type", "application/json")], json).into_response(),
+                Source::Local,
+            ))
+        }
+        Ok(Err(e)) if e.is_client_error() => {
+            tokenizers.metrics.requests.inc(["local", "refused"]);
+            Some(with_source(
+                error(StatusCode::BAD_REQUEST, &e.to_string(), e.param()),
+                Source::Local,
+            ))
+        }
+        _ => None,
     }
-    let Some(target) = tokenizers.replica_for(shared.as_ref(), &model) else {
-        let known = read(&shared.registry)
-            .all()
-            .iter()
-            .any(|r| r.serves(&model))
-            || tokenizers.local(&model).is_some();
+}
+
+/// A healthy replica's answer, passed on as it came.
+async fn by_replica(shared: &Shared, api: Api, model: &str, body: &Bytes) -> Response {
+    let tokenizers = &shared.tokenizers;
+    let Some(target) = tokenizers.replica_for(shared, model) else {
+        let known = read(&shared.registry).all().iter().any(|r| r.serves(model))
+            || tokenizers.local(model).is_some();
         return if known {
             error(
                 StatusCode::SERVICE_UNAVAILABLE,

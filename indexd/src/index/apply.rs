@@ -87,6 +87,16 @@ impl Skip {
     }
 }
 
+/// Where a prompt's first block starts.
+enum Rooted {
+    /// Its root chain and partition.
+    At((Chain, PartitionId)),
+    /// Its extra keys are unsaid: it may have been salted.
+    SaltUnknown,
+    /// Its partition could not be had (all partition ids taken).
+    NoPartition,
+}
+
 /// Computes, outside the write lock, the chains of a store's blocks as far
 /// as its start is known (its parent's chain, or the root from block 0's
 /// salt): `(parent chain, chain)` per block. The apply under the write lock
@@ -259,8 +269,26 @@ impl Txn<'_> {
         self.learn(slot, local, ev, stats);
         if ev.token_ids.len() / bs > ev.block_hashes.len() {
             self.store_sparse(local, model, ev, group, stats);
-            return;
+        } else {
+            self.store_chain(local, model, ev, group, block_size, stats);
         }
+    }
+
+    /// A stored event of whole blocks, each the next of a chain: linked to
+    /// its parent (or rooted at its salt), checked against the partition the
+    /// event claims, keyed and inserted; the event stops at the first block
+    /// that cannot be keyed.
+    fn store_chain(
+        &mut self,
+        local: u16,
+        model: &str,
+        ev: &BlockStored,
+        group: u8,
+        block_size: BlockSize,
+        stats: &mut ApplyStats,
+    ) {
+        let n = ev.block_hashes.len() as u64;
+        let bs = block_size.get() as usize;
         let tier = tier_bit(ev.tier);
         let mut claimed: Option<Option<PartitionId>> = None;
         // What each block continues: the parent's chain and partition for the
@@ -301,47 +329,25 @@ impl Txn<'_> {
                 continue;
             }
             if is_root {
-                let salt = match carried {
-                    Some(ExtraKeys::Salt(salt)) => Some(salt.as_str()),
-                    Some(_) => None,
-                    None => {
+                match self.root_link(ev, model, carried) {
+                    Rooted::At(root) => link = Ok(root),
+                    Rooted::SaltUnknown => {
                         // A prompt's first block without its extra keys: it
                         // may have been salted. Not indexed.
                         link = Err(Skip::SaltUnknown);
                         stats.skipped_salt_unknown += 1;
                         continue;
                     }
-                };
-                let named = ev.lora_name.as_deref().unwrap_or(model);
-                let Some(partition) = self.lookup.partition_or_insert(named) else {
-                    stats.skipped_unkeyable += rest;
-                    return;
-                };
-                // The root as computed before the lock, for the same salt.
-                let root = match self.chains.first() {
-                    Some((root, _)) => *root,
-                    None => Chain::root(salt),
-                };
-                link = Ok((root, partition));
-            } else if let Ok((_, parent_partition)) = link {
-                // A chain stays in its partition (the engine hash covers the
-                // adapter). The event's own claim, if it makes one, must agree:
-                // its LoRA name, or the endpoint's model when it carries extra
-                // keys (which would list an adapter) but no LoRA name.
-                let claim = match (ev.lora_name.as_deref(), carried) {
-                    (Some(lora), _) => Some(lora),
-                    (None, Some(_)) => Some(model),
-                    (None, None) => None,
-                };
-                // Looked up once per event (the claim is the same for every
-                // block that makes one).
-                if let Some(claim) = claim
-                    && *claimed.get_or_insert_with(|| self.lookup.partition(claim))
-                        != Some(parent_partition)
-                {
-                    stats.skipped_partition_conflict += rest;
-                    return;
+                    Rooted::NoPartition => {
+                        stats.skipped_unkeyable += rest;
+                        return;
+                    }
                 }
+            } else if let Ok((_, parent_partition)) = link
+                && self.claims_another(ev, model, carried, parent_partition, &mut claimed)
+            {
+                stats.skipped_partition_conflict += rest;
+                return;
             }
             let (parent, partition) = match link {
                 Ok(l) => l,
@@ -368,6 +374,51 @@ impl Txn<'_> {
             stats.stored += 1;
             link = Ok((chain, partition));
         }
+    }
+
+    /// The chain and partition a prompt's first block starts: its salt's
+    /// root (as computed before the lock) in the partition of its adapter or
+    /// model.
+    fn root_link(&self, ev: &BlockStored, model: &str, carried: Option<&ExtraKeys>) -> Rooted {
+        let salt = match carried {
+            Some(ExtraKeys::Salt(salt)) => Some(salt.as_str()),
+            Some(_) => None,
+            None => return Rooted::SaltUnknown,
+        };
+        let named = ev.lora_name.as_deref().unwrap_or(model);
+        let Some(partition) = self.lookup.partition_or_insert(named) else {
+            return Rooted::NoPartition;
+        };
+        // The root as computed before the lock, for the same salt.
+        let root = match self.chains.first() {
+            Some((root, _)) => *root,
+            None => Chain::root(salt),
+        };
+        Rooted::At((root, partition))
+    }
+
+    /// Whether the event claims a partition other than its parent's. A
+    /// chain stays in its partition (the engine hash covers the adapter);
+    /// the event's own claim, if it makes one, must agree: its LoRA name, or
+    /// the endpoint's model when it carries extra keys (which would list an
+    /// adapter) but no LoRA name. The claim is looked up once per event
+    /// (`claimed`: it is the same for every block that makes one).
+    fn claims_another(
+        &self,
+        ev: &BlockStored,
+        model: &str,
+        carried: Option<&ExtraKeys>,
+        parent_partition: PartitionId,
+        claimed: &mut Option<Option<PartitionId>>,
+    ) -> bool {
+        let claim = match (ev.lora_name.as_deref(), carried) {
+            (Some(lora), _) => Some(lora),
+            (None, Some(_)) => Some(model),
+            (None, None) => None,
+        };
+        claim.is_some_and(|claim| {
+            *claimed.get_or_insert_with(|| self.lookup.partition(claim)) != Some(parent_partition)
+        })
     }
 
     /// A sparse group's store: hashes for some blocks of the range, which

@@ -35,32 +35,143 @@ impl Lookup {
             return out;
         };
         let n = candidates.len();
-        let mut alive = Bits::new(n);
-        let mut held = Bits::new(n);
+        let mut w = Walkers::of(store, candidates);
         // Per candidate: held speculatively up to (excluding) this position.
         let mut credited_until: SmallVec<[usize; 16]> = SmallVec::from_elem(0, n);
         // Per candidate: blocks by best tier (GPU, CPU, storage), then
         // speculative ones (counted as GPU too).
         let mut counts: SmallVec<[[u32; 4]; 16]> = SmallVec::from_elem([0; 4], n);
-        // Candidate by local id, while it still matches (`NONE` once it
-        // stops); a slot listed twice is walked once and copied. A replica
-        // the index has never seen holds nothing indexed but may hold
-        // credit.
-        let mut live: SmallVec<[u32; 64]> = SmallVec::new();
-        let mut local_of: SmallVec<[u32; 16]> = SmallVec::from_elem(NONE, n);
-        let mut first_of: SmallVec<[u32; 16]> = SmallVec::from_elem(NONE, n);
-        let mut alive_n = 0usize;
+        let credits = lock(&self.credits);
+        let mut spec = Speculation {
+            credits: &credits,
+            partition,
+            keys,
+            now,
+            candidates,
+            until: &mut credited_until,
+        };
+        // At most 64 replicas' worth of local ids among the candidates: the
+        // walk by masks.
+        let narrow = w
+            .local_of
+            .iter()
+            .zip(&w.first_of)
+            .enumerate()
+            .all(|(i, (l, f))| *f != i as u32 || *l < u32::from(MASK_IDS) || *l == NONE);
+        if narrow {
+            walk_masks(
+                store,
+                part,
+                keys,
+                &w.local_of,
+                &w.first_of,
+                &mut spec,
+                &mut counts,
+            );
+        } else {
+            walk_bits(store, part, keys, &mut w, &mut spec, &mut counts);
+        }
+        drop(credits);
+        finish(out, &counts, &w.first_of)
+    }
+}
+
+/// The walk when some candidate's local id is 64 or more: per key, each
+/// holder's best tier counted for the candidates still matching, then the
+/// ones that do not hold it tried for credit; a candidate with neither stops.
+fn walk_bits(
+    store: &Store,
+    part: u16,
+    keys: &[BlockKey],
+    w: &mut Walkers,
+    spec: &mut Speculation<'_>,
+    counts: &mut [[u32; 4]],
+) {
+    // Plain slices for the walk (a `SmallVec` checks where its items are
+    // on every access).
+    let live = w.live.as_mut_slice();
+    let mut held = Bits::new(counts.len());
+    let held = held.0.as_mut_slice();
+    for (pos, key) in keys.iter().enumerate() {
+        held.fill(0);
+        let mut held_n = 0;
+        store.for_each_holder((part, key.as_u64()), |replica, tiers| {
+            let Some(&i) = live.get(usize::from(replica)) else {
+                return;
+            };
+            let tier = BEST_TIER[usize::from(tiers & 0b111)];
+            if let Some(c) = counts.get_mut(i as usize)
+                && let Some(c) = c.get_mut(usize::from(tier))
+                && let Some(w) = held.get_mut(i as usize / 64)
+            {
+                *c += 1;
+                *w |= 1 << (i % 64);
+                held_n += 1;
+            }
+        });
+        if held_n < w.alive_n {
+            // The rest may hold it speculatively.
+            for i in w.alive.and_not(held) {
+                let Some(c) = counts.get_mut(i) else {
+                    continue;
+                };
+                if spec.holds(i, pos) {
+                    c[0] += 1;
+                    c[3] += 1;
+                    continue;
+                }
+                w.alive.unset(i);
+                w.alive_n -= 1;
+                if let Some(l) = w.local_of.get(i)
+                    && let Some(c) = live.get_mut(*l as usize)
+                {
+                    *c = NONE;
+                }
+            }
+        }
+        if w.alive_n == 0 {
+            break;
+        }
+    }
+}
+
+/// The candidates of a walk by local id. A slot listed twice is walked once
+/// and copied; a replica the index has never seen holds nothing indexed but
+/// may hold credit.
+struct Walkers {
+    /// Candidate by local id, while it still matches (`NONE` once it stops).
+    live: SmallVec<[u32; 64]>,
+    /// Per candidate, its local id (`NONE`: none, or listed before).
+    local_of: SmallVec<[u32; 16]>,
+    /// Per candidate, the index of its slot's first listing.
+    first_of: SmallVec<[u32; 16]>,
+    /// The candidates still matching (first listings only).
+    alive: Bits,
+    /// How many.
+    alive_n: usize,
+}
+
+impl Walkers {
+    fn of(store: &Store, candidates: &[ReplicaSlot]) -> Self {
+        let n = candidates.len();
+        let mut w = Self {
+            live: SmallVec::new(),
+            local_of: SmallVec::from_elem(NONE, n),
+            first_of: SmallVec::from_elem(NONE, n),
+            alive: Bits::new(n),
+            alive_n: 0,
+        };
         for (i, slot) in candidates.iter().enumerate() {
             let first = match store.locals.get(slot) {
                 Some(&local) => {
                     let local = usize::from(local);
-                    if live.len() <= local {
-                        live.resize(local + 1, NONE);
+                    if w.live.len() <= local {
+                        w.live.resize(local + 1, NONE);
                     }
-                    match live.get_mut(local) {
+                    match w.live.get_mut(local) {
                         Some(c) if *c == NONE => {
                             *c = i as u32;
-                            if let Some(l) = local_of.get_mut(i) {
+                            if let Some(l) = w.local_of.get_mut(i) {
                                 *l = local as u32;
                             }
                             i as u32
@@ -74,98 +185,15 @@ impl Lookup {
                     .position(|s| s == slot)
                     .map_or(NONE, |f| f as u32),
             };
-            if let Some(f) = first_of.get_mut(i) {
+            if let Some(f) = w.first_of.get_mut(i) {
                 *f = first;
             }
             if first == i as u32 {
-                alive.set(i);
-                alive_n += 1;
+                w.alive.set(i);
+                w.alive_n += 1;
             }
         }
-        let credits = lock(&self.credits);
-        // At most 64 replicas' worth of local ids among the candidates: the
-        // walk by masks.
-        let narrow = local_of
-            .iter()
-            .zip(&first_of)
-            .enumerate()
-            .all(|(i, (l, f))| *f != i as u32 || *l < u32::from(MASK_IDS) || *l == NONE);
-        if narrow {
-            let mut spec = Speculation {
-                credits: &credits,
-                partition,
-                keys,
-                now,
-                candidates,
-                until: &mut credited_until,
-            };
-            walk_masks(
-                store,
-                part,
-                keys,
-                &local_of,
-                &first_of,
-                &mut spec,
-                &mut counts,
-            );
-            drop(credits);
-            return finish(out, &counts, &first_of);
-        }
-        // Plain slices for the walk (a `SmallVec` checks where its items are
-        // on every access).
-        let live = live.as_mut_slice();
-        let counts = counts.as_mut_slice();
-        let held = held.0.as_mut_slice();
-        for (pos, key) in keys.iter().enumerate() {
-            held.fill(0);
-            let mut held_n = 0;
-            store.for_each_holder((part, key.as_u64()), |replica, tiers| {
-                let Some(&i) = live.get(usize::from(replica)) else {
-                    return;
-                };
-                let tier = BEST_TIER[usize::from(tiers & 0b111)];
-                if let Some(c) = counts.get_mut(i as usize)
-                    && let Some(c) = c.get_mut(usize::from(tier))
-                    && let Some(w) = held.get_mut(i as usize / 64)
-                {
-                    *c += 1;
-                    *w |= 1 << (i % 64);
-                    held_n += 1;
-                }
-            });
-            if held_n < alive_n {
-                // The rest may hold it speculatively.
-                for i in alive.and_not(held) {
-                    let (Some(slot), Some(until), Some(c)) = (
-                        candidates.get(i),
-                        credited_until.get_mut(i),
-                        counts.get_mut(i),
-                    ) else {
-                        continue;
-                    };
-                    if pos >= *until {
-                        *until = pos + credits.extend(partition, *slot, keys, pos, now);
-                    }
-                    if pos < *until {
-                        c[0] += 1;
-                        c[3] += 1;
-                        continue;
-                    }
-                    alive.unset(i);
-                    alive_n -= 1;
-                    if let Some(l) = local_of.get(i)
-                        && let Some(c) = live.get_mut(*l as usize)
-                    {
-                        *c = NONE;
-                    }
-                }
-            }
-            if alive_n == 0 {
-                break;
-            }
-        }
-        drop(credits);
-        finish(out, counts, &first_of)
+        w
     }
 }
 
