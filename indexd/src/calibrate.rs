@@ -30,6 +30,18 @@
 //! work drains at.
 //!
 //! A counter that went backwards (the replica restarted) starts over.
+//!
+//! One replica's evidence is thin at first and skewed by what it happened
+//! to serve; replicas of one model usually run on like hardware. So the
+//! speed the cost model uses ([`settle`]) is shrunk toward the model's
+//! pooled fit (the sum of its replicas' evidence, [`Sums`]): a replica
+//! with few samples of its own, a new one above all, takes its model's
+//! speed rather than the fixed prior, and moves to its own fit as its
+//! samples grow (`n / (n + SHRINK_SAMPLES)` of the weight is its own).
+//! The fit resists outliers: once a speed stands, a sample's seconds are
+//! held within [`MAX_OUTLIER`] times what that speed predicts. And the
+//! published speed moves at most [`MAX_STEP`] times per scrape, so that no
+//! single interval can swing the model's choice between replicas.
 
 use std::time::Instant;
 
@@ -42,6 +54,14 @@ const MIN_TOKENS: f64 = 2_048.0;
 const MIN_SAMPLES: u32 = 3;
 /// The fit stays within this factor of the prior either way.
 const MAX_FACTOR: f64 = 100.0;
+/// A sample's seconds stay within this factor of what the standing speed
+/// predicts for it.
+pub(crate) const MAX_OUTLIER: f64 = 4.0;
+/// The samples of its own at which a replica's fit and its model's pooled
+/// fit weigh alike.
+pub(crate) const SHRINK_SAMPLES: f64 = 8.0;
+/// The published speed changes by at most this factor per scrape.
+pub(crate) const MAX_STEP: f64 = 1.25;
 
 /// Cumulative prefill counters from one scrape (summed over the replica's
 /// series).
@@ -64,13 +84,11 @@ pub struct PrefillSpeed {
     pub overhead_seconds: f64,
 }
 
-/// The fit for one replica.
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Calibration {
-    last: Option<PrefillCounters>,
-    /// When `last` was scraped (None: unknown).
-    last_at: Option<Instant>,
-    /// Decayed sums: c², c·t, t², c·s, t·s, t, s.
+/// Decayed least-squares sums of prefill samples: one replica's, or the
+/// sum of a model's replicas' (their pooled evidence).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct Sums {
+    /// c², c·t, t², c·s, t·s, t, s.
     cc: f64,
     ct: f64,
     tt: f64,
@@ -78,13 +96,52 @@ pub(crate) struct Calibration {
     ts: f64,
     t: f64,
     s: f64,
-    samples: u32,
+    /// Samples taken (not decayed).
+    pub samples: u32,
+}
+
+impl std::ops::Add for Sums {
+    type Output = Self;
+
+    fn add(self, o: Self) -> Self {
+        Self {
+            cc: self.cc + o.cc,
+            ct: self.ct + o.ct,
+            tt: self.tt + o.tt,
+            cs: self.cs + o.cs,
+            ts: self.ts + o.ts,
+            t: self.t + o.t,
+            s: self.s + o.s,
+            samples: self.samples.saturating_add(o.samples),
+        }
+    }
+}
+
+/// The fit for one replica.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Calibration {
+    last: Option<PrefillCounters>,
+    /// When `last` was scraped (None: unknown).
+    last_at: Option<Instant>,
+    sums: Sums,
 }
 
 impl Calibration {
     /// Takes one scrape's counters, scraped at `at` (None: unknown); returns
     /// true when a sample was added.
+    #[cfg(test)]
     pub(crate) fn observe(&mut self, now: PrefillCounters, at: Option<Instant>) -> bool {
+        self.observe_near(now, at, None)
+    }
+
+    /// [`Calibration::observe`], a sample's seconds held within
+    /// [`MAX_OUTLIER`] times what `standing` (the speed in use) predicts.
+    pub(crate) fn observe_near(
+        &mut self,
+        now: PrefillCounters,
+        at: Option<Instant>,
+        standing: Option<PrefillSpeed>,
+    ) -> bool {
         let last_at = std::mem::replace(&mut self.last_at, at);
         let Some(last) = self.last.replace(now) else {
             return false;
@@ -113,6 +170,30 @@ impl Calibration {
         if c < 1.0 || s <= 0.0 || !(c.is_finite() && t.is_finite() && s.is_finite()) {
             return false;
         }
+        if let Some(speed) = standing {
+            let predicted = speed.overhead_seconds * c + t / speed.tokens_per_second;
+            if predicted.is_finite() && predicted > 0.0 {
+                s = s.clamp(predicted / MAX_OUTLIER, predicted * MAX_OUTLIER);
+            }
+        }
+        self.sums.add_sample(c, t, s);
+        true
+    }
+
+    /// Its evidence.
+    pub(crate) fn sums(&self) -> Sums {
+        self.sums
+    }
+
+    /// The fitted speed, once there is enough evidence ([`Sums::speed`]).
+    pub(crate) fn speed(&self, prior: f64) -> Option<PrefillSpeed> {
+        self.sums.speed(prior)
+    }
+}
+
+impl Sums {
+    /// Adds one sample: `c` requests, `t` computed tokens, `s` seconds.
+    fn add_sample(&mut self, c: f64, t: f64, s: f64) {
         for sum in [
             &mut self.cc,
             &mut self.ct,
@@ -132,7 +213,6 @@ impl Calibration {
         self.t += t;
         self.s += s;
         self.samples = self.samples.saturating_add(1);
-        true
     }
 
     /// The fitted speed, once there is enough evidence; within
@@ -165,6 +245,43 @@ impl Calibration {
             overhead_seconds: overhead,
         })
     }
+}
+
+/// The speed the cost model uses for a replica: its own fit (`own`, from
+/// `samples` of its own) shrunk toward its model's pooled fit (`pooled`),
+/// the pooled fit alone while it has none, and moved at most [`MAX_STEP`]
+/// from the speed it had (`previous`). None: no evidence anywhere (the
+/// configured prior applies).
+pub(crate) fn settle(
+    own: Option<PrefillSpeed>,
+    samples: u32,
+    pooled: Option<PrefillSpeed>,
+    previous: Option<PrefillSpeed>,
+) -> Option<PrefillSpeed> {
+    let target = match (own, pooled) {
+        (Some(own), Some(pooled)) => {
+            let w = f64::from(samples) / (f64::from(samples) + SHRINK_SAMPLES);
+            // Blended in seconds per token: the cost is linear in it.
+            let per_token = w / own.tokens_per_second + (1.0 - w) / pooled.tokens_per_second;
+            PrefillSpeed {
+                tokens_per_second: 1.0 / per_token,
+                overhead_seconds: w * own.overhead_seconds + (1.0 - w) * pooled.overhead_seconds,
+            }
+        }
+        (Some(one), None) | (None, Some(one)) => one,
+        (None, None) => return None,
+    };
+    let rate = match previous {
+        Some(p) => target.tokens_per_second.clamp(
+            p.tokens_per_second / MAX_STEP,
+            p.tokens_per_second * MAX_STEP,
+        ),
+        None => target.tokens_per_second,
+    };
+    rate.is_finite().then_some(PrefillSpeed {
+        tokens_per_second: rate,
+        overhead_seconds: target.overhead_seconds,
+    })
 }
 
 #[cfg(test)]
@@ -242,7 +359,7 @@ mod tests {
             !cal.observe(cal.last.unwrap_or_default(), None),
             "no new request"
         );
-        assert_eq!(cal.samples, idle.samples);
+        assert_eq!(cal.sums.samples, idle.sums.samples);
         assert!(
             !cal.observe(PrefillCounters::default(), None),
             "counters reset"
@@ -296,5 +413,75 @@ mod tests {
         feed(&mut cal, 0.0, 1.0, &[(1.0, 3_000.0); 4]);
         let speed = cal.speed(8_000.0).expect("evidence");
         assert_eq!(speed.tokens_per_second, 80.0);
+    }
+    fn speed(rate: f64) -> PrefillSpeed {
+        PrefillSpeed {
+            tokens_per_second: rate,
+            overhead_seconds: 0.0,
+        }
+    }
+
+    #[test]
+    fn a_replica_without_evidence_takes_its_models_pooled_speed() {
+        let pooled = speed(32_500.0);
+        assert_eq!(settle(None, 0, Some(pooled), None), Some(pooled));
+        assert_eq!(settle(None, 0, None, None), None, "the prior applies");
+    }
+
+    #[test]
+    fn its_own_fit_weighs_more_as_its_samples_grow() {
+        let (own, pooled) = (speed(2_000.0), speed(8_000.0));
+        let at = |n| {
+            settle(Some(own), n, Some(pooled), None)
+                .expect("a speed")
+                .tokens_per_second
+        };
+        // Half and half in seconds per token at SHRINK_SAMPLES.
+        let half = 1.0 / (0.5 / 2_000.0 + 0.5 / 8_000.0);
+        assert!((at(SHRINK_SAMPLES as u32) - half).abs() < 1e-6);
+        assert!(at(2) > at(8) && at(8) > at(64) && at(64) > at(1_000));
+        assert!((at(100_000) - 2_000.0).abs() < 1.0);
+    }
+
+    #[test]
+    fn the_published_speed_moves_a_bounded_step_per_scrape() {
+        let previous = Some(speed(8_000.0));
+        let up = settle(Some(speed(80_000.0)), 1_000, None, previous).expect("a speed");
+        assert_eq!(up.tokens_per_second, 8_000.0 * MAX_STEP);
+        let down = settle(None, 0, Some(speed(800.0)), previous).expect("a speed");
+        assert_eq!(down.tokens_per_second, 8_000.0 / MAX_STEP);
+    }
+
+    #[test]
+    fn an_outlying_sample_is_held_near_the_standing_speed() {
+        // Standing at 4,000 tokens/s, one interval claims 4,000 tokens in a
+        // millisecond (4M tokens/s): counted as 4x the predicted speed.
+        let mut cal = Calibration::default();
+        let mut at = PrefillCounters::default();
+        cal.observe_near(at, None, None);
+        for _ in 0..4 {
+            at.requests += 1.0;
+            at.tokens += 4_000.0;
+            at.seconds += 0.001;
+            cal.observe_near(at, None, Some(speed(4_000.0)));
+        }
+        let fitted = cal.speed(8_000.0).expect("evidence");
+        assert!(
+            (fitted.tokens_per_second - 16_000.0).abs() < 1e-6,
+            "{fitted:?}"
+        );
+    }
+
+    #[test]
+    fn pooled_evidence_is_the_sum_of_the_replicas() {
+        let (mut a, mut b) = (Calibration::default(), Calibration::default());
+        feed(&mut a, 0.0, 2_000.0, &[(1.0, 2_000.0); 4]);
+        feed(&mut b, 0.0, 4_000.0, &[(1.0, 2_000.0); 4]);
+        let pool = a.sums() + b.sums();
+        assert_eq!(pool.samples, 8);
+        let rate = pool.speed(8_000.0).expect("evidence").tokens_per_second;
+        // 16,000 tokens in 4 + 2 seconds.
+        assert!((rate - 16_000.0 / 6.0).abs() < 1e-6, "{rate}");
+        assert_eq!(Sums::default().speed(8_000.0), None);
     }
 }

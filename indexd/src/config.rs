@@ -94,6 +94,10 @@ pub struct Config {
     pub speculative_ttl: Duration,
     /// How long a pick counts as in flight when no scrape has seen it.
     pub pending_pick_ttl: Duration,
+    /// A replica without a new conversation for this long, while others of
+    /// its model get them, takes the next one its speed estimate alone keeps
+    /// from it (0: never).
+    pub starve_after: Duration,
     /// How long a replay may take before it counts as incomplete.
     pub replay_timeout: Duration,
     /// Upper bound on the reconnect backoff of a subscription.
@@ -162,6 +166,7 @@ impl Config {
             unhealthy_after: NonZeroU32::MIN.saturating_add(1),
             speculative_ttl: Duration::from_secs(5),
             pending_pick_ttl: Duration::from_secs(5),
+            starve_after: Duration::from_secs(5),
             replay_timeout: Duration::from_secs(3),
             max_backoff: Duration::from_secs(5),
             affinity_capacity: 100_000,
@@ -400,6 +405,7 @@ struct RawConfig {
     unhealthy_after: Option<u32>,
     speculative_ttl: Option<RawDuration>,
     pending_pick_ttl: Option<RawDuration>,
+    starve_after: Option<RawDuration>,
     replay_timeout: Option<RawDuration>,
     max_backoff: Option<RawDuration>,
     affinity_capacity: Option<usize>,
@@ -491,6 +497,7 @@ impl RawConfig {
             self.pending_pick_ttl,
             c.pending_pick_ttl,
         )?;
+        c.starve_after = duration("starve_after", self.starve_after, c.starve_after)?;
         c.replay_timeout = duration("replay_timeout", self.replay_timeout, c.replay_timeout)?;
         c.max_backoff = duration("max_backoff", self.max_backoff, c.max_backoff)?;
         c.affinity_capacity = self.affinity_capacity.unwrap_or(c.affinity_capacity);

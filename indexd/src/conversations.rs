@@ -123,6 +123,16 @@ impl Conversations {
         placed
     }
 
+    /// The replica of the conversation the prompt with `keys` continues, if
+    /// it continues one ([`Conversations::place`] without placing it).
+    pub(crate) fn continues(&self, keys: &[BlockKey]) -> Option<ReplicaSlot> {
+        keys.iter()
+            .rev()
+            .take(LOOKBACK)
+            .filter(|k| self.maybe_tip(**k))
+            .find_map(|k| self.tips.get(k).map(|t| t.slot))
+    }
+
     /// Each replica's conversations (those whose latest turn went there)
     /// as of `now`; a replica without any is absent.
     pub(crate) fn counts(&mut self, now: Instant) -> &FastMap<ReplicaSlot, usize> {

@@ -19,8 +19,9 @@ use axum::routing::get;
 
 mod tokenize;
 
+use crate::index::SharedIndex;
 use crate::metrics::{gauge, label_value};
-use crate::state::Shared;
+use crate::state::{Replica, Shared};
 use crate::sync::{lock, read};
 
 /// The router serving `/metrics`, `/healthz`, `/readyz`, `/tokenize` and
@@ -120,6 +121,43 @@ async fn metrics(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     }
 }
 
+/// Per model, the pooled prefill fit of its replicas
+/// (`indexd_model_prefill_tokens_per_second`, `indexd_model_prefill_samples`).
+fn model_prefill(shared: &Shared, replicas: &[Arc<Replica>], prior: f64, out: &mut String) {
+    let models: std::collections::BTreeSet<&str> =
+        replicas.iter().map(|r| r.config.model.as_str()).collect();
+    let pooled: Vec<_> = {
+        let registry = read(&shared.registry);
+        models
+            .iter()
+            .map(|m| (*m, registry.pooled_prefill(m, prior)))
+            .collect()
+    };
+    let _ = writeln!(
+        out,
+        "# HELP indexd_model_prefill_tokens_per_second The model's prefill speed pooled over its replicas' samples (weights.prefill_tokens_per_second until they have enough): what a replica with few samples of its own is assumed to do.\n# TYPE indexd_model_prefill_tokens_per_second gauge"
+    );
+    for (model, (speed, _)) in &pooled {
+        let value = speed.map_or(prior, |s| s.tokens_per_second);
+        let _ = writeln!(
+            out,
+            "indexd_model_prefill_tokens_per_second{{model=\"{}\"}} {value}",
+            label_value(model)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP indexd_model_prefill_samples Prefill samples pooled over the model's replicas.\n# TYPE indexd_model_prefill_samples gauge"
+    );
+    for (model, (_, samples)) in &pooled {
+        let _ = writeln!(
+            out,
+            "indexd_model_prefill_samples{{model=\"{}\"}} {samples}",
+            label_value(model)
+        );
+    }
+}
+
 /// The full metrics page.
 pub fn render(shared: &Shared) -> String {
     let mut out = String::with_capacity(8192);
@@ -207,7 +245,16 @@ pub fn render(shared: &Shared) -> String {
             label_value(model)
         );
     }
+    let prior = shared.config.weights.prefill_tokens_per_second;
     let replicas = read(&shared.registry).all();
+    model_prefill(shared, &replicas, prior, &mut out);
+    replica_gauges(&shared.index, &replicas, prior, &mut out);
+    out
+}
+
+/// Per replica: freshness, health, entries, prefill speed and samples,
+/// cache size.
+fn replica_gauges(index: &SharedIndex, replicas: &[Arc<Replica>], prior: f64, out: &mut String) {
     for (name, help) in [
         (
             "indexd_replica_fresh",
@@ -223,6 +270,14 @@ pub fn render(shared: &Shared) -> String {
             "The replica's prefill speed the cost model uses: fitted from its vLLM prefill histograms, else weights.prefill_tokens_per_second.",
         ),
         (
+            "indexd_replica_prefill_own_tokens_per_second",
+            "The replica's prefill speed fitted from its own samples alone (0 until it has enough); the speed in use shrinks it toward its model's pooled fit (indexd_model_prefill_tokens_per_second).",
+        ),
+        (
+            "indexd_replica_prefill_samples",
+            "Prefill samples (scrape intervals with prefills) in the replica's own fit.",
+        ),
+        (
             "indexd_replica_prefill_overhead_seconds",
             "The replica's fitted fixed prefill time per request (0 until fitted).",
         ),
@@ -232,20 +287,24 @@ pub fn render(shared: &Shared) -> String {
         ),
     ] {
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
-        for r in &replicas {
+        for r in replicas {
             let speed = r.prefill_speed();
+            let (own, samples) = r.own_prefill(prior);
             let value = match name {
                 "indexd_replica_fresh" => u8::from(r.is_fresh()) as f64,
                 "indexd_replica_healthy" => u8::from(r.is_healthy()) as f64,
-                "indexd_replica_prefill_tokens_per_second" => speed
-                    .map_or(shared.config.weights.prefill_tokens_per_second, |s| {
-                        s.tokens_per_second
-                    }),
+                "indexd_replica_prefill_tokens_per_second" => {
+                    speed.map_or(prior, |s| s.tokens_per_second)
+                }
+                "indexd_replica_prefill_own_tokens_per_second" => {
+                    own.map_or(0.0, |s| s.tokens_per_second)
+                }
+                "indexd_replica_prefill_samples" => f64::from(samples),
                 "indexd_replica_prefill_overhead_seconds" => {
                     speed.map_or(0.0, |s| s.overhead_seconds)
                 }
                 "indexd_replica_cache_blocks" => r.cache_blocks().unwrap_or(0.0),
-                _ => shared.index.replica_entries(r.slot) as f64,
+                _ => index.replica_entries(r.slot) as f64,
             };
             let _ = writeln!(
                 out,
@@ -255,5 +314,4 @@ pub fn render(shared: &Shared) -> String {
             );
         }
     }
-    out
 }

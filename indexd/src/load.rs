@@ -194,7 +194,9 @@ pub(crate) async fn scrape_once(
                 );
                 if let Some(counters) = load.prefill {
                     let prior = shared.config.weights.prefill_tokens_per_second;
-                    replica.calibrate(counters, started, prior);
+                    replica.calibrate(counters, started);
+                    crate::sync::read(&shared.registry)
+                        .settle_prefill(&replica.config.model, prior);
                 }
                 shared.metrics.scrapes.inc(["ok"]);
             }

@@ -285,6 +285,9 @@ pub struct Metrics {
     /// `previous_response_id` lookups by result (hit, or why not).
     pub affinity_lookups: CounterVec<1>,
     pub continued: CounterVec<1>,
+    /// New conversations sent to a replica that had none for
+    /// `starve_after` and lost them only on its speed estimate.
+    pub explorations: Counter,
     /// Picks whose cheapest candidate holds less than another (a move away
     /// from the warm replica): `moved` when it paid, `held` when not.
     pub moves: CounterVec<1>,
@@ -428,6 +431,10 @@ impl Metrics {
                 "Requests a filter routed without a Pick (local_continuations), as later Picks report them: noted as queued work on their replica, skipped (no such replica, a bad id) or expired (older than pending_pick_ttl).",
                 ["result"],
             ),
+            explorations: Counter::new(
+                "indexd_explorations_total",
+                "New conversations sent, against the cost model's first choice, to a replica that had none for starve_after while others of its model did, and that would have cost no more at the first choice's prefill speed: its speed estimate alone kept them from it.",
+            ),
             replay_requests: CounterVec::new(
                 "indexd_replay_requests_total",
                 "Replays asked for, by where they start: start (seq 0), snapshot (a snapshot's saved seq), gap.",
@@ -519,6 +526,7 @@ impl Metrics {
         self.discovery.render(out);
         self.affinity_lookups.render(out);
         self.continued.render(out);
+        self.explorations.render(out);
         self.moves.render(out);
         self.replay_requests.render(out);
         self.snapshot_resumes.render(out);

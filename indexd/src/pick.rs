@@ -414,21 +414,90 @@ fn place(shared: &Shared, req: &PickRequest, snap: &mut Snapshot, now: Instant) 
             Input { matched, load }
         })
         .collect();
-    let ranking = rank(shared, req, snap);
+    let mut ranking = rank(shared, req, snap);
+    if conversations.continues(&snap.keys).is_none() {
+        explore(shared, req, snap, &mut ranking, now);
+    }
     note(shared, req, snap, &ranking, &mut conversations, now);
     ranking
 }
 
-/// The cost model's order ([`score::rank`]).
-fn rank(shared: &Shared, req: &PickRequest, snap: &Snapshot) -> Ranking {
+/// The prompt's length in tokens, at least its keyed blocks'.
+fn prompt_tokens(req: &PickRequest, snap: &Snapshot) -> u32 {
     let keyed_tokens = u32::try_from(snap.keys.len())
         .unwrap_or(u32::MAX)
         .saturating_mul(req.block_size);
-    let prompt_tokens = req.prompt_tokens.max(keyed_tokens);
+    req.prompt_tokens.max(keyed_tokens)
+}
+
+/// No replica starved by an estimate: a new conversation goes instead to a
+/// replica that has had none for `starve_after` while the first choice had
+/// one within it, where vLLM reports no request waiting and where, at the
+/// first choice's prefill speed, it would cost no more. Its speed estimate
+/// alone kept it out, and only work sent there can correct that estimate.
+/// Among several, the longest without one. Counted and logged.
+fn explore(
+    shared: &Shared,
+    req: &PickRequest,
+    snap: &Snapshot,
+    ranking: &mut Ranking,
+    now: Instant,
+) {
+    let after = shared.config.starve_after;
+    if after.is_zero() || snap.keys.is_empty() || snap.mismatch.is_some() {
+        return;
+    }
+    let Some(first) = ranking.ranked.first().map(|r| r.input) else {
+        return;
+    };
+    let (Some(chosen), Some(chosen_input)) = (snap.eligible.get(first), snap.inputs.get(first))
+    else {
+        return;
+    };
+    if chosen.without_new_conversation(now) >= after {
+        return;
+    }
+    let prompt = prompt_tokens(req, snap);
+    let w = &shared.config.weights;
+    let starved = ranking
+        .ranked
+        .iter()
+        .enumerate()
+        .skip(1)
+        .filter_map(|(at, r)| {
+            let replica = snap.eligible.get(r.input)?;
+            let input = snap.inputs.get(r.input)?;
+            let without = replica.without_new_conversation(now);
+            let starved = without >= after
+                && input.load.waiting <= 0.0
+                && score::behind_on_speed_alone(input, chosen_input, prompt, req.block_size, w);
+            starved.then_some((at, without))
+        })
+        .max_by_key(|(_, without)| *without);
+    let Some((at, without)) = starved else {
+        return;
+    };
+    let explored = ranking.ranked.remove(at);
+    ranking.ranked.insert(0, explored);
+    shared.metrics.explorations.inc();
+    if let Some(replica) = snap.eligible.get(explored.input) {
+        tracing::info!(
+            endpoint = %replica.id(),
+            instead_of = %chosen.id(),
+            model = %req.model,
+            without_new_conversation = ?without,
+            "new conversation sent to a replica its prefill speed estimate alone kept from new \
+             conversations (starve_after; indexd_explorations_total)"
+        );
+    }
+}
+
+/// The cost model's order ([`score::rank`]).
+fn rank(shared: &Shared, req: &PickRequest, snap: &Snapshot) -> Ranking {
     let mut rng = lock(&shared.rng);
     score::rank(
         &snap.inputs,
-        prompt_tokens,
+        prompt_tokens(req, snap),
         req.block_size,
         &shared.config.weights,
         &mut *rng,
@@ -505,7 +574,9 @@ fn note(
     let prefill = score::prefill_time(&load, queued, &shared.config.weights);
     let blocks = u32::try_from(added).unwrap_or(u32::MAX);
     chosen.note_pick(now, &req.request_id, prefill, blocks);
-    track(shared, conversations, &snap.keys, chosen.slot, now);
+    if track(shared, conversations, &snap.keys, chosen.slot, now) == Some(Placed::New) {
+        chosen.note_new_conversation(now);
+    }
 }
 
 /// Where conversations are (the move rule's lasting imbalance): the prompt
@@ -516,16 +587,18 @@ fn track(
     keys: &[BlockKey],
     slot: ReplicaSlot,
     now: Instant,
-) {
+) -> Option<Placed> {
     if keys.is_empty() {
-        return;
+        return None;
     }
-    let turn = match conversations.place(keys, slot, now) {
+    let placed = conversations.place(keys, slot, now);
+    let turn = match placed {
         Placed::New => "new",
         Placed::Continued(from) if from == slot => "stayed",
         Placed::Continued(_) => "moved",
     };
     shared.metrics.conversation_turns.inc([turn]);
+    Some(placed)
 }
 
 /// Phase 4: the chosen replica is credited, speculatively, with the keys it

@@ -851,3 +851,81 @@ fn a_pick_credits_only_the_blocks_that_survive_the_queue_ahead() {
     assert_eq!(discounts, 0);
     assert_eq!(d0, 14.0, "12 ahead, and the 2 blocks it adds");
 }
+
+fn believed(r: &Replica, tokens_per_second: f64) {
+    let speed = crate::calibrate::PrefillSpeed {
+        tokens_per_second,
+        overhead_seconds: 0.0,
+    };
+    r.settle(Some(speed), 8_000.0);
+}
+
+#[test]
+fn a_replica_kept_out_by_its_speed_estimate_alone_gets_a_new_conversation() {
+    let (s, rs) = shared(2, |_| {});
+    believed(&rs[0], 8_000.0);
+    believed(&rs[1], 2_000.0);
+    // Both registered more than starve_after ago.
+    let t0 = Instant::now() + Duration::from_secs(6);
+    let first: Vec<u32> = (0..400).collect();
+    let r = pick(&s, &req(&keys(&first)), t0).unwrap();
+    assert_eq!(
+        r.candidates[0].address, "10.0.0.1:8000",
+        "the faster on paper"
+    );
+    assert_eq!(s.metrics.explorations.get(), 0, "no new conversation yet");
+    // The second new conversation: 0.1 s on the first choice behind the
+    // first's prefill, 0.2 s on the other at its believed speed, 0.05 s
+    // there at the first choice's. Its speed estimate alone keeps it out.
+    let second: Vec<u32> = (1_000..1_400).collect();
+    let r = pick(&s, &req(&keys(&second)), t0 + Duration::from_millis(1)).unwrap();
+    assert_eq!(r.candidates[0].address, "10.0.0.1:8001", "explored");
+    assert_eq!(s.metrics.explorations.get(), 1);
+    // It has had one now; the next new conversation goes by cost again.
+    let third: Vec<u32> = (2_000..2_400).collect();
+    let r = pick(&s, &req(&keys(&third)), t0 + Duration::from_millis(2)).unwrap();
+    assert_eq!(r.candidates[0].address, "10.0.0.1:8000");
+    // A continuation is never explored.
+    let mut turn = first.clone();
+    turn.extend(3_000..3_100);
+    let r = pick(&s, &req(&keys(&turn)), t0 + Duration::from_secs(6)).unwrap();
+    assert_eq!(r.candidates[0].address, "10.0.0.1:8000");
+    assert_eq!(s.metrics.explorations.get(), 1);
+}
+
+#[test]
+fn a_replica_kept_out_by_the_cache_is_not_explored() {
+    let (s, rs) = shared(2, |_| {});
+    believed(&rs[0], 8_000.0);
+    believed(&rs[1], 2_000.0);
+    // A shared system prompt of 320 tokens, cached on the first replica.
+    let system: Vec<u32> = (0..320).collect();
+    store(&s, &rs[0], &system);
+    let t0 = Instant::now() + Duration::from_secs(6);
+    for (i, at) in [(0u32, 0u64), (1, 1), (2, 2)] {
+        let mut prompt = system.clone();
+        prompt.extend((10_000 + i * 1_000)..(10_080 + i * 1_000));
+        let r = pick(&s, &req(&keys(&prompt)), t0 + Duration::from_millis(at)).unwrap();
+        assert_eq!(r.candidates[0].address, "10.0.0.1:8000", "conversation {i}");
+    }
+    assert_eq!(s.metrics.explorations.get(), 0);
+}
+
+#[test]
+fn starve_after_zero_never_explores() {
+    let (s, rs) = shared(2, |c| c.starve_after = Duration::ZERO);
+    believed(&rs[0], 8_000.0);
+    believed(&rs[1], 2_000.0);
+    let t0 = Instant::now() + Duration::from_secs(6);
+    for i in 0..3u32 {
+        let prompt: Vec<u32> = (i * 1_000..i * 1_000 + 400).collect();
+        let r = pick(
+            &s,
+            &req(&keys(&prompt)),
+            t0 + Duration::from_millis(u64::from(i)),
+        )
+        .unwrap();
+        assert_eq!(r.candidates[0].address, "10.0.0.1:8000");
+    }
+    assert_eq!(s.metrics.explorations.get(), 0);
+}

@@ -119,6 +119,22 @@ fn credit(w: &Weights, tier: Tier, lower_tiers_available: bool) -> f64 {
     }
 }
 
+/// Whether `other` would cost no more than `chosen` were its prefill as
+/// fast as `chosen`'s is believed to be: what keeps it from `chosen`'s place
+/// is then its speed estimate alone.
+pub fn behind_on_speed_alone(
+    other: &Input,
+    chosen: &Input,
+    prompt_tokens: u32,
+    block_size: u32,
+    w: &Weights,
+) -> bool {
+    let mut as_fast = *other;
+    as_fast.load.prefill_tokens_per_second = chosen.load.prefill_tokens_per_second;
+    as_fast.load.prefill_overhead_seconds = chosen.load.prefill_overhead_seconds;
+    cost(&as_fast, prompt_tokens, block_size, w) <= cost(chosen, prompt_tokens, block_size, w)
+}
+
 /// Load as last seen for one replica.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Load {

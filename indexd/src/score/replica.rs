@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use super::Load;
-use crate::calibrate::{Calibration, PrefillCounters, PrefillSpeed};
+use crate::calibrate::{self, Calibration, PrefillCounters, PrefillSpeed, Sums};
 use crate::config::EndpointConfig;
 use crate::ids::{EndpointId, ReplicaSlot};
 use crate::index::Applied;
@@ -60,6 +60,9 @@ pub struct Replica {
     resume: Mutex<Option<Applied>>,
     /// Its prefill speed, fitted from its metrics.
     calibration: Mutex<Fitted>,
+    /// When it last got a new conversation (at first: when it was
+    /// registered).
+    last_new_conversation: Mutex<Instant>,
     /// Its host as a Pick's candidates name it (`ip:port`), written once:
     /// formatting the address took a twentieth of a Pick.
     address: String,
@@ -233,16 +236,39 @@ impl Replica {
             warning: WarnGate::default(),
             resume: Mutex::new(None),
             calibration: Mutex::new(Fitted::default()),
+            last_new_conversation: Mutex::new(Instant::now()),
         }
     }
 
     /// Takes one scrape's prefill counters, scraped at `at`, into the fit of
-    /// its speed (`prior`: the configured tokens per second).
-    pub(crate) fn calibrate(&self, counters: PrefillCounters, at: Instant, prior: f64) {
+    /// its speed; the speed in use holds outliers back
+    /// ([`Calibration::observe_near`]). [`Replica::settle`] then publishes.
+    pub(crate) fn calibrate(&self, counters: PrefillCounters, at: Instant) {
         let mut f = lock(&self.calibration);
         // An idle interval adds nothing; a restart resets the fit.
-        f.fit.observe(counters, Some(at));
-        f.speed = f.fit.speed(prior);
+        let standing = f.speed;
+        f.fit.observe_near(counters, Some(at), standing);
+    }
+
+    /// Its own evidence ([`Registry::settle_prefill`] pools it).
+    pub(crate) fn prefill_sums(&self) -> Sums {
+        lock(&self.calibration).fit.sums()
+    }
+
+    /// Its own fit (None: not enough evidence yet) and its samples.
+    pub(crate) fn own_prefill(&self, prior: f64) -> (Option<PrefillSpeed>, u32) {
+        let f = lock(&self.calibration);
+        (f.fit.speed(prior), f.fit.sums().samples)
+    }
+
+    /// Publishes the speed the cost model uses for it: its own fit shrunk
+    /// toward its model's `pooled` one ([`calibrate::settle`]; `prior`: the
+    /// configured tokens per second).
+    pub(crate) fn settle(&self, pooled: Option<PrefillSpeed>, prior: f64) {
+        let mut f = lock(&self.calibration);
+        let own = f.fit.speed(prior);
+        let samples = f.fit.sums().samples;
+        f.speed = calibrate::settle(own, samples, pooled, f.speed);
         lock(&self.scraped).prefill = f.speed;
         let Some(speed) = f.speed else {
             return;
@@ -258,16 +284,30 @@ impl Replica {
                 endpoint = %self.id(),
                 tokens_per_second = speed.tokens_per_second.round(),
                 overhead_ms = (speed.overhead_seconds * 1e3).round(),
+                own_tokens_per_second = own.map(|o| o.tokens_per_second.round()),
+                own_samples = samples,
+                pooled_tokens_per_second = pooled.map(|p| p.tokens_per_second.round()),
                 prior,
-                "prefill speed calibrated from the replica's metrics"
+                "prefill speed calibrated from the replica's metrics and its model's"
             );
         }
     }
 
-    /// Its fitted prefill speed (None: not enough evidence yet; the prior
-    /// applies).
+    /// The prefill speed the cost model uses for it (None: no evidence for
+    /// its model yet; the prior applies).
     pub(crate) fn prefill_speed(&self) -> Option<PrefillSpeed> {
         lock(&self.calibration).speed
+    }
+
+    /// Notes that a new conversation was sent to it at `now`.
+    pub(crate) fn note_new_conversation(&self, now: Instant) {
+        *lock(&self.last_new_conversation) = now;
+    }
+
+    /// How long it has gone without a new conversation as of `now` (since it
+    /// was registered, if it never had one).
+    pub(crate) fn without_new_conversation(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(*lock(&self.last_new_conversation))
     }
 
     /// True at most once per 10 s: bad input from one replica is counted
@@ -536,6 +576,26 @@ impl Registry {
     /// Unregisters an endpoint.
     pub(crate) fn remove(&mut self, id: &EndpointId) -> Option<Arc<Replica>> {
         self.replicas.remove(id)
+    }
+
+    /// The pooled prefill fit of `model`: its replicas' evidence summed
+    /// (None: not enough yet), and the samples in it.
+    pub(crate) fn pooled_prefill(&self, model: &str, prior: f64) -> (Option<PrefillSpeed>, u32) {
+        let pool = self
+            .replicas
+            .values()
+            .filter(|r| r.config.model == model)
+            .fold(Sums::default(), |pool, r| pool + r.prefill_sums());
+        (pool.speed(prior), pool.samples)
+    }
+
+    /// Publishes the prefill speed of every replica of `model` from its
+    /// own fit and the model's pooled one (after any of them was scraped).
+    pub(crate) fn settle_prefill(&self, model: &str, prior: f64) {
+        let (pooled, _) = self.pooled_prefill(model, prior);
+        for r in self.replicas.values().filter(|r| r.config.model == model) {
+            r.settle(pooled, prior);
+        }
     }
 
     /// All replicas.

@@ -97,3 +97,40 @@ fn the_load_keeps_the_waiting_of_the_scrape_before() {
     r.scrape_failed(3);
     assert_eq!(waiting(&r), (2.0, 3.0));
 }
+
+#[test]
+fn an_unvisited_replica_takes_its_models_pooled_speed_not_the_prior() {
+    // The pin: the replica that served everything is fitted at 32,500
+    // tokens/s; the one that served nothing must not stay at the 8,000
+    // prior, four times slower on paper, and so never be chosen.
+    let mut registry = Registry::default();
+    let parent = CancellationToken::new();
+    let mut add = |address: &str, model: &str| {
+        let config = EndpointConfig::new(address.parse().expect("address"), model);
+        registry.add(config, &parent).expect("a new endpoint")
+    };
+    let busy = add("10.0.0.1:8000", "m");
+    let idle = add("10.0.0.2:8000", "m");
+    let elsewhere = add("10.0.0.3:8000", "other");
+    let t0 = Instant::now();
+    let mut at = crate::calibrate::PrefillCounters::default();
+    busy.calibrate(at, t0);
+    for i in 1..=6 {
+        at.requests += 1.0;
+        at.tokens += 3_250.0;
+        at.seconds += 0.1;
+        busy.calibrate(at, t0 + Duration::from_secs(i));
+        registry.settle_prefill("m", 8_000.0);
+    }
+    let rate = |r: &Replica| r.prefill_speed().map(|s| s.tokens_per_second);
+    let fitted = rate(&busy).expect("fitted");
+    assert!((fitted - 32_500.0).abs() < 1.0, "{fitted}");
+    assert_eq!(rate(&idle), Some(fitted), "the pooled fit, not the prior");
+    assert_eq!(registry.pooled_prefill("m", 8_000.0).1, 6);
+    assert_eq!(
+        rate(&elsewhere),
+        None,
+        "another model's evidence is not pooled"
+    );
+    assert_eq!(idle.own_prefill(8_000.0), (None, 0));
+}

@@ -101,13 +101,30 @@ async fn prefill_speed_is_fitted_from_the_replicas_histograms() {
         gauge(&page, &series(18017, "indexd_replica_cache_blocks")),
         Some(0.0)
     );
-    // Without metrics, the prior stands.
+    // Without metrics of its own, a replica takes its model's pooled
+    // speed (here the other replica's evidence alone), not the prior.
+    let pooled = gauge(&page, "indexd_model_prefill_tokens_per_second{model=\"m\"}")
+        .expect("the model's pooled speed");
+    assert!((pooled - 100_000.0).abs() < 1_000.0, "{pooled}");
+    let unscraped = gauge(
+        &page,
+        &series(18017, "indexd_replica_prefill_tokens_per_second"),
+    )
+    .expect("a speed");
+    assert!((unscraped - 100_000.0).abs() < 1_000.0, "{unscraped}");
+    assert_eq!(
+        gauge(&page, &series(18017, "indexd_replica_prefill_samples")),
+        Some(0.0)
+    );
     assert_eq!(
         gauge(
             &page,
-            &series(18017, "indexd_replica_prefill_tokens_per_second")
+            &series(18017, "indexd_replica_prefill_own_tokens_per_second")
         ),
-        Some(indexd::Weights::default().prefill_tokens_per_second)
+        Some(0.0)
+    );
+    assert!(
+        gauge(&page, &series(18016, "indexd_replica_prefill_samples")).is_some_and(|n| n >= 3.0)
     );
     feeder.abort();
     d.stop().await;
