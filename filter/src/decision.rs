@@ -26,28 +26,21 @@
 //! Every terminal arrow resumes the request; only the last sets headers.
 //! The state ([`Stage`]) holds what each step knows and nothing more: a
 //! parsed request's route and model are set once, when the body parses.
-//! The response side (`response`) completes the pick and observes
-//! Responses ids.
+//!
+//! The steps live in submodules: `tokenizing` the tokenizer callout,
+//! `picking` indexd's Pick and its answer, `memory` the routes taken from
+//! the gateway's memory, `response` the response side, which completes the
+//! pick and observes Responses ids.
 
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering};
-
-use kvroute_proto::v1::{
-    Api as WireApi, DecisionKind, Mode as WireMode, PickRequest, PickResponse,
-};
-use kvroute_proto::{SCHEME_VERSION, block_keys, grpc_path};
-use prost::Message;
 
 use crate::approximate;
 use crate::breaker::{self, Breaker};
-use crate::busy;
-use crate::completed;
-use crate::config::{Api, Config, Mode, Route, TokenizeAt};
+use crate::config::{Config, Mode, Route, TokenizeAt};
 use crate::host::Host;
 use crate::memo;
 use crate::metrics::{Counter, Histogram, Reason};
 use crate::request::{self, Rejection};
-use crate::tokenize;
 
 /// What the filter tells Envoy after a callback.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -61,29 +54,6 @@ pub enum Action {
 /// Client headers that could pin a host and are always removed.
 const ALWAYS_STRIPPED: &[&str] = &["x-gateway-destination-endpoint", "x-data-parallel-rank"];
 const STRIPPED_PREFIX: &str = "x-kvroute-";
-/// Upper bound on hosts in the override list.
-const MAX_HOSTS: usize = 16;
-/// Whether a block-size mismatch was already logged as a warning.
-static MISMATCH_WARNED: AtomicBool = AtomicBool::new(false);
-/// Whether a key-scheme mismatch was already logged as a warning.
-static SCHEME_WARNED: AtomicBool = AtomicBool::new(false);
-/// Whether a Pick refused by Envoy at once was logged at warn level.
-static BUSY_WARNED: AtomicBool = AtomicBool::new(false);
-
-/// A warning's level: loud the first time per VM (`warned` still clear),
-/// debug after; the counters keep counting.
-fn loud_once(warned: &AtomicBool) -> log::Level {
-    if warned.swap(true, Ordering::Relaxed) {
-        log::Level::Debug
-    } else {
-        log::Level::Warn
-    }
-}
-/// Bytes of request JSON per token, for a continuation's estimate of what
-/// it adds (indexd weighs it as prefill work).
-const BYTES_PER_TOKEN: usize = 4;
-/// Largest Pick answer read.
-const MAX_PICK_BYTES: usize = 64 * 1024;
 /// The longest client `x-request-id` passed on (to the tokenizer, in logs).
 pub const MAX_CLIENT_ID_BYTES: usize = 128;
 /// The filter's own id of stream `context_id` in a VM whose random value
@@ -324,462 +294,7 @@ impl Flow {
                 .saturating_add(self.cfg.index_timeout);
             return self.dispatch_pick(host, routed, &message, timeout, Via::Callback);
         }
-        let now = now_ms(host);
-        if !breaker::admits(host, Breaker::Tokenizer, &self.cfg.tokenizer_breaker, now) {
-            return self.conclude_routed(host, routed, Reason::TokenizerBreakerOpen, Via::Callback);
-        }
-        let tok_body = tokenize::request_body(routed.route.call, &req, &routed.model, body);
-        let mut headers = vec![
-            (":method", "POST"),
-            (":path", routed.route.tokenizer_path.as_str()),
-            (":authority", self.cfg.tokenizer_authority.as_str()),
-            ("content-type", "application/json"),
-        ];
-        if !self.client_id.is_empty() {
-            headers.push(("x-request-id", self.client_id.as_str()));
-        }
-        let sent_us = host.now_us();
-        let dispatched = host.dispatch_http(
-            &self.cfg.tokenizer_cluster,
-            &headers,
-            &tok_body,
-            self.cfg.tokenizer_timeout,
-        );
-        match dispatched {
-            Ok(token) => {
-                self.stage = Stage::Tokenizing {
-                    routed,
-                    token,
-                    sent_us,
-                    salt: req.cache_salt,
-                };
-                Action::Pause
-            }
-            Err(e) => {
-                log::warn!("tokenizer call not dispatched: {}", e.0);
-                self.tokenizer_failed(host, routed, Via::Callback)
-            }
-        }
-    }
-
-    /// The tokenizer's answer (Envoy's synthetic 504 on timeout included).
-    /// A call that failed after it started (reset, stall, broken framing)
-    /// arrives with no headers: a failed call, read no further.
-    pub fn on_http_call_response(
-        &mut self,
-        host: &mut dyn Host,
-        token: u32,
-        num_headers: usize,
-        body_size: usize,
-    ) {
-        match &self.stage {
-            Stage::Tokenizing { token: t, .. } if *t == token => {}
-            _ => return,
-        }
-        let Stage::Tokenizing {
-            routed,
-            sent_us,
-            salt,
-            ..
-        } = std::mem::replace(&mut self.stage, Stage::Idle)
-        else {
-            return;
-        };
-        let work_us = host.now_us();
-        host.record(Histogram::TokenizerCall, work_us.saturating_sub(sent_us));
-        self.on_tokenizer_answer(host, routed, salt, num_headers, body_size);
-        host.record(Histogram::AnswerWork, host.now_us().saturating_sub(work_us));
-    }
-
-    fn on_tokenizer_answer(
-        &mut self,
-        host: &mut dyn Host,
-        routed: Routed,
-        salt: Option<String>,
-        num_headers: usize,
-        body_size: usize,
-    ) {
-        if num_headers == 0 {
-            log::debug!("{}: tokenizer call failed (no answer headers)", self.id);
-            self.tokenizer_failed(host, routed, Via::Callout);
-            return;
-        }
-        let status = header_string(host.http_call_response_header(":status"));
-        let code = status.as_deref().and_then(|s| s.parse::<u16>().ok());
-        match code {
-            Some(200) => {}
-            // The tokenizer refused this request (bad shape, unknown model):
-            // not a failure of the tokenizer.
-            Some(c) if (400..500).contains(&c) && c != 408 && c != 429 => {
-                log::debug!("{}: tokenizer refused the request ({c})", self.id);
-                self.conclude_routed(host, routed, Reason::TokenizeFailed, Via::Callout);
-                return;
-            }
-            _ => {
-                log::debug!("{}: tokenizer answered {status:?}", self.id);
-                self.tokenizer_failed(host, routed, Via::Callout);
-                return;
-            }
-        }
-        let body = if body_size == 0 || body_size > self.cfg.max_tokenizer_response_bytes {
-            Vec::new()
-        } else {
-            host.http_call_response_body(0, body_size)
-                .unwrap_or_default()
-        };
-        let ids = match tokenize::parse_token_ids(&body) {
-            Ok(ids) => ids,
-            Err(e) => {
-                log::debug!("{}: tokenizer answer unusable: {}", self.id, e.0);
-                self.tokenizer_failed(host, routed, Via::Callout);
-                return;
-            }
-        };
-        let now = now_ms(host);
-        breaker::record_success(host, Breaker::Tokenizer, now);
-        self.pick_tokens(host, routed, &ids, salt.as_deref(), Via::Callout);
-    }
-
-    /// The Pick request every path starts from (it carries the completed
-    /// picks and the continued requests waiting in shared data).
-    fn pick_request(&self, host: &mut dyn Host, routed: &Routed) -> PickRequest {
-        let (mode, block_size) = match self.cfg.mode {
-            Mode::Precise => (WireMode::Precise, self.cfg.block_size),
-            Mode::Approximate => (WireMode::Approximate, self.cfg.approximate_chunk_bytes),
-        };
-        // Completions first ([`completed`]).
-        let completed_request_ids = completed::take(host);
-        let continued = if self.cfg.local_continuations > 0 {
-            let now = now_ms(host);
-            completed::take_continued(host, now)
-        } else {
-            Vec::new()
-        };
-        PickRequest {
-            model: routed.model.clone(),
-            block_size: block_size.get(),
-            mode: mode.into(),
-            request_id: self.id.clone(),
-            max_candidates: self.cfg.max_candidates,
-            completed_request_ids,
-            continued,
-            key_scheme: SCHEME_VERSION.to_owned(),
-            // Only continuations routed from the memory need them ([`busy`]).
-            want_busy: self.cfg.local_continuations > 0,
-            ..PickRequest::default()
-        }
-    }
-
-    fn pick_tokens(
-        &mut self,
-        host: &mut dyn Host,
-        routed: Routed,
-        ids: &[u32],
-        salt: Option<&str>,
-        via: Via,
-    ) -> Action {
-        // Keys past the cap are dropped from the end: the prefix is what
-        // indexd matches.
-        let capped = ids
-            .get(
-                ..self
-                    .cfg
-                    .max_pick_keys
-                    .saturating_mul(self.cfg.block_size.get() as usize),
-            )
-            .unwrap_or(ids);
-        let keys = block_keys(capped, self.cfg.block_size, salt);
-        if keys.is_empty() {
-            return self.conclude_routed(host, routed, Reason::ShortPrompt, via);
-        }
-        let mut pick = self.pick_request(host, &routed);
-        pick.mode = WireMode::Precise.into();
-        pick.block_size = self.cfg.block_size.get();
-        pick.block_keys = keys.iter().map(|k| k.as_u64()).collect();
-        pick.prompt_tokens = u32::try_from(ids.len()).unwrap_or(u32::MAX);
-        self.pick(host, routed, pick, via)
-    }
-
-    fn pick(&mut self, host: &mut dyn Host, routed: Routed, pick: PickRequest, via: Via) -> Action {
-        let timeout = self.cfg.index_timeout;
-        self.dispatch_pick(host, routed, &pick.encode_to_vec(), timeout, via)
-    }
-
-    fn dispatch_pick(
-        &mut self,
-        host: &mut dyn Host,
-        routed: Routed,
-        message: &[u8],
-        timeout: std::time::Duration,
-        via: Via,
-    ) -> Action {
-        let sent_us = host.now_us();
-        match host.dispatch_grpc(
-            &self.cfg.index_cluster,
-            grpc_path::SERVICE,
-            grpc_path::PICK,
-            &self.cfg.index_metadata(),
-            message,
-            timeout,
-        ) {
-            Ok(token) => {
-                self.stage = Stage::Picking {
-                    routed,
-                    token,
-                    sent_us,
-                };
-                Action::Pause
-            }
-            // Envoy's circuit breaker on the indexd cluster is full: indexd
-            // is busy, not failing, and the refusal cost no wait, so the
-            // breaker (which spares requests a timeout each) does not count
-            // it.
-            Err(e) if e.refused_at_once() => {
-                log::log!(
-                    loud_once(&BUSY_WARNED),
-                    "Pick refused by Envoy at once (the indexd cluster's circuit breaker is full): \
-                     going on unrouted (kvroute_decisions_index_busy counts these)"
-                );
-                self.unrouted(host, routed, Reason::IndexBusy, via)
-            }
-            Err(e) => {
-                log::warn!("Pick not dispatched: {}", e.0);
-                self.index_failed(host, routed, via)
-            }
-        }
-    }
-
-    /// A gRPC answer: the Pick, or the Observe a response is held for.
-    pub fn on_grpc_call_response(
-        &mut self,
-        host: &mut dyn Host,
-        token: u32,
-        status_code: u32,
-        size: usize,
-    ) {
-        if let ResponseStage::Holding { token: held } = self.response
-            && held == token
-        {
-            if status_code != 0 {
-                host.count(Counter::ObserveFailed);
-            }
-            self.response = ResponseStage::Done;
-            host.resume_response();
-            return;
-        }
-        match &self.stage {
-            Stage::Picking { token: t, .. } if *t == token => {}
-            _ => return,
-        }
-        let Stage::Picking {
-            routed, sent_us, ..
-        } = std::mem::replace(&mut self.stage, Stage::Idle)
-        else {
-            return;
-        };
-        host.record(Histogram::IndexCall, host.now_us().saturating_sub(sent_us));
-        if status_code != 0 {
-            log::debug!("{}: Pick failed with gRPC status {status_code}", self.id);
-            if refused(status_code) {
-                self.conclude_routed(host, routed, Reason::IndexRejected, Via::Callout);
-            } else {
-                self.index_failed(host, routed, Via::Callout);
-            }
-            return;
-        }
-        let body = if size == 0 || size > MAX_PICK_BYTES {
-            Vec::new()
-        } else {
-            host.grpc_call_response_body(0, size).unwrap_or_default()
-        };
-        match PickResponse::decode(body.as_slice()) {
-            Ok(answer) => self.apply(host, routed, &answer),
-            Err(e) => {
-                log::debug!("{}: undecodable Pick answer: {e}", self.id);
-                self.index_failed(host, routed, Via::Callout);
-            }
-        }
-    }
-
-    fn apply(&mut self, host: &mut dyn Host, routed: Routed, answer: &PickResponse) {
-        if answer.block_size_mismatch {
-            host.count(Counter::BlockSizeMismatch);
-            log::log!(
-                loud_once(&MISMATCH_WARNED),
-                "block_size {} differs from indexd's {}",
-                self.cfg.block_size.get(),
-                answer.index_block_size
-            );
-        }
-        if answer.key_scheme_mismatch {
-            host.count(Counter::KeySchemeMismatch);
-            log::log!(
-                loud_once(&SCHEME_WARNED),
-                "indexd keys blocks with another scheme than this filter's {SCHEME_VERSION}: \
-                 upgrade the filter and indexd together"
-            );
-        }
-        let reason = match DecisionKind::try_from(answer.decision) {
-            Ok(DecisionKind::Precise) => Reason::Precise,
-            Ok(DecisionKind::Affinity) => Reason::Affinity,
-            Ok(DecisionKind::Approximate) => Reason::Approximate,
-            Ok(DecisionKind::Load) => Reason::Load,
-            Ok(DecisionKind::Stale) => {
-                let now = now_ms(host);
-                breaker::record_success(host, Breaker::Index, now);
-                self.unrouted(host, routed, Reason::IndexStale, Via::Callout);
-                return;
-            }
-            Ok(DecisionKind::Untokenized) => {
-                let now = now_ms(host);
-                breaker::record_success(host, Breaker::Index, now);
-                log::debug!("{}: indexd could not tokenize: {}", self.id, answer.reason);
-                self.conclude_routed(host, routed, Reason::TokenizeFailed, Via::Callout);
-                return;
-            }
-            Ok(DecisionKind::Unspecified) | Err(_) => {
-                self.index_failed(host, routed, Via::Callout);
-                return;
-            }
-        };
-        let hosts: Vec<&str> = answer
-            .candidates
-            .iter()
-            .take(MAX_HOSTS)
-            .map(|c| c.address.as_str())
-            .collect();
-        if hosts.is_empty() || !hosts.iter().all(|h| valid_address(h)) {
-            log::debug!("{}: Pick answer without usable candidates", self.id);
-            self.index_failed(host, routed, Via::Callout);
-            return;
-        }
-        let now = now_ms(host);
-        breaker::record_success(host, Breaker::Index, now);
-        if answer.busy_known && self.cfg.local_continuations > 0 {
-            busy::record(host, &answer.busy, now);
-        }
-        let list = hosts.join(",");
-        let rank = answer.candidates.first().and_then(|c| c.data_parallel_rank);
-        self.pin(host, &list, rank);
-        log::debug!(
-            "{} ({}) -> {list} ({})",
-            self.id,
-            self.client_id,
-            reason.label()
-        );
-        self.finish(host, reason, Some(routed), rank, Via::Callout);
-    }
-
-    fn tokenizer_failed(&mut self, host: &mut dyn Host, routed: Routed, via: Via) -> Action {
-        let cfg = self.cfg.tokenizer_breaker;
-        let now = now_ms(host);
-        if breaker::record_failure(host, Breaker::Tokenizer, &cfg, now) {
-            host.count(Counter::TokenizerBreakerOpened);
-            log::warn!("tokenizer failing, breaker open for {} ms", cfg.cooldown_ms);
-        }
-        self.conclude_routed(host, routed, Reason::TokenizeFailed, via)
-    }
-
-    fn index_failed(&mut self, host: &mut dyn Host, routed: Routed, via: Via) -> Action {
-        let cfg = self.cfg.breaker;
-        let now = now_ms(host);
-        if breaker::record_failure(host, Breaker::Index, &cfg, now) {
-            host.count(Counter::BreakerOpened);
-            log::warn!("indexd failing, breaker open for {} ms", cfg.cooldown_ms);
-        }
-        self.unrouted(host, routed, Reason::IndexUnavailable, via)
-    }
-
-    /// A continuation whose previous turn this gateway saw answered goes
-    /// where that turn went, without a Pick, unless the memory has already
-    /// sent `local_continuations` turns in a row there (then indexd checks
-    /// the replica's load and the conversation's blocks again). `Err` hands
-    /// the request back for a Pick.
-    fn continue_locally(
-        &mut self,
-        host: &mut dyn Host,
-        req: &request::ParsedRequest<'_>,
-        items: &[&serde_json::value::RawValue],
-        routed: Routed,
-    ) -> Result<Action, Routed> {
-        let limit = self.cfg.local_continuations;
-        if limit == 0 || req.previous_response_id.is_some() {
-            return Err(routed);
-        }
-        let Some(turn) = memo::previous_turn(items) else {
-            return Err(routed);
-        };
-        let recalled = routed
-            .prints
-            .get(turn.items.wrapping_sub(1))
-            .and_then(|print| memo::recall_turn(host, *print))
-            .filter(|r| r.local_turns < limit && valid_address(&r.host));
-        let Some(recalled) = recalled else {
-            return Err(routed);
-        };
-        // Its replica's load: a Pick when indexd's latest answer called it
-        // busy, or when no answer is recent enough to say
-        // (`continuation_load_ms`).
-        let fresh_ms = u64::try_from(self.cfg.continuation_load.as_millis()).unwrap_or(u64::MAX);
-        match busy::load_of(host, &recalled.host, recalled.rank, now_ms(host), fresh_ms) {
-            busy::Load::Free => {}
-            busy::Load::Busy => {
-                host.count(Counter::ContinuationBusy);
-                return Err(routed);
-            }
-            busy::Load::Unknown => {
-                host.count(Counter::ContinuationUnknownLoad);
-                return Err(routed);
-            }
-        }
-        log::debug!(
-            "{} ({}) -> {} (continued, turn {} in a row)",
-            self.id,
-            self.client_id,
-            recalled.host,
-            recalled.local_turns.saturating_add(1)
-        );
-        self.pin(host, &recalled.host, recalled.rank);
-        // The next Pick tells indexd, so that it counts this request as
-        // queued work there (≈ 4 bytes of JSON per token: an estimate).
-        let new_tokens = u32::try_from(turn.new_bytes / BYTES_PER_TOKEN).unwrap_or(u32::MAX);
-        let now = now_ms(host);
-        completed::push_continued(
-            host,
-            &self.id,
-            &recalled.host,
-            recalled.rank,
-            new_tokens,
-            now,
-        );
-        Ok(self.finish_turn(
-            host,
-            Reason::Continued,
-            Some(routed),
-            recalled.rank,
-            Via::Callback,
-            recalled.local_turns.saturating_add(1),
-        ))
-    }
-
-    /// indexd could not route this request (`reason`): send it where its
-    /// conversation went before, if the memory knows ([`memo`]), else let
-    /// Envoy choose.
-    fn unrouted(
-        &mut self,
-        host: &mut dyn Host,
-        routed: Routed,
-        reason: Reason,
-        via: Via,
-    ) -> Action {
-        if let Some((target, rank)) = memo::recall(host, &routed.prints)
-            && valid_address(&target)
-        {
-            log::debug!("{}: {} -> {target} (remembered)", self.id, reason.label());
-            self.pin(host, &target, rank);
-            return self.finish(host, Reason::Remembered, Some(routed), rank, via);
-        }
-        self.conclude_routed(host, routed, reason, via)
+        self.call_tokenizer(host, routed, req, body)
     }
 
     /// Sets the override list (`ip:port,…`) and the first host's rank.
@@ -867,39 +382,8 @@ impl Flow {
     }
 }
 
-fn wire_api(api: Api) -> WireApi {
-    match api {
-        Api::Completions => WireApi::Completions,
-        Api::Chat => WireApi::Chat,
-        Api::Responses => WireApi::Responses,
-    }
-}
-
-/// `pick` encoded with `body` as its `body` field, copying the body once.
-fn with_body(pick: &PickRequest, body: &[u8]) -> Vec<u8> {
-    /// `PickRequest.body`: field 10, length-delimited.
-    const BODY_KEY: u64 = (10 << 3) | 2;
-    let mut out = Vec::with_capacity(
-        pick.encoded_len()
-            .saturating_add(body.len())
-            .saturating_add(16),
-    );
-    // Encoding into a Vec cannot run out of room.
-    let _ = pick.encode(&mut out);
-    prost::encoding::encode_varint(BODY_KEY, &mut out);
-    prost::encoding::encode_varint(body.len() as u64, &mut out);
-    out.extend_from_slice(body);
-    out
-}
-
 fn now_ms(host: &dyn Host) -> u64 {
     host.now_us() / 1000
-}
-
-/// gRPC statuses by which indexd refuses one request (InvalidArgument,
-/// OutOfRange): the request's fault, not indexd's, so no breaker count.
-fn refused(status: u32) -> bool {
-    matches!(status, 3 | 11)
 }
 
 /// `value` cut to at most `max` bytes, at a character boundary.
@@ -928,8 +412,12 @@ fn valid_address(addr: &str) -> bool {
         })
 }
 
+mod memory;
+mod picking;
 mod response;
+mod tokenizing;
 
+use picking::{wire_api, with_body};
 use response::ResponseStage;
 
 #[cfg(test)]
