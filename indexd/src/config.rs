@@ -98,6 +98,12 @@ pub struct Config {
     /// its model get them, takes the next one its speed estimate alone keeps
     /// from it (0: never).
     pub starve_after: Duration,
+    /// A replica that joins its model's running fleet takes new
+    /// conversations only, no moved ones, for this long (0: no warm-up).
+    pub join_warmup: Duration,
+    /// A conversation that changed replica (moved, or re-homed from one that
+    /// left) is not moved again for this long.
+    pub move_cooldown: Duration,
     /// How long a replay may take before it counts as incomplete.
     pub replay_timeout: Duration,
     /// Upper bound on the reconnect backoff of a subscription.
@@ -167,6 +173,8 @@ impl Config {
             speculative_ttl: Duration::from_secs(5),
             pending_pick_ttl: Duration::from_secs(5),
             starve_after: Duration::from_secs(5),
+            join_warmup: Duration::from_secs(60),
+            move_cooldown: Duration::from_secs(60),
             replay_timeout: Duration::from_secs(3),
             max_backoff: Duration::from_secs(5),
             affinity_capacity: 100_000,
@@ -406,6 +414,8 @@ struct RawConfig {
     speculative_ttl: Option<RawDuration>,
     pending_pick_ttl: Option<RawDuration>,
     starve_after: Option<RawDuration>,
+    join_warmup: Option<RawDuration>,
+    move_cooldown: Option<RawDuration>,
     replay_timeout: Option<RawDuration>,
     max_backoff: Option<RawDuration>,
     affinity_capacity: Option<usize>,
@@ -498,6 +508,8 @@ impl RawConfig {
             c.pending_pick_ttl,
         )?;
         c.starve_after = duration("starve_after", self.starve_after, c.starve_after)?;
+        c.join_warmup = duration("join_warmup", self.join_warmup, c.join_warmup)?;
+        c.move_cooldown = duration("move_cooldown", self.move_cooldown, c.move_cooldown)?;
         c.replay_timeout = duration("replay_timeout", self.replay_timeout, c.replay_timeout)?;
         c.max_backoff = duration("max_backoff", self.max_backoff, c.max_backoff)?;
         c.affinity_capacity = self.affinity_capacity.unwrap_or(c.affinity_capacity);

@@ -43,6 +43,18 @@ const FILTER_BITS: usize = 1 << 20;
 struct Tip {
     slot: ReplicaSlot,
     at: Instant,
+    /// When the conversation last changed replica (moved, or re-homed from
+    /// one that left), if it ever did.
+    moved_at: Option<Instant>,
+}
+
+/// The conversation a prompt continues ([`Conversations::continues`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Continues {
+    /// Where its latest turn went.
+    pub slot: ReplicaSlot,
+    /// When it last changed replica, if it ever did.
+    pub moved_at: Option<Instant>,
 }
 
 /// What [`Conversations::place`] found.
@@ -106,17 +118,25 @@ impl Conversations {
             .rev()
             .take(LOOKBACK)
             .filter(|k| self.maybe_tip(**k))
-            .find_map(|k| self.tips.get(k).map(|t| (*k, t.slot)));
-        let placed = match previous {
-            Some((key, from)) => {
+            .find_map(|k| self.tips.get(k).map(|t| (*k, t.slot, t.moved_at)));
+        let (placed, moved_at) = match previous {
+            Some((key, from, moved_at)) => {
                 self.forget(key);
-                Placed::Continued(from)
+                let moved_at = if from == slot { moved_at } else { Some(now) };
+                (Placed::Continued(from), moved_at)
             }
-            None => Placed::New,
+            None => (Placed::New, None),
         };
         // The same prompt again (a retry) continues itself.
         self.forget(tip);
-        self.tips.insert(tip, Tip { slot, at: now });
+        self.tips.insert(
+            tip,
+            Tip {
+                slot,
+                at: now,
+                moved_at,
+            },
+        );
         mark(&mut self.filter, tip);
         self.order.push_back((tip, now));
         *self.per_slot.entry(slot).or_default() += 1;
@@ -125,12 +145,17 @@ impl Conversations {
 
     /// The replica of the conversation the prompt with `keys` continues, if
     /// it continues one ([`Conversations::place`] without placing it).
-    pub(crate) fn continues(&self, keys: &[BlockKey]) -> Option<ReplicaSlot> {
+    pub(crate) fn continues(&self, keys: &[BlockKey]) -> Option<Continues> {
         keys.iter()
             .rev()
             .take(LOOKBACK)
             .filter(|k| self.maybe_tip(**k))
-            .find_map(|k| self.tips.get(k).map(|t| t.slot))
+            .find_map(|k| {
+                self.tips.get(k).map(|t| Continues {
+                    slot: t.slot,
+                    moved_at: t.moved_at,
+                })
+            })
     }
 
     /// Each replica's conversations (those whose latest turn went there)
@@ -299,5 +324,32 @@ mod tests {
         let mut c = Conversations::default();
         assert_eq!(c.place(&[], A, Instant::now()), Placed::New);
         assert_eq!(c.len(), 0);
+    }
+
+    #[test]
+    fn a_conversation_remembers_when_it_last_changed_replica() {
+        let mut c = Conversations::default();
+        let t0 = Instant::now();
+        let first = keys(0..4);
+        c.place(&first, ReplicaSlot(0), t0);
+        assert_eq!(
+            c.continues(&keys(0..6)),
+            Some(Continues {
+                slot: ReplicaSlot(0),
+                moved_at: None
+            })
+        );
+        // Its next turn goes elsewhere: it moved then.
+        let t1 = t0 + Duration::from_secs(1);
+        c.place(&keys(0..6), ReplicaSlot(1), t1);
+        let moved = c.continues(&keys(0..8)).map(|k| k.moved_at);
+        assert_eq!(moved, Some(Some(t1)));
+        // It stays: the time of its move stays with it.
+        c.place(&keys(0..8), ReplicaSlot(1), t1 + Duration::from_secs(1));
+        assert_eq!(
+            c.continues(&keys(0..10)).map(|k| k.moved_at),
+            Some(Some(t1))
+        );
+        assert_eq!(c.continues(&keys(100..104)), None, "a new conversation");
     }
 }

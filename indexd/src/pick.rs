@@ -414,8 +414,16 @@ fn place(shared: &Shared, req: &PickRequest, snap: &mut Snapshot, now: Instant) 
             Input { matched, load }
         })
         .collect();
-    let mut ranking = rank(shared, req, snap);
-    if conversations.continues(&snap.keys).is_none() {
+    let continues = conversations.continues(&snap.keys);
+    // A conversation that changed replica a moment ago stays (no thrash), and
+    // none moves to a replica still filling with new conversations.
+    let settled = continues
+        .and_then(|c| c.moved_at)
+        .is_some_and(|at| now.saturating_duration_since(at) < cfg.move_cooldown);
+    let mut ranking = rank(shared, req, snap, |i| {
+        !settled && snap.eligible.get(i).is_some_and(|r| !r.filling(now))
+    });
+    if continues.is_none() {
         explore(shared, req, snap, &mut ranking, now);
     }
     note(shared, req, snap, &ranking, &mut conversations, now);
@@ -492,15 +500,22 @@ fn explore(
     }
 }
 
-/// The cost model's order ([`score::rank`]).
-fn rank(shared: &Shared, req: &PickRequest, snap: &Snapshot) -> Ranking {
+/// The cost model's order ([`score::rank_with`]), moves allowed only to
+/// the inputs `may_move` admits.
+fn rank(
+    shared: &Shared,
+    req: &PickRequest,
+    snap: &Snapshot,
+    may_move: impl Fn(usize) -> bool,
+) -> Ranking {
     let mut rng = lock(&shared.rng);
-    score::rank(
+    score::rank_with(
         &snap.inputs,
         prompt_tokens(req, snap),
         req.block_size,
         &shared.config.weights,
         &mut *rng,
+        may_move,
     )
 }
 

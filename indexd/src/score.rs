@@ -318,6 +318,7 @@ fn cost_at(input: &Input, prompt_tokens: u32, block_size: u32, w: &Weights, rate
 
 /// Orders `inputs` best first, then applies the move rule (module docs).
 /// `prompt_tokens` is at least the keyed tokens.
+#[cfg(test)]
 pub fn rank<R: Rng>(
     inputs: &[Input],
     prompt_tokens: u32,
@@ -325,8 +326,22 @@ pub fn rank<R: Rng>(
     w: &Weights,
     rng: &mut R,
 ) -> Ranking {
+    rank_with(inputs, prompt_tokens, block_size, w, rng, |_| true)
+}
+
+/// [`rank`], where a move away from the warm replica may go to input `i`
+/// only if `may_move(i)`: else the warm replica stays first (a conversation
+/// moved a moment ago, or a replica still filling with new conversations).
+pub fn rank_with<R: Rng>(
+    inputs: &[Input],
+    prompt_tokens: u32,
+    block_size: u32,
+    w: &Weights,
+    rng: &mut R,
+    may_move: impl Fn(usize) -> bool,
+) -> Ranking {
     let mut ranked = by_cost(inputs, prompt_tokens, block_size, w, rng);
-    let moved = apply_move_rule(inputs, &mut ranked, prompt_tokens, block_size, w);
+    let moved = apply_move_rule(inputs, &mut ranked, prompt_tokens, block_size, w, may_move);
     Ranking { ranked, moved }
 }
 
@@ -344,6 +359,7 @@ fn apply_move_rule(
     prompt_tokens: u32,
     block_size: u32,
     w: &Weights,
+    may_move: impl Fn(usize) -> bool,
 ) -> Move {
     let Some(first) = ranked.first().copied() else {
         return Move::None;
@@ -385,7 +401,10 @@ fn apply_move_rule(
     // several gateways route it (each sees the turns sent through it): the
     // replicas' own counts, every gateway's requests, must show more in
     // flight on the warm replica too.
-    if saving > w.move_margin * reprefill_seconds && lasting(&warm_input.load, &cheapest.load, w) {
+    if saving > w.move_margin * reprefill_seconds
+        && lasting(&warm_input.load, &cheapest.load, w)
+        && may_move(first.input)
+    {
         return Move::Moved;
     }
     if let Some(head) = ranked.get_mut(..=at) {

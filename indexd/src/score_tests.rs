@@ -507,3 +507,30 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn a_move_goes_only_where_may_move_admits() {
+    let w = Weights::default();
+    // A queue long enough to pay for a move (as above), to a target that
+    // may not take one: the warm replica stays first.
+    let inputs = warm_and_cold(50, 12.0, None);
+    let ranking = rank_with(
+        &inputs,
+        64 * 52,
+        64,
+        &w,
+        &mut StdRng::seed_from_u64(1),
+        |i| i != 1,
+    );
+    assert_eq!(ranking.moved, Move::Held);
+    assert_eq!(ranking.ranked[0].input, 0);
+    let ranking = rank_with(
+        &inputs,
+        64 * 52,
+        64,
+        &w,
+        &mut StdRng::seed_from_u64(1),
+        |_| true,
+    );
+    assert_eq!(ranking.moved, Move::Moved);
+}

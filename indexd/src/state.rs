@@ -233,7 +233,7 @@ impl Shared {
 
     /// Registers an endpoint; `None` if it is already known.
     pub fn add_replica(&self, config: EndpointConfig) -> Option<Arc<Replica>> {
-        let replica = write(&self.registry).add(config, &self.shutdown)?;
+        let replica = write(&self.registry).add(config, &self.shutdown, self.config.join_warmup)?;
         crate::snapshot::restore(self, &replica);
         Some(replica)
     }

@@ -63,6 +63,11 @@ pub struct Replica {
     /// When it last got a new conversation (at first: when it was
     /// registered).
     last_new_conversation: Mutex<Instant>,
+    /// When it was registered.
+    registered: Instant,
+    /// Until when it fills with new conversations only, no moved ones: it
+    /// joined its model's running fleet ([`Registry::add`]).
+    filling_until: Option<Instant>,
     /// Its host as a Pick's candidates name it (`ip:port`), written once:
     /// formatting the address took a twentieth of a Pick.
     address: String,
@@ -78,6 +83,9 @@ struct Fitted {
 }
 
 const MAX_PENDING: usize = 4096;
+/// A replica registered this long after another of its model joins a
+/// running fleet; the ones discovery finds at start come within a second.
+pub(crate) const JOINS_AFTER: Duration = Duration::from_secs(5);
 /// The longest prefill one pick may stand for (a bound on bad estimates).
 const MAX_PICK_PREFILL: Duration = Duration::from_secs(60);
 
@@ -218,7 +226,10 @@ impl Replica {
         slot: ReplicaSlot,
         cancel: CancellationToken,
     ) -> Self {
+        let registered = Instant::now();
         Self {
+            registered,
+            filling_until: None,
             // Without an event source there is nothing to be stale about;
             // without a metrics URL there is no health signal.
             fresh: AtomicBool::new(config.events.is_none()),
@@ -236,7 +247,7 @@ impl Replica {
             warning: WarnGate::default(),
             resume: Mutex::new(None),
             calibration: Mutex::new(Fitted::default()),
-            last_new_conversation: Mutex::new(Instant::now()),
+            last_new_conversation: Mutex::new(registered),
         }
     }
 
@@ -297,6 +308,12 @@ impl Replica {
     /// its model yet; the prior applies).
     pub(crate) fn prefill_speed(&self) -> Option<PrefillSpeed> {
         lock(&self.calibration).speed
+    }
+
+    /// Whether it still fills with new conversations only at `now` (no
+    /// conversation moves there to fill it).
+    pub(crate) fn filling(&self, now: Instant) -> bool {
+        self.filling_until.is_some_and(|until| now < until)
     }
 
     /// Notes that a new conversation was sent to it at `now`.
@@ -556,18 +573,33 @@ pub(crate) struct Registry {
 
 impl Registry {
     /// Registers an endpoint in the next slot, its tasks cancelled with
-    /// `parent`; `None` if it is already known.
+    /// `parent`; `None` if it is already known. One that joins its model's
+    /// running fleet (another replica of the model registered at least
+    /// [`JOINS_AFTER`] before: not the fleet found at start) fills with new
+    /// conversations only for
+    /// `join_warmup`: conversations stay on their warm replicas rather than
+    /// move to fill it.
     pub(crate) fn add(
         &mut self,
         config: EndpointConfig,
         parent: &CancellationToken,
+        join_warmup: Duration,
     ) -> Option<Arc<Replica>> {
         if self.replicas.contains_key(&config.id) {
             return None;
         }
         let slot = ReplicaSlot(self.next_slot);
         self.next_slot = self.next_slot.saturating_add(1);
-        let replica = Arc::new(Replica::new(config, slot, parent.child_token()));
+        let mut replica = Replica::new(config, slot, parent.child_token());
+        let now = replica.registered;
+        let joins = self.replicas.values().any(|r| {
+            r.config.model == replica.config.model
+                && now.saturating_duration_since(r.registered) >= JOINS_AFTER
+        });
+        if joins && !join_warmup.is_zero() {
+            replica.filling_until = now.checked_add(join_warmup);
+        }
+        let replica = Arc::new(replica);
         self.replicas
             .insert(replica.id().clone(), Arc::clone(&replica));
         Some(replica)

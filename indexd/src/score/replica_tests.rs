@@ -107,7 +107,9 @@ fn an_unvisited_replica_takes_its_models_pooled_speed_not_the_prior() {
     let parent = CancellationToken::new();
     let mut add = |address: &str, model: &str| {
         let config = EndpointConfig::new(address.parse().expect("address"), model);
-        registry.add(config, &parent).expect("a new endpoint")
+        registry
+            .add(config, &parent, Duration::from_secs(60))
+            .expect("a new endpoint")
     };
     let busy = add("10.0.0.1:8000", "m");
     let idle = add("10.0.0.2:8000", "m");
@@ -133,4 +135,47 @@ fn an_unvisited_replica_takes_its_models_pooled_speed_not_the_prior() {
         "another model's evidence is not pooled"
     );
     assert_eq!(idle.own_prefill(8_000.0), (None, 0));
+}
+
+#[test]
+fn a_replica_joining_a_running_fleet_fills_with_new_conversations_first() {
+    let parent = CancellationToken::new();
+    let warmup = Duration::from_secs(60);
+    let config =
+        |address: &str, model: &str| EndpointConfig::new(address.parse().expect("address"), model);
+    let mut registry = Registry::default();
+    // The fleet found at start registers within a moment: no warm-up.
+    let a = registry
+        .add(config("10.0.0.1:8000", "m"), &parent, warmup)
+        .expect("new");
+    let b = registry
+        .add(config("10.0.0.2:8000", "m"), &parent, warmup)
+        .expect("new");
+    let now = Instant::now();
+    assert!(!a.filling(now) && !b.filling(now));
+    // A replica of the fleet registered a while ago...
+    let mut old = Replica::new(
+        config("10.0.0.3:8000", "m"),
+        ReplicaSlot(9),
+        CancellationToken::new(),
+    );
+    old.registered = now.checked_sub(JOINS_AFTER * 2).expect("in the past");
+    registry
+        .replicas
+        .insert(old.config.id.clone(), Arc::new(old));
+    // ...makes the next one a joiner, for join_warmup; another model's not.
+    let joiner = registry
+        .add(config("10.0.0.4:8000", "m"), &parent, warmup)
+        .expect("new");
+    let elsewhere = registry
+        .add(config("10.0.0.5:8000", "x"), &parent, warmup)
+        .expect("new");
+    let later = Instant::now();
+    assert!(joiner.filling(later));
+    assert!(!joiner.filling(later + warmup));
+    assert!(!elsewhere.filling(later));
+    let unwarmed = registry
+        .add(config("10.0.0.6:8000", "m"), &parent, Duration::ZERO)
+        .expect("new");
+    assert!(!unwarmed.filling(later), "join_warmup 0: none");
 }

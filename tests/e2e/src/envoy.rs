@@ -47,6 +47,14 @@ impl EnvoyConfig {
     pub fn as_json(&self) -> &Value {
         &self.bootstrap
     }
+
+    /// Names the node (`node.id`, `node.cluster`): Envoy requires one
+    /// before it subscribes to any xDS source, a file one included
+    /// ([`eds_cluster`]).
+    pub fn with_node(mut self, id: &str, cluster: &str) -> Self {
+        self.bootstrap["node"] = json!({ "id": id, "cluster": cluster });
+        self
+    }
 }
 
 /// `{"socket_address": {"address": "127.0.0.1", "port_value": port}}`.
@@ -231,6 +239,41 @@ impl Envoy {
         Ok(format!("http://127.0.0.1:{}", self.listener_port(name)?))
     }
 
+    /// The hosts (`ip:port`) Envoy's cluster `name` has now, from the admin
+    /// `/clusters` endpoint (a host an EDS update removed is gone at once,
+    /// while its connections drain).
+    pub fn cluster_hosts(&self, name: &str) -> Result<Vec<String>, HarnessError> {
+        let url = format!("{}/clusters?format=json", self.admin);
+        let response = http::get(&url, &[], ADMIN_TIMEOUT)?;
+        let doc: Value =
+            serde_json::from_str(&response.body).map_err(|e| HarnessError::Unexpected {
+                context: url.clone(),
+                message: e.to_string(),
+            })?;
+        let cluster = doc["cluster_statuses"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|c| c["name"] == name)
+            .ok_or_else(|| HarnessError::Unexpected {
+                context: url.clone(),
+                message: format!("no cluster named {name:?}"),
+            })?;
+        Ok(cluster["host_statuses"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|h| {
+                let a = &h["address"]["socket_address"];
+                Some(format!(
+                    "{}:{}",
+                    a["address"].as_str()?,
+                    a["port_value"].as_u64()?
+                ))
+            })
+            .collect())
+    }
+
     /// The admin `/stats/prometheus` text.
     pub fn prometheus_stats(&self) -> Result<String, HarnessError> {
         let url = format!("{}/stats/prometheus", self.admin);
@@ -351,6 +394,42 @@ pub fn inference_cluster(name: &str, replicas: &[SocketAddr], override_header: &
                 } }] }
             }
         } }] }
+    })
+}
+
+/// `cluster` (a STATIC one of the above) turned into an EDS cluster whose
+/// hosts come from the file `path` (a `DiscoveryResponse` holding one
+/// `ClusterLoadAssignment` named after the cluster: [`eds_file`]). Envoy
+/// reloads it whenever a file is moved into `watched_dir` (write it beside,
+/// then rename it in), so hosts join and leave without a restart. The
+/// bootstrap needs a node ([`EnvoyConfig::with_node`]).
+pub fn eds_cluster(mut cluster: Value, path: &Path, watched_dir: &Path) -> Value {
+    if let Some(c) = cluster.as_object_mut() {
+        c.remove("load_assignment");
+        c.insert("type".into(), json!("EDS"));
+        c.insert(
+            "eds_cluster_config".into(),
+            json!({ "eds_config": {
+                "resource_api_version": "V3",
+                "path_config_source": {
+                    "path": path.display().to_string(),
+                    "watched_directory": { "path": watched_dir.display().to_string() },
+                },
+            } }),
+        );
+    }
+    cluster
+}
+
+/// The contents of an EDS file ([`eds_cluster`]): cluster `name` with `hosts`.
+pub fn eds_file(name: &str, hosts: &[SocketAddr], version: u64) -> Value {
+    json!({
+        "version_info": version.to_string(),
+        "resources": [{
+            "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+            "cluster_name": name,
+            "endpoints": endpoints(hosts),
+        }],
     })
 }
 

@@ -13,7 +13,10 @@
 //! address; with [`StackOptions::indexd_token`] indexd requires a shared
 //! token and the filter sends it. [`Stack::start_external`] starts only the
 //! gateways, in front of replicas that run elsewhere (the bench's real vLLM
-//! fleet, shared by several stacks one after another).
+//! fleet, shared by several stacks one after another). With
+//! [`StackOptions::membership_files`] the replicas can change while it runs:
+//! [`Stack::add_replica`] and [`Stack::remove_replica`] rewrite indexd's
+//! discovery file and Envoy's EDS files.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -26,10 +29,12 @@ use crate::proxy::Relay;
 use crate::vllm::{RealVllm, VllmOptions, free_port};
 use crate::{Envoy, HarnessError};
 
+mod membership;
 mod parts;
 
 use parts::{
-    RunningIndexd, endpoint, envoy_config, indexd_config, mock_config, runtime, start_indexd,
+    RunningIndexd, endpoint, envoy_config, indexd_config, mock_config, mock_endpoints, runtime,
+    start_indexd,
 };
 
 /// The request header the filter writes and Envoy's override_host reads.
@@ -125,6 +130,11 @@ pub struct StackOptions {
     /// replica with a prompt it was never sent, and every match comes from
     /// the replicas' events.
     pub indexd_speculative_ttl: Option<Duration>,
+    /// The replicas are not fixed: indexd follows a discovery file (no
+    /// static endpoints) and Envoy's replica clusters are EDS clusters fed
+    /// from files, so [`Stack::add_replica`] and [`Stack::remove_replica`]
+    /// can change them while requests run (mock replicas only).
+    pub membership_files: bool,
 }
 
 impl Default for StackOptions {
@@ -159,6 +169,7 @@ impl Default for StackOptions {
             max_num_batched_tokens: None,
             vllm_model_dir: None,
             indexd_speculative_ttl: None,
+            membership_files: false,
         }
     }
 }
@@ -194,6 +205,8 @@ pub struct Stack {
     indexd_grpc: ListenAddr,
     indexd_link: Option<Relay>,
     endpoints: Vec<indexd::EndpointConfig>,
+    /// The discovery and EDS files, with [`StackOptions::membership_files`].
+    membership: Option<membership::Files>,
     replicas: Vec<mock_vllm::Handle>,
     real: Vec<RealVllm>,
     indexd_runtime: Option<Runtime>,
@@ -230,29 +243,10 @@ impl Stack {
                 .map_err(|e| setup("mock vLLM replica", e))?;
             replicas.push(replica);
         }
-        let mut endpoints = Vec::new();
-        for r in &replicas {
-            if options.data_parallel_size > 1 {
-                // One endpoint per rank: same address, its own event stream.
-                let replays = r.replay_endpoints();
-                for (rank, events) in r.events_endpoints() {
-                    let replay = replays
-                        .iter()
-                        .find(|(k, _)| *k == rank)
-                        .map(|(_, e)| e.clone());
-                    let mut e = endpoint(&options, r.http_addr(), Some((events, false)), replay);
-                    e.id.rank = Some(rank);
-                    endpoints.push(e);
-                }
-            } else {
-                endpoints.push(endpoint(
-                    &options,
-                    r.http_addr(),
-                    r.events_endpoint().map(|e| (e.to_owned(), false)),
-                    r.replay_endpoint().map(str::to_owned),
-                ));
-            }
-        }
+        let endpoints = replicas
+            .iter()
+            .flat_map(|r| mock_endpoints(&options, r))
+            .collect();
         Self::assemble(options, runtime, endpoints, replicas, Vec::new())
     }
 
@@ -350,6 +344,14 @@ impl Stack {
                 "slow_indexd_link relays TCP: not with indexd_unix_socket",
             ));
         }
+        let membership = if options.membership_files {
+            let mut files = membership::Files::new(snapshots.path())?;
+            files.write_discovery(&endpoints)?;
+            files.write_eds(&addresses)?;
+            Some(files)
+        } else {
+            None
+        };
         if let Some(token) = &options.indexd_token {
             std::fs::write(snapshots.path().join("token"), token)
                 .map_err(|e| HarnessError::io("write the token file", e))?;
@@ -369,7 +371,13 @@ impl Stack {
                 None,
             )
         } else {
-            let mut config = indexd_config(&options, &endpoints, listen(0), snapshots.path());
+            let mut config = indexd_config(
+                &options,
+                &endpoints,
+                listen(0),
+                snapshots.path(),
+                membership.as_ref(),
+            );
             config.snapshot.path = Some(snapshots.path().join("indexd.snapshot"));
             let (running, grpc) = start_indexd(indexd_rt, config)?;
             // With `slow_indexd_link`, Envoy reaches indexd through a relay the
@@ -383,14 +391,24 @@ impl Stack {
         let envoy_to_indexd = indexd_link
             .as_ref()
             .map_or_else(|| indexd_grpc.clone(), |l| ListenAddr::Tcp(l.addr()));
-        let envoy = Envoy::start(&envoy_config(&options, &addresses, &envoy_to_indexd)?)?;
+        let envoy = Envoy::start(&envoy_config(
+            &options,
+            &addresses,
+            &envoy_to_indexd,
+            membership.as_ref(),
+        )?)?;
         let mut extra_gateways = Vec::new();
         for gateway in 1..options.gateways {
             let (indexd, grpc) = if options.routing == Routing::LeastRequest {
                 (None, ListenAddr::Tcp(SocketAddr::from(([127, 0, 0, 1], 9))))
             } else {
-                let mut config =
-                    indexd_config(&options, &endpoints, listen(gateway), snapshots.path());
+                let mut config = indexd_config(
+                    &options,
+                    &endpoints,
+                    listen(gateway),
+                    snapshots.path(),
+                    membership.as_ref(),
+                );
                 // Each indexd draws its own tie-breaks, as independently started
                 // ones do (seeded from entropy); the same seed everywhere would
                 // make every gateway send the same first requests to the same
@@ -399,7 +417,12 @@ impl Stack {
                 let (running, grpc) = start_indexd(indexd_rt, config)?;
                 (Some(running), grpc)
             };
-            let envoy = Envoy::start(&envoy_config(&options, &addresses, &grpc)?)?;
+            let envoy = Envoy::start(&envoy_config(
+                &options,
+                &addresses,
+                &grpc,
+                membership.as_ref(),
+            )?)?;
             extra_gateways.push(Gateway { envoy, indexd });
         }
         let stack = Self {
@@ -411,6 +434,7 @@ impl Stack {
             indexd_grpc,
             indexd_link,
             endpoints,
+            membership,
             replicas,
             real,
             indexd_runtime,
@@ -534,6 +558,7 @@ impl Stack {
             &self.endpoints,
             self.indexd_grpc.clone(),
             self.snapshots.path(),
+            self.membership.as_ref(),
         );
         config.snapshot.path = Some(self.snapshots.path().join("indexd.snapshot"));
         let rt = self.indexd_runtime.as_ref().unwrap_or(&self.runtime);

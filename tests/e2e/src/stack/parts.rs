@@ -11,9 +11,11 @@ use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::membership::{DISCOVERY_INTERVAL, Files};
 use super::{DECISION_HEADER, LISTENER, OVERRIDE_HEADER, Routing, StackOptions, setup};
 use crate::envoy::{
-    cluster_route, http_cluster, http_listener, indexd_cluster, inference_cluster, kvroute_filters,
+    cluster_route, eds_cluster, http_cluster, http_listener, indexd_cluster, inference_cluster,
+    kvroute_filters,
 };
 use crate::{EnvoyConfig, HarnessError, artifacts};
 
@@ -72,6 +74,40 @@ pub(super) fn runtime(label: Option<&str>) -> Result<Runtime, HarnessError> {
         .map_err(|e| HarnessError::io("tokio runtime", e))
 }
 
+/// The replicas' clusters in Envoy: inference (`override_host`) and the
+/// tokenizer's (for `tokenize_at: cluster`).
+pub(super) const REPLICA_CLUSTERS: [&str; 2] = ["vllm", "vllm_tokenizer"];
+
+/// The endpoints indexd knows a mock replica by: one, or one per
+/// data-parallel rank (same address, its own event stream).
+pub(super) fn mock_endpoints(
+    options: &StackOptions,
+    replica: &mock_vllm::Handle,
+) -> Vec<indexd::EndpointConfig> {
+    if options.data_parallel_size <= 1 {
+        return vec![endpoint(
+            options,
+            replica.http_addr(),
+            replica.events_endpoint().map(|e| (e.to_owned(), false)),
+            replica.replay_endpoint().map(str::to_owned),
+        )];
+    }
+    let replays = replica.replay_endpoints();
+    replica
+        .events_endpoints()
+        .into_iter()
+        .map(|(rank, events)| {
+            let replay = replays
+                .iter()
+                .find(|(k, _)| *k == rank)
+                .map(|(_, e)| e.clone());
+            let mut e = endpoint(options, replica.http_addr(), Some((events, false)), replay);
+            e.id.rank = Some(rank);
+            e
+        })
+        .collect()
+}
+
 /// One replica as indexd knows it; `events` is `(endpoint, indexd binds)`.
 pub(super) fn endpoint(
     options: &StackOptions,
@@ -90,14 +126,24 @@ pub(super) fn endpoint(
     endpoint
 }
 
-/// indexd's config; `dir` holds the token file, if any.
+/// indexd's config; `dir` holds the token file, if any. With `membership`
+/// the endpoints come from its discovery file instead (none static).
 pub(super) fn indexd_config(
     options: &StackOptions,
     endpoints: &[indexd::EndpointConfig],
     grpc: ListenAddr,
     dir: &std::path::Path,
+    membership: Option<&Files>,
 ) -> indexd::Config {
-    let mut config = indexd::Config::new(endpoints.to_vec());
+    let mut config = match membership {
+        Some(files) => {
+            let mut config = indexd::Config::new(Vec::new());
+            config.discovery_file = Some(files.discovery_path());
+            config.discovery_interval = DISCOVERY_INTERVAL;
+            config
+        }
+        None => indexd::Config::new(endpoints.to_vec()),
+    };
     config.grpc_listen = grpc;
     if options.indexd_token.is_some() {
         config.access.auth_token_file = Some(dir.join("token"));
@@ -147,16 +193,26 @@ pub(super) fn start_indexd(
     ))
 }
 
+/// Envoy's bootstrap; with `membership` the replicas' clusters take their
+/// hosts from the EDS files.
 pub(super) fn envoy_config(
     options: &StackOptions,
     replicas: &[SocketAddr],
     indexd: &ListenAddr,
+    membership: Option<&Files>,
 ) -> Result<EnvoyConfig, HarnessError> {
-    let route = cluster_route("vllm", Duration::from_secs(120));
+    let [inference, tokenizer] = REPLICA_CLUSTERS;
+    let route = cluster_route(inference, Duration::from_secs(120));
     let mut clusters = vec![
-        inference_cluster("vllm", replicas, OVERRIDE_HEADER),
-        http_cluster("vllm_tokenizer", replicas),
+        inference_cluster(inference, replicas, OVERRIDE_HEADER),
+        http_cluster(tokenizer, replicas),
     ];
+    if let Some(files) = membership {
+        for cluster in &mut clusters {
+            let name = cluster["name"].as_str().unwrap_or_default().to_owned();
+            *cluster = eds_cluster(cluster.take(), &files.eds_path(&name), &files.eds_dir());
+        }
+    }
     let filters = match options.routing {
         Routing::LeastRequest => vec![],
         Routing::Precise | Routing::Approximate => {
@@ -186,7 +242,11 @@ pub(super) fn envoy_config(
     };
     let mut listener = http_listener(LISTENER, filters, vec![route]);
     listener["per_connection_buffer_limit_bytes"] = json!(options.buffer_limit_bytes);
-    Ok(EnvoyConfig::new(vec![listener], clusters))
+    let config = EnvoyConfig::new(vec![listener], clusters);
+    Ok(match membership {
+        Some(_) => config.with_node("kvroute-e2e", "kvroute-e2e"),
+        None => config,
+    })
 }
 
 #[cfg(test)]

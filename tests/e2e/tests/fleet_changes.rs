@@ -1,0 +1,741 @@
+//! Replicas joining and leaving a running fleet, on the mock: real Envoy +
+//! the built filter + indexd + mock vLLM replicas, all on loopback.
+//!
+//! **Level: through Envoy.** The stack runs with
+//! [`StackOptions::membership_files`]: indexd follows a discovery file and
+//! Envoy's replica clusters are EDS clusters read from files
+//! (`path_config_source`, reloaded when a new file is renamed into the
+//! watched directory), so a replica joins and leaves a running Envoy as it
+//! would under a control plane, with no restart of anything. That was
+//! modest effort (two file formats, both rewritten whole), and it keeps the
+//! whole request path under test: the filter's body-carrying Pick, the
+//! `override_host` policy (which only honours a host its cluster has),
+//! Envoy's connection draining when a host leaves, and the completions the
+//! filter reports. Acting as the filter at indexd's level would have
+//! skipped exactly the parts a membership change touches.
+//!
+//! The workload: [`AGENTS`] agents, started [`STAGGER`] apart, each running
+//! conversations one after another, [`MIN_TURNS`] to [`MAX_TURNS`] turns
+//! each; every conversation opens with one long
+//! system prompt they all share, and every turn's prompt is the previous
+//! one plus the answer and a new tool result or user message, after
+//! [`THINK`] (the tool running). Conversations keep starting throughout.
+//! The mock runs at `time_scale` [`TIME_SCALE`] (the bench's agentic W2
+//! and the demo's): each replica prefills one prompt at a time, about
+//! 0.16 s for a continuation, so the agents ask about 1.5× what two
+//! replicas serve and about what three do: a fleet that needs its third
+//! replica, as a fleet scaled out does.
+//!
+//! Acceptance (the issue's):
+//! 1. Join: mid-run a third replica joins. A new conversation (its first
+//!    turn, sent after the join) must have been answered by the joiner
+//!    within [`JOIN_DEADLINE`] of the join (polled, bounded); and every
+//!    continuation of a conversation started before the join stays off the
+//!    joiner (none leaves its warm replica to fill it). A move between the
+//!    first two replicas, the move rule's answer to their queues on a fleet
+//!    this loaded, is listed in a failure's message but is not this point.
+//! 2. Leave: then one of the two first replicas drains and leaves (out of
+//!    indexd's discovery file, then, once indexd has dropped it, out of
+//!    Envoy's EDS files; stopped once it has answered what it was sent). Every request of the run is answered 200, and each
+//!    conversation that was on it re-homes once: its next turn goes to
+//!    another replica and the turns after that stay there.
+//!
+//! Every loop is bounded by count and time; the 10 s of point 1 is the only
+//! timing assertion. A failure names what happened: the new conversations
+//! each replica got in each second after the join, the fleet's load, and
+//! indexd's `indexd_replica_prefill_tokens_per_second` and
+//! `indexd_conversation_turns_total`.
+
+#![allow(
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::indexing_slicing,
+    clippy::panic
+)]
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use kvroute_e2e::client::{chat_body, filler, message, post_json};
+use kvroute_e2e::{Stack, StackOptions, http};
+use serde_json::Value;
+
+/// The mock's latency model speed (module docs).
+const TIME_SCALE: f64 = 0.5;
+/// Agents running conversations at once.
+const AGENTS: usize = 8;
+/// Turns of a conversation: from this many...
+const MIN_TURNS: usize = 6;
+/// ...to this many (by its number), so that the agents drift apart.
+const MAX_TURNS: usize = 10;
+/// Agent `i` starts `i` times this late: conversations start all along,
+/// not in waves.
+const STAGGER: Duration = Duration::from_millis(500);
+/// Between an answer and the next turn: the tool runs.
+const THINK: Duration = Duration::from_millis(250);
+/// Words (one token each, for the mock's tokenizer) of the shared system
+/// prompt, of a conversation's first message, of a tool result and of a
+/// user follow-up.
+const SYSTEM_WORDS: usize = 1_200;
+const FIRST_WORDS: usize = 120;
+const TOOL_WORDS: usize = 250;
+const USER_WORDS: usize = 40;
+
+/// How long the two replicas serve before the third joins.
+const BEFORE_JOIN: Duration = Duration::from_secs(8);
+/// The spec: a new conversation reaches the joiner within this of the join.
+const JOIN_DEADLINE: Duration = Duration::from_secs(10);
+/// How long after the join the fleet of three runs before one leaves.
+const JOIN_WINDOW: Duration = Duration::from_secs(10);
+/// Bound on the wait for the leaver's conversations to take their turns
+/// after it left.
+const AFTER_LEAVE: Duration = Duration::from_secs(20);
+/// Bound on the leaving replica answering what it was sent.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// Hard bounds on the agents, whatever the test does.
+const MAX_REQUESTS: usize = 2_000;
+const RUN_LIMIT: Duration = Duration::from_secs(90);
+/// How often the test looks at what came back.
+const POLL: Duration = Duration::from_millis(50);
+
+/// One request of the run.
+#[derive(Debug, Clone)]
+struct Turn {
+    conversation: usize,
+    turn: usize,
+    sent: Instant,
+    done: Instant,
+    /// 0: no HTTP answer at all.
+    status: u16,
+    replica: Option<String>,
+    /// The filter's decision label (`x-kvroute-decision`).
+    decision: Option<String>,
+    error: Option<String>,
+}
+
+/// What the agents share with the test.
+#[derive(Default)]
+struct Log {
+    turns: Mutex<Vec<Turn>>,
+    stop: AtomicBool,
+    sent: AtomicUsize,
+    next_conversation: AtomicUsize,
+}
+
+impl Log {
+    fn snapshot(&self) -> Vec<Turn> {
+        self.turns.lock().unwrap().clone()
+    }
+
+    fn stopped(&self, started: Instant) -> bool {
+        self.stop.load(Ordering::Relaxed) || started.elapsed() > RUN_LIMIT
+    }
+}
+
+/// Sets the agents' stop flag when dropped: whatever happens to the test's
+/// thread, the agents end after their request in flight.
+struct StopOnDrop<'a>(&'a Log);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A conversation's first turn: the shared system prompt, then its task.
+fn opening(conversation: usize) -> Vec<Value> {
+    vec![
+        message(
+            "system",
+            &format!(
+                "You are a coding agent. Tools: {}",
+                filler(9_999, SYSTEM_WORDS)
+            ),
+        ),
+        message("user", &filler(conversation as u64 * 1_000, FIRST_WORDS)),
+    ]
+}
+
+/// The turns conversation `c` takes.
+fn turns_of(c: usize) -> usize {
+    MIN_TURNS + c % (MAX_TURNS - MIN_TURNS + 1)
+}
+
+/// Agent `i`: conversations one after another until stopped.
+fn agent(i: usize, url: &str, model: &str, log: &Log, started: Instant) {
+    let start = started + STAGGER * u32::try_from(i).unwrap();
+    while Instant::now() < start && !log.stopped(started) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    while !log.stopped(started) {
+        let conversation = log.next_conversation.fetch_add(1, Ordering::Relaxed);
+        let mut messages = opening(conversation);
+        for turn in 0..turns_of(conversation) {
+            if log.stopped(started) || log.sent.fetch_add(1, Ordering::Relaxed) >= MAX_REQUESTS {
+                return;
+            }
+            let sent = Instant::now();
+            let body = chat_body(model, &messages, None);
+            let outcome = post_json(url, "/v1/chat/completions", &body, &[]);
+            let done = Instant::now();
+            let (status, replica, decision, error, text) = match outcome {
+                Ok(o) if o.status == 200 => (o.status, o.replica, o.decision, None, o.text),
+                Ok(o) => (o.status, o.replica, o.decision, Some(o.body), String::new()),
+                Err(e) => (0, None, None, Some(e.to_string()), String::new()),
+            };
+            log.turns.lock().unwrap().push(Turn {
+                conversation,
+                turn,
+                sent,
+                done,
+                status,
+                replica,
+                decision,
+                error,
+            });
+            if status != 200 {
+                // Without its answer the conversation cannot go on.
+                break;
+            }
+            messages.push(message("assistant", &text));
+            let (role, words) = if turn % 2 == 0 {
+                ("tool", TOOL_WORDS)
+            } else {
+                ("user", USER_WORDS)
+            };
+            let seed = conversation as u64 * 1_000 + turn as u64 + 1;
+            messages.push(message(role, &filler(seed, words)));
+            std::thread::sleep(THINK);
+        }
+    }
+}
+
+/// Requests running and waiting on a mock replica, by its own `/metrics`.
+fn load(address: &str) -> (f64, f64) {
+    let Ok(r) = http::get(
+        &format!("http://{address}/metrics"),
+        &[],
+        Duration::from_secs(2),
+    ) else {
+        return (0.0, 0.0);
+    };
+    let sum = |name: &str| -> f64 {
+        r.body
+            .lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    (
+        sum("vllm:num_requests_running{"),
+        sum("vllm:num_requests_waiting{"),
+    )
+}
+
+/// indexd's metric lines of the families named.
+fn metric_lines(text: &str, families: &[&str]) -> String {
+    text.lines()
+        .filter(|l| families.iter().any(|f| l.starts_with(&format!("{f}{{"))))
+        .map(|l| format!("    {l}\n"))
+        .collect()
+}
+
+/// What the test saw while driving the run.
+#[derive(Default)]
+struct Timeline {
+    /// The originals' mean (running, waiting) before the join.
+    load_before_join: Vec<(String, f64, f64)>,
+    join: Option<Instant>,
+    joiner: Option<String>,
+    /// When the first new conversation answered by the joiner came back.
+    first_on_joiner: Option<Duration>,
+    metrics_at_join: String,
+    metrics_at_deadline: String,
+    leaver: Option<String>,
+    leave: Option<Instant>,
+    /// When every gateway had dropped the leaver.
+    left: Option<Instant>,
+    /// Conversations on the leaver when it left.
+    leavers_conversations: Vec<usize>,
+    metrics_at_end: String,
+    harness_error: Option<String>,
+}
+
+/// The conversations whose latest turn sent before `at` went to `replica`
+/// and that have turns to go (per what has come back so far).
+fn conversations_on(turns: &[Turn], replica: &str, at: Instant) -> Vec<usize> {
+    let mut latest: BTreeMap<usize, &Turn> = BTreeMap::new();
+    for t in turns.iter().filter(|t| t.sent < at) {
+        let e = latest.entry(t.conversation).or_insert(t);
+        if t.turn > e.turn {
+            *e = t;
+        }
+    }
+    latest
+        .values()
+        .filter(|t| t.status == 200 && t.replica.as_deref() == Some(replica))
+        .filter(|t| t.turn + 1 < turns_of(t.conversation))
+        .map(|t| t.conversation)
+        .collect()
+}
+
+/// Whether each of `conversations` has taken its next two turns (or all it
+/// had left) after `at`.
+fn continued(turns: &[Turn], conversations: &[usize], at: Instant) -> bool {
+    conversations.iter().all(|c| {
+        let before = turns
+            .iter()
+            .filter(|t| t.conversation == *c && t.sent < at)
+            .map(|t| t.turn)
+            .max()
+            .unwrap_or(0);
+        let after = turns
+            .iter()
+            .filter(|t| t.conversation == *c && t.sent >= at)
+            .count();
+        let wanted = (turns_of(*c) - 1 - before).min(2);
+        after >= wanted
+            || turns
+                .iter()
+                .any(|t| t.conversation == *c && t.status != 200)
+    })
+}
+
+/// Sleeps in [`POLL`] steps until `until`, sampling `every` on the way.
+fn wait_until_instant(until: Instant, mut every: impl FnMut()) {
+    while Instant::now() < until {
+        every();
+        std::thread::sleep(POLL.min(until.saturating_duration_since(Instant::now())));
+    }
+}
+
+/// The test's side of the run: join, watch, leave, watch.
+fn drive(stack: &mut Stack, log: &Log, started: Instant, originals: &[String]) -> Timeline {
+    let mut timeline = Timeline::default();
+    let indexd_metrics =
+        |stack: &Stack| stack.indexd().map(|i| i.metrics_text()).unwrap_or_default();
+
+    // Two replicas serve; their load is sampled on the way.
+    let mut samples: Vec<(f64, f64, u32)> = vec![(0.0, 0.0, 0); originals.len()];
+    let mut next_sample = Instant::now();
+    wait_until_instant(started + BEFORE_JOIN, || {
+        if Instant::now() >= next_sample && started.elapsed() > BEFORE_JOIN / 2 {
+            for (s, address) in samples.iter_mut().zip(originals) {
+                let (running, waiting) = load(address);
+                *s = (s.0 + running, s.1 + waiting, s.2 + 1);
+            }
+            next_sample = Instant::now() + Duration::from_millis(200);
+        }
+    });
+    timeline.load_before_join = originals
+        .iter()
+        .zip(&samples)
+        .map(|(a, (r, w, n))| {
+            let n = f64::from((*n).max(1));
+            (a.clone(), r / n, w / n)
+        })
+        .collect();
+
+    // A third replica joins.
+    timeline.metrics_at_join = indexd_metrics(stack);
+    let join = Instant::now();
+    timeline.join = Some(join);
+    let joiner = match stack.add_replica() {
+        Ok(a) => a.to_string(),
+        Err(e) => {
+            timeline.harness_error = Some(format!("add_replica: {e}"));
+            return timeline;
+        }
+    };
+    timeline.joiner = Some(joiner.clone());
+    // A new conversation reaching the joiner, polled until the deadline
+    // (and once past it: an answer recorded just after still counts if it
+    // came back in time).
+    loop {
+        let past = join.elapsed() > JOIN_DEADLINE;
+        timeline.first_on_joiner = log
+            .snapshot()
+            .iter()
+            .filter(|t| t.turn == 0 && t.sent >= join && t.status == 200)
+            .filter(|t| t.replica.as_deref() == Some(joiner.as_str()))
+            .map(|t| t.done.duration_since(join))
+            .filter(|d| *d <= JOIN_DEADLINE)
+            .min();
+        if timeline.first_on_joiner.is_some() || past {
+            break;
+        }
+        std::thread::sleep(POLL);
+    }
+    // The fleet of three runs on for the whole window.
+    wait_until_instant(join + JOIN_DEADLINE.max(JOIN_WINDOW), || {});
+    timeline.metrics_at_deadline = indexd_metrics(stack);
+
+    // One of the first two leaves: the one holding more conversations.
+    let leave = Instant::now();
+    let turns = log.snapshot();
+    let Some(leaver) = originals
+        .iter()
+        .max_by_key(|a| conversations_on(&turns, a, leave).len())
+        .cloned()
+    else {
+        return timeline;
+    };
+    timeline.leaver = Some(leaver.clone());
+    timeline.leave = Some(leave);
+    let address: SocketAddr = leaver.parse().unwrap();
+    match stack.remove_replica(address, DRAIN_TIMEOUT) {
+        Ok(left) => timeline.left = Some(left),
+        Err(e) => {
+            timeline.harness_error = Some(format!("remove_replica: {e}"));
+            return timeline;
+        }
+    }
+    // Its conversations take their next turns (bounded).
+    let bound = Instant::now() + AFTER_LEAVE;
+    loop {
+        let turns = log.snapshot();
+        // Computed again each time: the leaver had answered all it was sent
+        // when it stopped, but an answer may be recorded a moment later.
+        let mine = conversations_on(&turns, &leaver, leave);
+        if continued(&turns, &mine, leave) || Instant::now() > bound {
+            timeline.leavers_conversations = mine;
+            break;
+        }
+        std::thread::sleep(POLL);
+    }
+    timeline.metrics_at_end = indexd_metrics(stack);
+    timeline
+}
+
+/// Per phase (before the join, joined, after the leave): requests, the
+/// continuations that changed replica (any conversation, as the client saw
+/// them) and the filter's decisions.
+fn phases(turns: &[Turn], join: Instant, leave: Instant) -> String {
+    let mut out = String::new();
+    let phase = |t: &Turn| {
+        if t.sent < join {
+            0
+        } else if t.sent < leave {
+            1
+        } else {
+            2
+        }
+    };
+    for (p, name) in ["before the join", "joined", "after the leave"]
+        .into_iter()
+        .enumerate()
+    {
+        let mine: Vec<&Turn> = turns.iter().filter(|t| phase(t) == p).collect();
+        let moved = mine
+            .iter()
+            .filter(|t| t.turn > 0 && t.status == 200)
+            .filter(|t| {
+                turns
+                    .iter()
+                    .find(|q| q.conversation == t.conversation && q.turn + 1 == t.turn)
+                    .is_some_and(|q| q.replica.is_some() && q.replica != t.replica)
+            })
+            .count();
+        let mut decisions: BTreeMap<String, usize> = BTreeMap::new();
+        for t in &mine {
+            *decisions
+                .entry(t.decision.clone().unwrap_or_else(|| "-".into()))
+                .or_default() += 1;
+        }
+        let d: Vec<String> = decisions.iter().map(|(k, n)| format!("{k}={n}")).collect();
+        let _ = writeln!(
+            out,
+            "    {name}: {} requests, {moved} continuations changed replica; decisions {}",
+            mine.len(),
+            d.join(" ")
+        );
+    }
+    out
+}
+
+/// Short names for the replicas in reports: A, B (the first two), J.
+fn labels(originals: &[String], joiner: Option<&str>) -> Vec<(String, String)> {
+    let mut l: Vec<(String, String)> = originals
+        .iter()
+        .enumerate()
+        .map(|(i, a)| (((b'A' + i as u8) as char).to_string(), a.clone()))
+        .collect();
+    if let Some(j) = joiner {
+        l.push(("J".into(), j.to_owned()));
+    }
+    l
+}
+
+fn label(labels: &[(String, String)], replica: Option<&str>) -> String {
+    match replica {
+        None => "-".into(),
+        Some(r) => labels
+            .iter()
+            .find(|(_, a)| a == r)
+            .map_or_else(|| r.to_owned(), |(l, _)| l.clone()),
+    }
+}
+
+/// New conversations (first turns sent then) per second after the join,
+/// by the replica that answered.
+fn per_second(turns: &[Turn], join: Instant, labels: &[(String, String)]) -> String {
+    let mut out = String::new();
+    let seconds = JOIN_WINDOW.as_secs();
+    let mut totals: BTreeMap<String, usize> = BTreeMap::new();
+    for s in 0..seconds {
+        let from = join + Duration::from_secs(s);
+        let to = from + Duration::from_secs(1);
+        let mut counts: BTreeMap<String, usize> =
+            labels.iter().map(|(l, _)| (l.clone(), 0)).collect();
+        for t in turns
+            .iter()
+            .filter(|t| t.turn == 0 && t.sent >= from && t.sent < to)
+        {
+            let l = label(labels, t.replica.as_deref());
+            *counts.entry(l.clone()).or_default() += 1;
+            *totals.entry(l).or_default() += 1;
+        }
+        let row: Vec<String> = counts.iter().map(|(l, n)| format!("{l}={n}")).collect();
+        let _ = writeln!(out, "    s{s:<2} {}", row.join(" "));
+    }
+    let row: Vec<String> = totals.iter().map(|(l, n)| format!("{l}={n}")).collect();
+    let _ = writeln!(out, "    total {}", row.join(" "));
+    out
+}
+
+#[test]
+fn a_replica_joins_then_one_leaves_a_running_fleet() {
+    let mut stack = Stack::start(StackOptions {
+        replicas: 2,
+        time_scale: TIME_SCALE,
+        membership_files: true,
+        ..StackOptions::default()
+    })
+    .unwrap();
+    let url = stack.url().unwrap();
+    let model = stack.options().model.clone();
+    let originals = stack.replica_addresses();
+    let log = Log::default();
+    let started = Instant::now();
+    let timeline = std::thread::scope(|scope| {
+        for i in 0..AGENTS {
+            let (url, model, log) = (&url, &model, &log);
+            scope.spawn(move || agent(i, url, model, log, started));
+        }
+        let _stop = StopOnDrop(&log);
+        drive(&mut stack, &log, started, &originals)
+    });
+    let run_time = started.elapsed();
+    let turns = log.snapshot();
+    let labels = labels(&originals, timeline.joiner.as_deref());
+    let legend: Vec<String> = labels.iter().map(|(l, a)| format!("{l}={a}")).collect();
+
+    let mut failures: Vec<String> = Vec::new();
+    if let Some(e) = &timeline.harness_error {
+        failures.push(format!("the harness failed: {e}"));
+    }
+    let (Some(join), Some(_)) = (timeline.join, &timeline.joiner) else {
+        panic!("the third replica never joined: {failures:?}");
+    };
+    let leave = timeline.leave.unwrap_or_else(|| Instant::now() + RUN_LIMIT);
+
+    // 1. Join: a new conversation reached the joiner within the deadline...
+    if timeline.first_on_joiner.is_none() {
+        failures.push(format!(
+            "join: no new conversation reached the joiner J within {JOIN_DEADLINE:?} of its join"
+        ));
+    }
+    // ...and no conversation started before the join moved.
+    let turn_of = |c: usize, n: usize| turns.iter().find(|t| t.conversation == c && t.turn == n);
+    let mut moves = Vec::new();
+    let mut to_joiner = 0;
+    for t in turns
+        .iter()
+        .filter(|t| t.turn > 0 && t.sent >= join && t.sent < leave)
+    {
+        let Some(first) = turn_of(t.conversation, 0) else {
+            continue;
+        };
+        if first.sent >= join {
+            continue;
+        }
+        let previous = turn_of(t.conversation, t.turn - 1).and_then(|p| p.replica.clone());
+        if t.status == 200 && previous.is_some() && t.replica != previous {
+            if t.replica == timeline.joiner {
+                to_joiner += 1;
+            }
+            moves.push(format!(
+                "conversation {} turn {}: {} -> {}",
+                t.conversation,
+                t.turn,
+                label(&labels, previous.as_deref()),
+                label(&labels, t.replica.as_deref())
+            ));
+        }
+    }
+    let started_before_join = turns
+        .iter()
+        .filter(|t| t.turn == 0 && t.sent < join)
+        .count();
+    // Only a move to the joiner fills it; a move between the first two is
+    // the move rule's answer to their queues (reported, not this point).
+    if to_joiner > 0 {
+        failures.push(format!(
+            "join: {} continuation(s) of conversations started before the join left their previous turn's replica ({to_joiner} to the joiner J, {} between A and B): {}",
+            moves.len(),
+            moves.len() - to_joiner,
+            moves.join("; ")
+        ));
+    }
+
+    // 2. Leave: every request answered 200...
+    let errors: Vec<String> = turns
+        .iter()
+        .filter(|t| t.status != 200)
+        .map(|t| {
+            format!(
+                "conversation {} turn {} ({} the leave): status {} {}",
+                t.conversation,
+                t.turn,
+                if t.sent < leave { "before" } else { "after" },
+                t.status,
+                t.error.as_deref().unwrap_or_default()
+            )
+        })
+        .collect();
+    if !errors.is_empty() {
+        failures.push(format!(
+            "{} request(s) not answered 200: {}",
+            errors.len(),
+            errors.join("; ")
+        ));
+    }
+    // ...and each conversation on the leaver re-homed once.
+    let mut rehomed = Vec::new();
+    if let (Some(leaver), Some(left)) = (&timeline.leaver, timeline.left) {
+        if timeline.leavers_conversations.is_empty() {
+            failures.push(
+                "leave: no conversation was on the leaving replica: the scenario tested no re-homing"
+                    .into(),
+            );
+        }
+        for c in &timeline.leavers_conversations {
+            let mut after: Vec<&Turn> = turns
+                .iter()
+                .filter(|t| t.conversation == *c && t.sent >= leave)
+                .collect();
+            after.sort_by_key(|t| t.turn);
+            // While the leave propagated (until every gateway had dropped
+            // it) a turn may still have gone to the leaver.
+            let propagating = after
+                .iter()
+                .take_while(|t| t.replica.as_deref() == Some(leaver.as_str()) && t.sent < left)
+                .count();
+            let rest = &after[propagating..];
+            // Each turn's replica, and when it was sent after the leave began.
+            let path: Vec<String> = after
+                .iter()
+                .map(|t| {
+                    format!(
+                        "{}@+{:.2}s",
+                        label(&labels, t.replica.as_deref()),
+                        t.sent.duration_since(leave).as_secs_f64()
+                    )
+                })
+                .collect();
+            let verdict = match rest.first() {
+                None => Some("took no turn after the leave".to_owned()),
+                Some(first) if first.replica.as_deref() == Some(leaver.as_str()) => {
+                    Some("went back to the replica that had left".to_owned())
+                }
+                Some(first) if rest.iter().any(|t| t.replica != first.replica) => {
+                    Some("moved again after re-homing".to_owned())
+                }
+                Some(_) => None,
+            };
+            rehomed.push(format!("conversation {c}: {}", path.join(" ")));
+            if let Some(v) = verdict {
+                failures.push(format!(
+                    "leave: conversation {c} {v} (turns after the leave: {})",
+                    path.join(" ")
+                ));
+            }
+        }
+    }
+
+    let mut report = String::new();
+    let _ = writeln!(
+        report,
+        "replicas: {} (A, B first; J joined {:.1} s in{}); {} requests, {} conversations ({} started before the join), run {:.1} s",
+        legend.join(", "),
+        join.duration_since(started).as_secs_f64(),
+        timeline
+            .leaver
+            .as_deref()
+            .map(|l| format!(
+                "; {} left {:.1} s in",
+                label(&labels, Some(l)),
+                leave.duration_since(started).as_secs_f64()
+            ))
+            .unwrap_or_default(),
+        turns.len(),
+        log.next_conversation.load(Ordering::Relaxed),
+        started_before_join,
+        run_time.as_secs_f64(),
+    );
+    let load: Vec<String> = timeline
+        .load_before_join
+        .iter()
+        .map(|(a, r, w)| format!("{} running {r:.1} waiting {w:.1}", label(&labels, Some(a))))
+        .collect();
+    let _ = writeln!(report, "load before the join (mean): {}", load.join("; "));
+    let _ = writeln!(
+        report,
+        "first new conversation answered by J: {}",
+        timeline.first_on_joiner.map_or_else(
+            || "none".to_owned(),
+            |d| format!("{:.2} s after the join", d.as_secs_f64())
+        )
+    );
+    let _ = write!(
+        report,
+        "new conversations per second after the join, by replica:\n{}",
+        per_second(&turns, join, &labels)
+    );
+    let _ = write!(report, "by phase:\n{}", phases(&turns, join, leave));
+    let _ = writeln!(
+        report,
+        "leaver's conversations, turns after the leave (replica@sent, from the leave's start; every gateway had dropped it at +{:.2}s): {}",
+        timeline
+            .left
+            .map_or(0.0, |l| l.duration_since(leave).as_secs_f64()),
+        if rehomed.is_empty() {
+            "none".to_owned()
+        } else {
+            rehomed.join("; ")
+        }
+    );
+    let families = [
+        "indexd_replica_prefill_tokens_per_second",
+        "indexd_replica_prefill_overhead_seconds",
+        "indexd_conversation_turns_total",
+    ];
+    let _ = write!(
+        report,
+        "indexd at the join:\n{}indexd at the join's deadline ({JOIN_DEADLINE:?} later):\n{}indexd at the end:\n{}",
+        metric_lines(&timeline.metrics_at_join, &families),
+        metric_lines(&timeline.metrics_at_deadline, &families),
+        metric_lines(&timeline.metrics_at_end, &families),
+    );
+    eprintln!("{report}");
+    assert!(
+        failures.is_empty(),
+        "{} failure(s):\n- {}\n{report}",
+        failures.len(),
+        failures.join("\n- ")
+    );
+}
