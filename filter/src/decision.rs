@@ -113,6 +113,8 @@ enum Stage {
         routed: Routed,
         token: u32,
         sent_us: u64,
+        /// The Pick's size (its body included, when it carries one).
+        bytes: usize,
     },
     /// Decided, routed or not.
     Done(Decision),

@@ -124,6 +124,11 @@ pub enum Counter {
     /// `kvroute.index.key_scheme_mismatch`: indexd keys blocks with another
     /// scheme than this filter.
     KeySchemeMismatch,
+    /// `kvroute.index.large_pick_failed`: a Pick of more than 1 MiB (its
+    /// body) failed or timed out: the request went on unrouted, and the
+    /// index breaker did not count it (a client's large bodies cannot open
+    /// it for everyone).
+    LargePickFailed,
     /// `kvroute.continuations.busy`: a continuation asked for a Pick rather
     /// than follow its previous turn, whose replica indexd's latest answer
     /// called busy (`local_continuations`).
@@ -145,6 +150,7 @@ impl Counter {
             Self::ObserveFailed,
             Self::BlockSizeMismatch,
             Self::KeySchemeMismatch,
+            Self::LargePickFailed,
             Self::ContinuationBusy,
             Self::ContinuationUnknownLoad,
         ]);
@@ -161,6 +167,7 @@ impl Counter {
             Self::ObserveFailed => "kvroute.observe.failed".to_owned(),
             Self::BlockSizeMismatch => "kvroute.index.block_size_mismatch".to_owned(),
             Self::KeySchemeMismatch => "kvroute.index.key_scheme_mismatch".to_owned(),
+            Self::LargePickFailed => "kvroute.index.large_pick_failed".to_owned(),
             Self::ContinuationBusy => "kvroute.continuations.busy".to_owned(),
             Self::ContinuationUnknownLoad => "kvroute.continuations.unknown_load".to_owned(),
         }

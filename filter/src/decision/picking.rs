@@ -23,6 +23,9 @@ use crate::metrics::{Counter, Histogram, Reason};
 
 /// Upper bound on hosts in the override list.
 const MAX_HOSTS: usize = 16;
+/// A Pick larger than this (a body of a MiB or more) that fails does not
+/// count toward the index breaker ([`Counter::LargePickFailed`]).
+const LARGE_PICK_BYTES: usize = 1 << 20;
 /// Largest Pick answer read.
 const MAX_PICK_BYTES: usize = 64 * 1024;
 /// Whether a block-size mismatch was already logged as a warning.
@@ -136,6 +139,7 @@ impl Flow {
                     routed,
                     token,
                     sent_us,
+                    bytes: message.len(),
                 };
                 Action::Pause
             }
@@ -181,7 +185,10 @@ impl Flow {
             _ => return,
         }
         let Stage::Picking {
-            routed, sent_us, ..
+            routed,
+            sent_us,
+            bytes,
+            ..
         } = std::mem::replace(&mut self.stage, Stage::Idle)
         else {
             return;
@@ -191,6 +198,12 @@ impl Flow {
             log::debug!("{}: Pick failed with gRPC status {status_code}", self.id);
             if refused(status_code) {
                 self.conclude_routed(host, routed, Reason::IndexRejected, Via::Callout);
+            } else if bytes > LARGE_PICK_BYTES {
+                // Charged to its body, not to indexd: a client sending
+                // bodies that take indexd long to receive and refuse would
+                // otherwise open the breaker for every other request.
+                host.count(Counter::LargePickFailed);
+                self.unrouted(host, routed, Reason::IndexUnavailable, Via::Callout);
             } else {
                 self.index_failed(host, routed, Via::Callout);
             }

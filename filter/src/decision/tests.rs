@@ -1087,3 +1087,34 @@ fn local_continuations_need_this_exact_previous_turn() {
     d.post("/v1/chat/completions", &tool_turn(1));
     assert_eq!(d.host.grpc_calls.len(), 1);
 }
+
+#[test]
+fn large_picks_that_fail_do_not_open_the_breaker_for_everyone() {
+    // A client's 2 MB bodies time out at indexd (14: UNAVAILABLE): each goes
+    // on unrouted, counted, and the breaker stays closed for the others.
+    let mut h = Harness::new(
+        r#""tokenize_at":"indexd","max_body_bytes":4000000,"breaker":{"failures":2,"window_ms":1000,"cooldown_ms":2000}"#,
+    );
+    let big = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(2 << 20)
+    );
+    for _ in 0..3 {
+        h.post("/v1/chat/completions", &big);
+        assert!(h.pick_request().body.len() > 2 << 20);
+        h.index_answers(14, b"");
+        assert_eq!(h.flow.reason(), Some(Reason::IndexUnavailable));
+        assert_eq!(h.override_header(), None);
+        h.next_stream();
+    }
+    assert_eq!(h.host.count_of(Counter::LargePickFailed), 3);
+    assert_eq!(h.host.count_of(Counter::BreakerOpened), 0);
+    // An ordinary request is still picked; ordinary failures still count.
+    for _ in 0..2 {
+        h.post("/v1/chat/completions", CHAT);
+        assert!(!h.host.grpc_calls.is_empty(), "a Pick was sent");
+        h.index_answers(14, b"");
+        h.next_stream();
+    }
+    assert_eq!(h.host.count_of(Counter::BreakerOpened), 1);
+}
