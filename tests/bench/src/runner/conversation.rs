@@ -30,6 +30,11 @@ pub(super) fn run_conversation(ctx: &Ctx<'_>, conversation: &Conversation) -> Ve
         }
         None => history.push(Msg::User(nonce(&conversation.first))),
     }
+    // A scripted start (W6-burst): not before its offset into the run.
+    let at = ctx.started + Duration::from_millis(u64::from(conversation.start_ms));
+    if let Some(wait) = at.checked_duration_since(Instant::now()) {
+        std::thread::sleep(wait);
+    }
     let mut samples: Vec<Sample> = Vec::with_capacity(conversation.requests());
     let mut last = Reply::default();
     let mut prev_replica = String::new();

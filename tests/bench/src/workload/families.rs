@@ -106,6 +106,7 @@ pub(crate) fn w1_pair(
             rng.words(question_words)
         ))],
         max_tokens: 4,
+        start_ms: 0,
     }
 }
 
@@ -245,6 +246,7 @@ pub(super) fn w2(scale: Scale, seed: u64) -> Workload {
                 first,
                 steps,
                 max_tokens: 16,
+                start_ms: 0,
             }
         })
         .collect();
