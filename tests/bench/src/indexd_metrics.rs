@@ -34,6 +34,8 @@ const ENTRIES: &str = "indexd_index_entries";
 const SPECULATIVE_ENTRIES: &str = "indexd_speculative_entries";
 const BLOCKS: &str = "indexd_blocks_total";
 const KV_GROUPS: &str = "indexd_replica_kv_groups";
+const OWN_PREFILL: &str = "indexd_replica_prefill_own_tokens_per_second";
+const PREFILL_SAMPLES: &str = "indexd_replica_prefill_samples";
 
 /// One gateway's indexd at the end of one run.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -77,6 +79,18 @@ pub struct IndexdRow {
     pub unparked: u64,
     /// `parked_dropped`.
     pub parked_dropped: u64,
+    /// The slowest replica's own prefill fit, tokens/s
+    /// (`indexd_replica_prefill_own_tokens_per_second`, replicas with one;
+    /// None: none fitted, or a run before the column).
+    #[serde(default)]
+    pub prefill_own_min: Option<f64>,
+    /// The fastest's.
+    #[serde(default)]
+    pub prefill_own_max: Option<f64>,
+    /// The fewest samples a replica's own fit has
+    /// (`indexd_replica_prefill_samples`).
+    #[serde(default)]
+    pub prefill_samples_min: Option<u32>,
 }
 
 /// A sample line of the text format.
@@ -138,6 +152,8 @@ impl IndexdRow {
     pub fn parse(text: &str) -> Self {
         let mut row = Self::default();
         let mut groups: Vec<u32> = Vec::new();
+        let mut own: Vec<f64> = Vec::new();
+        let mut samples: Vec<u32> = Vec::new();
         for line in text.lines().filter_map(sample) {
             let n = count(line.value);
             match line.name {
@@ -149,6 +165,8 @@ impl IndexdRow {
                 ENTRIES => row.index_entries = n,
                 SPECULATIVE_ENTRIES => row.speculative_entries = n,
                 KV_GROUPS => groups.push(u32::try_from(n).unwrap_or(u32::MAX)),
+                OWN_PREFILL if line.value > 0.0 => own.push(line.value),
+                PREFILL_SAMPLES => samples.push(u32::try_from(n).unwrap_or(u32::MAX)),
                 BLOCKS => {
                     if let Some(slot) = row.outcome_mut(line.label("outcome")) {
                         *slot += n;
@@ -159,6 +177,9 @@ impl IndexdRow {
         }
         row.kv_groups_min = groups.iter().copied().min();
         row.kv_groups_max = groups.iter().copied().max();
+        row.prefill_own_min = own.iter().copied().reduce(f64::min);
+        row.prefill_own_max = own.iter().copied().reduce(f64::max);
+        row.prefill_samples_min = samples.iter().copied().min();
         row
     }
 
@@ -234,6 +255,13 @@ pub struct IndexdGroup {
     /// `indexd_blocks_total` by outcome, Σ over the readings (outcomes
     /// never seen left out).
     pub blocks: BTreeMap<String, u64>,
+    /// Per reading with two or more own prefill fits: the fastest over the
+    /// slowest (identical replicas: near 1).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prefill_spreads: Vec<f64>,
+    /// The fewest own samples behind a fit, over the readings.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_samples_min: Option<u32>,
 }
 
 /// Groups `rows` by workload × profile, in order of first appearance.
@@ -296,6 +324,14 @@ fn group(workload: &str, profile: &str, rows: &[&IndexdRow]) -> IndexdGroup {
         kv_groups_min: rows.iter().filter_map(|r| r.kv_groups_min).min(),
         kv_groups_max: rows.iter().filter_map(|r| r.kv_groups_max).max(),
         blocks,
+        prefill_spreads: rows
+            .iter()
+            .filter_map(|r| match (r.prefill_own_min, r.prefill_own_max) {
+                (Some(lo), Some(hi)) if lo > 0.0 => Some(hi / lo),
+                _ => None,
+            })
+            .collect(),
+        prefill_samples_min: rows.iter().filter_map(|r| r.prefill_samples_min).min(),
     }
 }
 
@@ -350,6 +386,45 @@ pub fn markdown(workload: &str, groups: &[IndexdGroup]) -> String {
             b("parked_dropped"),
             b("evicted"),
             b("removed"),
+        );
+    }
+    out.push_str(&prefill_markdown(workload, groups));
+    out
+}
+
+/// The spread of the replicas' own prefill fits at the end of each run
+/// (empty when no reading has two): identical replicas should be fitted
+/// alike.
+fn prefill_markdown(workload: &str, groups: &[IndexdGroup]) -> String {
+    let these: Vec<&IndexdGroup> = groups
+        .iter()
+        .filter(|g| g.workload == workload && !g.prefill_spreads.is_empty())
+        .collect();
+    if these.is_empty() {
+        return String::new();
+    }
+    let mut out = format!(
+        "\n### {workload}: prefill fits\n\n\
+         Per reading, the fastest replica's own fit over the slowest's \
+         (`indexd_replica_prefill_own_tokens_per_second`); samples: the fewest behind a fit \
+         (`indexd_replica_prefill_samples`).\n\n\
+         | profile | readings | median spread | worst spread | within 1.5× | fewest samples |\n\
+         |---|---:|---:|---:|---:|---:|\n"
+    );
+    for g in these {
+        let mut spreads = g.prefill_spreads.clone();
+        spreads.sort_by(f64::total_cmp);
+        let median = crate::stats::Dist::of(&spreads).p50;
+        let worst = spreads.last().copied().unwrap_or(1.0);
+        let within = spreads.iter().filter(|s| **s <= 1.5).count();
+        let _ = writeln!(
+            out,
+            "| {} | {} | {median:.2}× | {worst:.2}× | {within}/{} | {} |",
+            g.profile,
+            spreads.len(),
+            spreads.len(),
+            g.prefill_samples_min
+                .map_or_else(|| "n/a".to_owned(), |n| n.to_string()),
         );
     }
     out
@@ -508,5 +583,39 @@ indexd_replica_kv_groups{endpoint=\"127.0.0.1:4002\",model=\"tiny\"} 1
         assert!(read(dir.path()).unwrap().is_empty());
         assert!(!dir.path().join(INDEXD_CSV).exists());
         write(dir.path(), &[]).unwrap();
+    }
+
+    #[test]
+    fn own_prefill_fits_give_their_spread_per_reading() {
+        let page = "\
+indexd_replica_prefill_own_tokens_per_second{endpoint=\"a\",model=\"m\"} 20000
+indexd_replica_prefill_own_tokens_per_second{endpoint=\"b\",model=\"m\"} 25000
+indexd_replica_prefill_own_tokens_per_second{endpoint=\"c\",model=\"m\"} 0
+indexd_replica_prefill_samples{endpoint=\"a\",model=\"m\"} 12
+indexd_replica_prefill_samples{endpoint=\"b\",model=\"m\"} 9
+indexd_replica_prefill_samples{endpoint=\"c\",model=\"m\"} 0
+";
+        let row = IndexdRow::parse(page).of_run("w", "kvroute-precise", 0);
+        assert_eq!(
+            row.prefill_own_min,
+            Some(20_000.0),
+            "unfitted ones left out"
+        );
+        assert_eq!(row.prefill_own_max, Some(25_000.0));
+        assert_eq!(row.prefill_samples_min, Some(0));
+        let mut far = row.clone();
+        far.round = 2;
+        far.prefill_own_max = Some(40_000.0);
+        let g = groups(&[row, far]);
+        assert_eq!(g[0].prefill_spreads, vec![1.25, 2.0]);
+        let table = markdown("w", &g);
+        assert!(table.contains("### w: prefill fits"), "{table}");
+        assert!(
+            table.contains("| kvroute-precise | 2 | 1.62× | 2.00× | 1/2 | 0 |"),
+            "{table}"
+        );
+        // Readings without the columns (earlier runs) add no table.
+        let old = IndexdRow::parse("indexd_index_entries 3\n").of_run("w", "p", 0);
+        assert!(!markdown("w", &groups(&[old])).contains("prefill fits"));
     }
 }
