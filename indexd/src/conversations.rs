@@ -51,6 +51,8 @@ struct Tip {
 /// The conversation a prompt continues ([`Conversations::continues`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Continues {
+    /// Its tip: the key the prompt holds.
+    pub key: BlockKey,
     /// Where its latest turn went.
     pub slot: ReplicaSlot,
     /// When it last changed replica, if it ever did.
@@ -108,22 +110,35 @@ fn mark(filter: &mut [u64], key: BlockKey) {
 
 impl Conversations {
     /// Records that the prompt with block `keys` goes to `slot` at `now`.
+    #[cfg(test)]
     pub(crate) fn place(&mut self, keys: &[BlockKey], slot: ReplicaSlot, now: Instant) -> Placed {
         self.expire(now);
+        let found = self.continues(keys);
+        self.place_found(keys, found, slot, now)
+    }
+
+    /// [`Conversations::place`] with the conversation it continues already
+    /// looked up (`found`, by [`Conversations::continues`] under the same
+    /// hold, nothing placed since): a Pick looks once.
+    pub(crate) fn place_found(
+        &mut self,
+        keys: &[BlockKey],
+        found: Option<Continues>,
+        slot: ReplicaSlot,
+        now: Instant,
+    ) -> Placed {
         let Some(tip) = keys.last().copied() else {
             return Placed::New;
         };
-        let previous = keys
-            .iter()
-            .rev()
-            .take(LOOKBACK)
-            .filter(|k| self.maybe_tip(**k))
-            .find_map(|k| self.tips.get(k).map(|t| (*k, t.slot, t.moved_at)));
-        let (placed, moved_at) = match previous {
-            Some((key, from, moved_at)) => {
-                self.forget(key);
-                let moved_at = if from == slot { moved_at } else { Some(now) };
-                (Placed::Continued(from), moved_at)
+        let (placed, moved_at) = match found {
+            Some(c) => {
+                self.forget(c.key);
+                let moved_at = if c.slot == slot {
+                    c.moved_at
+                } else {
+                    Some(now)
+                };
+                (Placed::Continued(c.slot), moved_at)
             }
             None => (Placed::New, None),
         };
@@ -143,6 +158,14 @@ impl Conversations {
         placed
     }
 
+    /// [`Conversations::continues`] as of `now` (idle conversations
+    /// forgotten first), for a placement to follow
+    /// ([`Conversations::place_found`]).
+    pub(crate) fn continues_at(&mut self, keys: &[BlockKey], now: Instant) -> Option<Continues> {
+        self.expire(now);
+        self.continues(keys)
+    }
+
     /// The replica of the conversation the prompt with `keys` continues, if
     /// it continues one ([`Conversations::place`] without placing it).
     pub(crate) fn continues(&self, keys: &[BlockKey]) -> Option<Continues> {
@@ -152,6 +175,7 @@ impl Conversations {
             .filter(|k| self.maybe_tip(**k))
             .find_map(|k| {
                 self.tips.get(k).map(|t| Continues {
+                    key: *k,
                     slot: t.slot,
                     moved_at: t.moved_at,
                 })
@@ -335,6 +359,7 @@ mod tests {
         assert_eq!(
             c.continues(&keys(0..6)),
             Some(Continues {
+                key: first[3],
                 slot: ReplicaSlot(0),
                 moved_at: None
             })

@@ -19,7 +19,7 @@ use kvroute_proto::SCHEME_VERSION;
 use kvroute_proto::keys::BlockKey;
 use kvroute_proto::v1::{BusyReplica, Candidate, DecisionKind, Mode, PickRequest, PickResponse};
 
-use crate::conversations::{Conversations, Placed};
+use crate::conversations::{Continues, Conversations, Placed};
 use crate::error::RequestError;
 use crate::event::Tier;
 use crate::ids::EndpointId;
@@ -247,7 +247,9 @@ fn affinity_shortcut(shared: &Shared, req: &PickRequest, now: Instant) -> Option
             // turn's worth: no blocks are counted against the cache there.
             r.note_pick(now, &req.request_id, prefill, 0);
             // The conversation goes on there: the move rule counts it.
-            track(shared, &mut conversations, &block_keys(req), r.slot, now);
+            let keys = block_keys(req);
+            let found = conversations.continues_at(&keys, now);
+            track(shared, &mut conversations, &keys, found, r.slot, now);
             drop(conversations);
             tracing::debug!(
                 request_id = %req.request_id,
@@ -414,7 +416,7 @@ fn place(shared: &Shared, req: &PickRequest, snap: &mut Snapshot, now: Instant) 
             Input { matched, load }
         })
         .collect();
-    let continues = conversations.continues(&snap.keys);
+    let continues = conversations.continues_at(&snap.keys, now);
     // A conversation that changed replica a moment ago stays (no thrash), and
     // none moves to a replica still filling with new conversations.
     let settled = continues
@@ -426,7 +428,15 @@ fn place(shared: &Shared, req: &PickRequest, snap: &mut Snapshot, now: Instant) 
     if continues.is_none() {
         explore(shared, req, snap, &mut ranking, now);
     }
-    note(shared, req, snap, &ranking, &mut conversations, now);
+    note(
+        shared,
+        req,
+        snap,
+        &ranking,
+        &mut conversations,
+        continues,
+        now,
+    );
     ranking
 }
 
@@ -467,6 +477,7 @@ fn explore(
     }
     let prompt = prompt_tokens(req, snap);
     let w = &shared.config.weights;
+    // The costs only where the cheap conditions hold (rarely).
     let starved = ranking
         .ranked
         .iter()
@@ -476,11 +487,12 @@ fn explore(
             let replica = snap.eligible.get(r.input)?;
             let input = snap.inputs.get(r.input)?;
             let without = replica.without_new_conversation(now);
-            let starved = without >= after
-                && input.load.waiting <= 0.0
-                && score::behind_on_speed_alone(input, chosen_input, prompt, req.block_size, w);
-            starved.then_some((at, without))
+            (without >= after && input.load.waiting <= 0.0).then_some((at, input, without))
         })
+        .filter(|(_, input, _)| {
+            score::behind_on_speed_alone(input, chosen_input, prompt, req.block_size, w)
+        })
+        .map(|(at, _, without)| (at, without))
         .max_by_key(|(_, without)| *without);
     let Some((at, without)) = starved else {
         return;
@@ -573,6 +585,7 @@ fn note(
     snap: &Snapshot,
     ranking: &Ranking,
     conversations: &mut Conversations,
+    found: Option<Continues>,
     now: Instant,
 ) {
     let Some((first, chosen, held)) = chosen(snap, ranking) else {
@@ -589,7 +602,7 @@ fn note(
     let prefill = score::prefill_time(&load, queued, &shared.config.weights);
     let blocks = u32::try_from(added).unwrap_or(u32::MAX);
     chosen.note_pick(now, &req.request_id, prefill, blocks);
-    if track(shared, conversations, &snap.keys, chosen.slot, now) == Some(Placed::New) {
+    if track(shared, conversations, &snap.keys, found, chosen.slot, now) == Some(Placed::New) {
         chosen.note_new_conversation(now);
     }
 }
@@ -600,13 +613,14 @@ fn track(
     shared: &Shared,
     conversations: &mut Conversations,
     keys: &[BlockKey],
+    found: Option<Continues>,
     slot: ReplicaSlot,
     now: Instant,
 ) -> Option<Placed> {
     if keys.is_empty() {
         return None;
     }
-    let placed = conversations.place(keys, slot, now);
+    let placed = conversations.place_found(keys, found, slot, now);
     let turn = match placed {
         Placed::New => "new",
         Placed::Continued(from) if from == slot => "stayed",

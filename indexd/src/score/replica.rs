@@ -4,7 +4,7 @@
 //! the replicas indexd knows. [`Replica::load`] is the cost model's input.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -62,7 +62,9 @@ pub struct Replica {
     calibration: Mutex<Fitted>,
     /// When it last got a new conversation (at first: when it was
     /// registered).
-    last_new_conversation: Mutex<Instant>,
+    /// (milliseconds after `registered`: read on every new conversation's
+    /// Pick, for each candidate, without a lock).
+    last_new_conversation: AtomicU64,
     /// When it was registered.
     registered: Instant,
     /// Until when it fills with new conversations only, no moved ones: it
@@ -247,7 +249,7 @@ impl Replica {
             warning: WarnGate::default(),
             resume: Mutex::new(None),
             calibration: Mutex::new(Fitted::default()),
-            last_new_conversation: Mutex::new(registered),
+            last_new_conversation: AtomicU64::new(0),
         }
     }
 
@@ -318,13 +320,20 @@ impl Replica {
 
     /// Notes that a new conversation was sent to it at `now`.
     pub(crate) fn note_new_conversation(&self, now: Instant) {
-        *lock(&self.last_new_conversation) = now;
+        let ms = now.saturating_duration_since(self.registered).as_millis();
+        self.last_new_conversation
+            .store(u64::try_from(ms).unwrap_or(u64::MAX), Ordering::Relaxed);
     }
 
     /// How long it has gone without a new conversation as of `now` (since it
     /// was registered, if it never had one).
     pub(crate) fn without_new_conversation(&self, now: Instant) -> Duration {
-        now.saturating_duration_since(*lock(&self.last_new_conversation))
+        let ms = self.last_new_conversation.load(Ordering::Relaxed);
+        let last = self
+            .registered
+            .checked_add(Duration::from_millis(ms))
+            .unwrap_or(self.registered);
+        now.saturating_duration_since(last)
     }
 
     /// True at most once per 10 s: bad input from one replica is counted
