@@ -36,6 +36,7 @@ const BLOCKS: &str = "indexd_blocks_total";
 const KV_GROUPS: &str = "indexd_replica_kv_groups";
 const OWN_PREFILL: &str = "indexd_replica_prefill_own_tokens_per_second";
 const PREFILL_SAMPLES: &str = "indexd_replica_prefill_samples";
+const PREFILL_IN_USE: &str = "indexd_replica_prefill_tokens_per_second";
 
 /// One gateway's indexd at the end of one run.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -91,6 +92,13 @@ pub struct IndexdRow {
     /// (`indexd_replica_prefill_samples`).
     #[serde(default)]
     pub prefill_samples_min: Option<u32>,
+    /// The slowest replica's speed in use, tokens/s (its own fit shrunk
+    /// toward its model's pooled one: `indexd_replica_prefill_tokens_per_second`).
+    #[serde(default)]
+    pub prefill_used_min: Option<f64>,
+    /// The fastest's.
+    #[serde(default)]
+    pub prefill_used_max: Option<f64>,
 }
 
 /// A sample line of the text format.
@@ -154,6 +162,7 @@ impl IndexdRow {
         let mut groups: Vec<u32> = Vec::new();
         let mut own: Vec<f64> = Vec::new();
         let mut samples: Vec<u32> = Vec::new();
+        let mut used: Vec<f64> = Vec::new();
         for line in text.lines().filter_map(sample) {
             let n = count(line.value);
             match line.name {
@@ -167,6 +176,7 @@ impl IndexdRow {
                 KV_GROUPS => groups.push(u32::try_from(n).unwrap_or(u32::MAX)),
                 OWN_PREFILL if line.value > 0.0 => own.push(line.value),
                 PREFILL_SAMPLES => samples.push(u32::try_from(n).unwrap_or(u32::MAX)),
+                PREFILL_IN_USE if line.value > 0.0 => used.push(line.value),
                 BLOCKS => {
                     if let Some(slot) = row.outcome_mut(line.label("outcome")) {
                         *slot += n;
@@ -180,6 +190,8 @@ impl IndexdRow {
         row.prefill_own_min = own.iter().copied().reduce(f64::min);
         row.prefill_own_max = own.iter().copied().reduce(f64::max);
         row.prefill_samples_min = samples.iter().copied().min();
+        row.prefill_used_min = used.iter().copied().reduce(f64::min);
+        row.prefill_used_max = used.iter().copied().reduce(f64::max);
         row
     }
 
@@ -262,6 +274,10 @@ pub struct IndexdGroup {
     /// The fewest own samples behind a fit, over the readings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill_samples_min: Option<u32>,
+    /// Per reading with own fits: the fastest speed in use over the slowest
+    /// (what the cost model compares).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub prefill_used_spreads: Vec<f64>,
 }
 
 /// Groups `rows` by workload × profile, in order of first appearance.
@@ -332,6 +348,14 @@ fn group(workload: &str, profile: &str, rows: &[&IndexdRow]) -> IndexdGroup {
             })
             .collect(),
         prefill_samples_min: rows.iter().filter_map(|r| r.prefill_samples_min).min(),
+        prefill_used_spreads: rows
+            .iter()
+            .filter(|r| r.prefill_own_max.is_some())
+            .filter_map(|r| match (r.prefill_used_min, r.prefill_used_max) {
+                (Some(lo), Some(hi)) if lo > 0.0 => Some(hi / lo),
+                _ => None,
+            })
+            .collect(),
     }
 }
 
@@ -407,9 +431,11 @@ fn prefill_markdown(workload: &str, groups: &[IndexdGroup]) -> String {
         "\n### {workload}: prefill fits\n\n\
          Per reading, the fastest replica's own fit over the slowest's \
          (`indexd_replica_prefill_own_tokens_per_second`); samples: the fewest behind a fit \
-         (`indexd_replica_prefill_samples`).\n\n\
-         | profile | readings | median spread | worst spread | within 1.5× | fewest samples |\n\
-         |---|---:|---:|---:|---:|---:|\n"
+         (`indexd_replica_prefill_samples`); in use: the same for the speeds the cost model \
+         uses (`indexd_replica_prefill_tokens_per_second`: the own fits shrunk toward the \
+         model's pooled one), over the readings with an own fit.\n\n\
+         | profile | readings | median spread | worst spread | within 1.5× | fewest samples | in use: median | worst | within 1.5× |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     );
     for g in these {
         let mut spreads = g.prefill_spreads.clone();
@@ -417,9 +443,22 @@ fn prefill_markdown(workload: &str, groups: &[IndexdGroup]) -> String {
         let median = crate::stats::Dist::of(&spreads).p50;
         let worst = spreads.last().copied().unwrap_or(1.0);
         let within = spreads.iter().filter(|s| **s <= 1.5).count();
+        let mut used = g.prefill_used_spreads.clone();
+        used.sort_by(f64::total_cmp);
+        let in_use = if used.is_empty() {
+            "n/a | n/a | n/a".to_owned()
+        } else {
+            format!(
+                "{:.2}× | {:.2}× | {}/{}",
+                crate::stats::Dist::of(&used).p50,
+                used.last().copied().unwrap_or(1.0),
+                used.iter().filter(|s| **s <= 1.5).count(),
+                used.len()
+            )
+        };
         let _ = writeln!(
             out,
-            "| {} | {} | {median:.2}× | {worst:.2}× | {within}/{} | {} |",
+            "| {} | {} | {median:.2}× | {worst:.2}× | {within}/{} | {} | {in_use} |",
             g.profile,
             spreads.len(),
             spreads.len(),
@@ -594,6 +633,9 @@ indexd_replica_prefill_own_tokens_per_second{endpoint=\"c\",model=\"m\"} 0
 indexd_replica_prefill_samples{endpoint=\"a\",model=\"m\"} 12
 indexd_replica_prefill_samples{endpoint=\"b\",model=\"m\"} 9
 indexd_replica_prefill_samples{endpoint=\"c\",model=\"m\"} 0
+indexd_replica_prefill_tokens_per_second{endpoint=\"a\",model=\"m\"} 20000
+indexd_replica_prefill_tokens_per_second{endpoint=\"b\",model=\"m\"} 22000
+indexd_replica_prefill_tokens_per_second{endpoint=\"c\",model=\"m\"} 21000
 ";
         let row = IndexdRow::parse(page).of_run("w", "kvroute-precise", 0);
         assert_eq!(
@@ -611,7 +653,9 @@ indexd_replica_prefill_samples{endpoint=\"c\",model=\"m\"} 0
         let table = markdown("w", &g);
         assert!(table.contains("### w: prefill fits"), "{table}");
         assert!(
-            table.contains("| kvroute-precise | 2 | 1.62× | 2.00× | 1/2 | 0 |"),
+            table.contains(
+                "| kvroute-precise | 2 | 1.62× | 2.00× | 1/2 | 0 | 1.10× | 1.10× | 2/2 |"
+            ),
             "{table}"
         );
         // Readings without the columns (earlier runs) add no table.
