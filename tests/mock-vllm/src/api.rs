@@ -16,7 +16,7 @@ use axum::routing::{get, post};
 use serde_json::{Value, json};
 
 use crate::engine::Replica;
-use crate::error::{ApiError, parse_json};
+use crate::error::{ApiError, off_loop, parse_json};
 use crate::metrics::{metrics, metrics_named};
 use crate::openai::{
     ChatBody, CompletionBody, chat_completions, chat_prompt, completion_prompt, completions,
@@ -181,20 +181,23 @@ async fn tokenize(
     State(replica): State<Arc<Replica>>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let raw: Value = parse_json(&body)?;
-    if raw.get("messages").is_some() {
-        let body: ChatBody = parse_json(&body)?;
-        let p = chat_prompt(&replica, &body, body.return_token_strs)?;
-        Ok(tokenize_answer(&replica, p.ids, p.strs))
-    } else if raw.get("prompt").is_some() {
-        let body: CompletionBody = parse_json(&body)?;
-        let p = completion_prompt(&replica, &body, body.return_token_strs)?;
-        Ok(tokenize_answer(&replica, p.ids, p.strs))
-    } else {
-        Err(ApiError::bad_request(
-            "Invalid request body: /tokenize takes a completion body (`prompt`) or a chat body (`messages`)",
-        ))
-    }
+    off_loop(move || {
+        let raw: Value = parse_json(&body)?;
+        if raw.get("messages").is_some() {
+            let body: ChatBody = parse_json(&body)?;
+            let p = chat_prompt(&replica, &body, body.return_token_strs)?;
+            Ok(tokenize_answer(&replica, p.ids, p.strs))
+        } else if raw.get("prompt").is_some() {
+            let body: CompletionBody = parse_json(&body)?;
+            let p = completion_prompt(&replica, &body, body.return_token_strs)?;
+            Ok(tokenize_answer(&replica, p.ids, p.strs))
+        } else {
+            Err(ApiError::bad_request(
+                "Invalid request body: /tokenize takes a completion body (`prompt`) or a chat body (`messages`)",
+            ))
+        }
+    })
+    .await
 }
 
 fn render_answer(model: &str, ids: Vec<u32>) -> Json<Value> {
@@ -205,27 +208,36 @@ async fn render_completion(
     State(replica): State<Arc<Replica>>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let body: CompletionBody = parse_json(&body)?;
-    let p = completion_prompt(&replica, &body, false)?;
-    Ok(render_answer(&p.model.name, p.ids))
+    off_loop(move || {
+        let body: CompletionBody = parse_json(&body)?;
+        let p = completion_prompt(&replica, &body, false)?;
+        Ok(render_answer(&p.model.name, p.ids))
+    })
+    .await
 }
 
 async fn render_chat(
     State(replica): State<Arc<Replica>>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let body: ChatBody = parse_json(&body)?;
-    let p = chat_prompt(&replica, &body, false)?;
-    Ok(render_answer(&p.model.name, p.ids))
+    off_loop(move || {
+        let body: ChatBody = parse_json(&body)?;
+        let p = chat_prompt(&replica, &body, false)?;
+        Ok(render_answer(&p.model.name, p.ids))
+    })
+    .await
 }
 
 async fn render_responses(
     State(replica): State<Arc<Replica>>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
-    let body: ResponsesBody = parse_json(&body)?;
-    let p = responses_prompt(&replica, &body)?;
-    Ok(render_answer(&p.model.name, p.ids))
+    off_loop(move || {
+        let body: ResponsesBody = parse_json(&body)?;
+        let p = responses_prompt(&replica, &body)?;
+        Ok(render_answer(&p.model.name, p.ids))
+    })
+    .await
 }
 
 /// Resets every rank's cache, as vLLM's endpoint does.

@@ -130,3 +130,16 @@ pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> ConfigE
         reason: reason.into(),
     }
 }
+
+/// Runs a request's parsing and tokenization on the blocking pool, as vLLM's API server
+/// tokenizes on a thread pool beside its event loop: a body of megabytes keeps this replica's
+/// `/metrics`, `/health` and small requests answering while it is read.
+pub async fn off_loop<T, F>(work: F) -> Result<T, ApiError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, ApiError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(work)
+        .await
+        .unwrap_or_else(|e| Err(ApiError::internal(format!("request preparation failed: {e}"))))
+}

@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 
 use crate::api::served;
 use crate::engine::{Job, ModelRef, Replica};
-use crate::error::{ApiError, parse_json, validate_cache_salt};
+use crate::error::{ApiError, off_loop, parse_json, validate_cache_salt};
 use crate::generate::{Output, TokenKind, generate};
 use crate::runner::{Step, run_streaming, run_to_end, steps};
 use crate::template::{RenderOptions, parse_chat_messages, render, render_chat_tokens};
@@ -212,9 +212,16 @@ pub async fn completions(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let pin = replica.rank_pin(&headers)?;
-    let body: CompletionBody = parse_json(&body)?;
-    single_choice(body.n)?;
-    let prompt = completion_prompt(&replica, &body, false)?;
+    let (body, prompt) = off_loop({
+        let replica = Arc::clone(&replica);
+        move || {
+            let body: CompletionBody = parse_json(&body)?;
+            single_choice(body.n)?;
+            let prompt = completion_prompt(&replica, &body, false)?;
+            Ok((body, prompt))
+        }
+    })
+    .await?;
     let (n, finish) = replica.plan_output(prompt.ids.len(), body.max_tokens)?;
     let output = generate(&prompt.ids, n, true, finish, 0);
     let id = random_id("cmpl-");
@@ -288,9 +295,16 @@ pub async fn chat_completions(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let pin = replica.rank_pin(&headers)?;
-    let body: ChatBody = parse_json(&body)?;
-    single_choice(body.n)?;
-    let prompt = chat_prompt(&replica, &body, false)?;
+    let (body, prompt) = off_loop({
+        let replica = Arc::clone(&replica);
+        move || {
+            let body: ChatBody = parse_json(&body)?;
+            single_choice(body.n)?;
+            let prompt = chat_prompt(&replica, &body, false)?;
+            Ok((body, prompt))
+        }
+    })
+    .await?;
     let max_tokens = body.max_completion_tokens.or(body.max_tokens);
     let (n, finish) = replica.plan_output(prompt.ids.len(), max_tokens)?;
     let output = generate(

@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 
 use crate::api::served;
 use crate::engine::{Job, ModelRef, Replica, StoredResponse};
-use crate::error::{ApiError, parse_json, validate_cache_salt};
+use crate::error::{ApiError, off_loop, parse_json, validate_cache_salt};
 use crate::generate::{Output, TokenKind};
 use crate::openai::{plan, random_id};
 use crate::runner::{Step, run_streaming, run_to_end, steps};
@@ -293,8 +293,15 @@ pub async fn responses(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let pin = replica.rank_pin(&headers)?;
-    let body: ResponsesBody = parse_json(&body)?;
-    let prompt = responses_prompt(&replica, &body)?;
+    let (body, prompt) = off_loop({
+        let replica = Arc::clone(&replica);
+        move || {
+            let body: ResponsesBody = parse_json(&body)?;
+            let prompt = responses_prompt(&replica, &body)?;
+            Ok((body, prompt))
+        }
+    })
+    .await?;
     let output = plan(
         &replica,
         prompt.ids.len(),
