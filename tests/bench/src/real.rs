@@ -60,7 +60,8 @@ The hybrid variants run --hybrid-profile (least-request, precise, the sticky ora
 (precise, the sticky oracle) for --burst-rounds rounds (20), and the summary gives each
 round's load split and latency against the sticky oracle, and their distribution (worst
 split, rounds worse than 65/35, worst and median ratio).
-Profiles: least-request, approximate, precise, vllm-router-cache-aware,
+Profiles: least-request, approximate, precise, precise-spread (no speculative credit: a burst of
+new conversations spreads by load instead of following its shared prompt), vllm-router-cache-aware,
 sglang-router-cache-aware, sticky-oracle (client-side affinity: the latency reference).
 The replicas start once per model and cache size and are shared by the runs; each run's prompts
 carry a nonce of their own, so no profile finds another's blocks. With --rounds N, every

@@ -49,6 +49,13 @@ pub enum Profile {
     /// continuations in a row where their previous turn went without a Pick
     /// (`local_continuations`).
     PreciseLocal,
+    /// kvroute, precise mode, without the speculative credit
+    /// (`speculative_ttl: 0`): a new conversation is not drawn to the
+    /// replica a burst's earlier picks just sent the same shared prompt to
+    /// (co-location by prefix), only to blocks the replicas' events show;
+    /// a burst spreads by load. The other side of precise's choice,
+    /// measured beside it.
+    PreciseSpread,
     /// vllm-router 0.1.17, `cache_aware` (a separate process; bench venv).
     VllmRouterCacheAware,
     /// vllm-router 0.1.17, `kv_aware` subscribed to the replicas' KV events.
@@ -78,6 +85,7 @@ impl Profile {
             Self::Approximate => "kvroute-approximate",
             Self::Precise => "kvroute-precise",
             Self::PreciseLocal => "kvroute-precise-local",
+            Self::PreciseSpread => "kvroute-precise-spread",
             Self::VllmRouterCacheAware => "vllm-router-cache-aware",
             Self::VllmRouterKvAware => "vllm-router-kv-aware",
             Self::SglangRouterCacheAware => "sglang-router-cache-aware",
@@ -90,7 +98,7 @@ impl Profile {
     fn routing(self) -> Routing {
         match self {
             Self::Approximate => Routing::Approximate,
-            Self::Precise | Self::PreciseLocal => Routing::Precise,
+            Self::Precise | Self::PreciseLocal | Self::PreciseSpread => Routing::Precise,
             _ => Routing::LeastRequest,
         }
     }
@@ -104,6 +112,11 @@ impl Profile {
             map.insert("local_continuations".into(), LOCAL_TURNS.into());
         }
         overrides
+    }
+
+    /// indexd's `speculative_ttl` under this profile (None: its default).
+    fn speculative_ttl(self) -> Option<Duration> {
+        (self == Self::PreciseSpread).then_some(Duration::ZERO)
     }
 
     /// The peer router this profile puts in front of the replicas, if any.

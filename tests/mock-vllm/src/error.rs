@@ -139,7 +139,9 @@ where
     T: Send + 'static,
     F: FnOnce() -> Result<T, ApiError> + Send + 'static,
 {
-    tokio::task::spawn_blocking(work)
-        .await
-        .unwrap_or_else(|e| Err(ApiError::internal(format!("request preparation failed: {e}"))))
+    tokio::task::spawn_blocking(work).await.unwrap_or_else(|e| {
+        Err(ApiError::internal(format!(
+            "request preparation failed: {e}"
+        )))
+    })
 }

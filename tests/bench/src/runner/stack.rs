@@ -38,6 +38,7 @@ pub(super) fn mock_stack(
         kv_cache_layout: workload.kv_cache_layout.clone(),
         max_num_batched_tokens: workload.max_num_batched_tokens,
         max_model_len: workload.mock_max_model_len(defaults.max_model_len),
+        indexd_speculative_ttl: profile.speculative_ttl(),
         ..defaults
     })?;
     let replicas = stack
@@ -86,6 +87,7 @@ pub(super) fn fleet_stack(
             indexd_unix_socket: options.indexd_unix_socket,
             scrape_interval: options.scrape_interval.unwrap_or(defaults.scrape_interval),
             filter_overrides,
+            indexd_speculative_ttl: profile.speculative_ttl(),
             ..defaults
         },
         fleet.external(),

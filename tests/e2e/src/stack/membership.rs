@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 
 use super::parts::{REPLICA_CLUSTERS, mock_config, mock_endpoints};
-use super::{Stack, setup, wait_until};
+use super::{Stack, setup, vllm_endpoint, vllm_plan, wait_until};
 use crate::envoy::eds_file;
+use crate::vllm::RealVllm;
 use crate::{HarnessError, http};
 
 /// How often indexd polls its discovery file here (its default is 2 s).
@@ -121,7 +122,7 @@ fn discovery_entry(e: &indexd::EndpointConfig) -> Value {
     entry
 }
 
-/// Requests a mock replica is running or holding waiting, by its own
+/// Requests a replica (mock or vLLM) is running or holding waiting, by its own
 /// `/metrics` (every rank summed).
 fn in_flight(address: SocketAddr) -> Result<f64, HarnessError> {
     let url = format!("http://{address}/metrics");
@@ -178,10 +179,38 @@ impl Stack {
             .runtime
             .block_on(mock_vllm::MockVllm::start(mock_config(&self.options)))
             .map_err(|e| setup("mock vLLM replica", e))?;
-        let address = replica.http_addr();
-        self.endpoints
-            .extend(mock_endpoints(&self.options, &replica));
+        let endpoints = mock_endpoints(&self.options, &replica);
         self.replicas.push(replica);
+        self.announce(endpoints)
+    }
+
+    /// Starts one more real vLLM replica and waits until it serves, without
+    /// announcing it: the fleet does not know it until [`Stack::announce`]
+    /// (a replica's start-up, a minute of CPU here, is not part of a join).
+    /// Returns its endpoints for that call. It stops with the stack, or when
+    /// [`Stack::remove_replica`] has drained it.
+    pub fn start_spare_vllm(&mut self) -> Result<Vec<indexd::EndpointConfig>, HarnessError> {
+        self.membership_files()?;
+        let plan = vllm_plan(&self.options, self.real.len())?;
+        let mut server = RealVllm::spawn(&plan)?;
+        server.wait_ready()?;
+        self.real.push(server);
+        Ok(vec![vllm_endpoint(&self.options, &plan)])
+    }
+
+    /// Announces a replica's `endpoints` (its ranks) to the running fleet:
+    /// Envoy's EDS files first, and once every gateway's Envoy routes to it
+    /// (so that an override naming it takes effect), indexd's discovery
+    /// file. Returns its address.
+    pub fn announce(
+        &mut self,
+        endpoints: Vec<indexd::EndpointConfig>,
+    ) -> Result<SocketAddr, HarnessError> {
+        let address = endpoints
+            .first()
+            .map(|e| e.id.address)
+            .ok_or_else(|| setup("announce", "no endpoint to announce"))?;
+        self.endpoints.extend(endpoints);
         let hosts = self.host_addresses();
         self.membership_files()?.write_eds(&hosts)?;
         self.wait_envoys(address, true)?;
@@ -190,7 +219,7 @@ impl Stack {
         Ok(address)
     }
 
-    /// Drains mock replica `address` out of the fleet, in the order of a
+    /// Drains replica `address` (a mock or a real vLLM) out of the fleet, in the order of a
     /// graceful drain: out of indexd's discovery file first, and once every
     /// indexd has dropped it (no Pick names it any more), out of Envoy's
     /// EDS files; once every Envoy has dropped it too (no request can reach
@@ -205,11 +234,14 @@ impl Stack {
         drain_timeout: Duration,
     ) -> Result<Instant, HarnessError> {
         self.membership_files()?;
-        let at = self
-            .replicas
-            .iter()
-            .position(|r| r.http_addr() == address)
-            .ok_or_else(|| setup("remove_replica", format!("{address} is no mock replica")))?;
+        let mock = self.replicas.iter().position(|r| r.http_addr() == address);
+        let real = self.real.iter().position(|r| r.http == address);
+        if mock.is_none() && real.is_none() {
+            return Err(setup(
+                "remove_replica",
+                format!("{address} is none of the stack's replicas"),
+            ));
+        }
         let ids: Vec<indexd::EndpointId> = self
             .endpoints
             .iter()
@@ -233,7 +265,6 @@ impl Stack {
         self.membership_files()?.write_eds(&hosts)?;
         self.wait_envoys(address, false)?;
         let left = Instant::now();
-        let replica = self.replicas.remove(at);
         // Idle in two reads in a row: a request Envoy forwarded just before
         // it dropped the host may not show in the first.
         let mut idle_reads = 0;
@@ -247,7 +278,14 @@ impl Stack {
             }
             idle_reads >= 2
         })?;
-        self.runtime.block_on(replica.shutdown());
+        if let Some(at) = mock {
+            let replica = self.replicas.remove(at);
+            self.runtime.block_on(replica.shutdown());
+        }
+        if let Some(at) = real {
+            // Dropped: its process group is stopped.
+            drop(self.real.remove(at));
+        }
         Ok(left)
     }
 
