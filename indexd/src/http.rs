@@ -76,6 +76,7 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
             }
         );
     }
+    placement_details(&shared, now, &mut body);
     for (replica, groups, unmodelled) in shared.layouts() {
         // A model with one full-attention group is the common case: only
         // other layouts are listed.
@@ -101,6 +102,40 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (status, body)
+}
+
+/// What the placement rules did that routing by the cost model alone would
+/// not have: explorations, barred moves, replicas still filling after they
+/// joined.
+fn placement_details(shared: &Shared, now: std::time::Instant, body: &mut String) {
+    let explorations = shared.metrics.explorations.get();
+    if explorations > 0 {
+        let _ = writeln!(
+            body,
+            "explorations: {explorations} new conversations since start went to a replica its \
+             prefill speed estimate alone kept from new conversations (starve_after)"
+        );
+    }
+    let cooldown = shared.metrics.moves_barred.get(["cooldown"]);
+    let joining = shared.metrics.moves_barred.get(["joining"]);
+    if cooldown + joining > 0 {
+        let _ = writeln!(
+            body,
+            "moves barred since start: {cooldown} within move_cooldown of a move, {joining} to a \
+             replica still filling after it joined (join_warmup)"
+        );
+    }
+    for replica in crate::sync::read(&shared.registry).all() {
+        if let Some(left) = replica.filling_for(now) {
+            let _ = writeln!(
+                body,
+                "replica {} joined: new conversations only, no moves to it for {:.0} s more \
+                 (join_warmup)",
+                replica.id(),
+                left.as_secs_f64().ceil()
+            );
+        }
+    }
 }
 
 /// Rendered on the blocking pool: the page reads the index under its lock,

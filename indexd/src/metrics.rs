@@ -291,6 +291,7 @@ pub struct Metrics {
     /// Picks whose cheapest candidate holds less than another (a move away
     /// from the warm replica): `moved` when it paid, `held` when not.
     pub moves: CounterVec<1>,
+    pub moves_barred: CounterVec<1>,
     /// Replays asked for, by where they start (start, snapshot, gap).
     pub replay_requests: CounterVec<1>,
     /// Replicas resumed from a snapshot (proven) or not, and why.
@@ -418,8 +419,13 @@ impl Metrics {
             ),
             moves: CounterVec::new(
                 "indexd_moves_total",
-                "Picks whose cheapest replica holds less than another: moved (the saving paid the re-prefill) or held (the warm replica stayed first).",
+                "Picks whose cheapest replica holds less than another: moved (the saving paid the re-prefill), held (it did not: the warm replica stayed first) or barred (it did, but the conversation moved a moment ago or the target is still filling with new conversations: the warm replica stayed first; see indexd_moves_barred_total).",
                 ["result"],
+            ),
+            moves_barred: CounterVec::new(
+                "indexd_moves_barred_total",
+                "Moves that would have paid but were not made, by reason: cooldown (the conversation changed replica within move_cooldown), joining (the target joined within join_warmup and is still filling with new conversations).",
+                ["reason"],
             ),
             affinity_lookups: CounterVec::new(
                 "indexd_affinity_lookups_total",
@@ -528,6 +534,7 @@ impl Metrics {
         self.continued.render(out);
         self.explorations.render(out);
         self.moves.render(out);
+        self.moves_barred.render(out);
         self.replay_requests.render(out);
         self.snapshot_resumes.render(out);
         self.snapshot_writes.render(out);

@@ -425,6 +425,15 @@ fn place(shared: &Shared, req: &PickRequest, snap: &mut Snapshot, now: Instant) 
     let mut ranking = rank(shared, req, snap, |i| {
         !settled && snap.eligible.get(i).is_some_and(|r| !r.filling(now))
     });
+    if ranking.moved == Move::Barred {
+        let reason = if settled { "cooldown" } else { "joining" };
+        shared.metrics.moves_barred.inc([reason]);
+        tracing::debug!(
+            request_id = %req.request_id,
+            reason,
+            "pick: a move that would pay was not made (move_cooldown, join_warmup)"
+        );
+    }
     if continues.is_none() {
         explore(shared, req, snap, &mut ranking, now);
     }
@@ -682,6 +691,7 @@ fn classify(
         Move::None => {}
         Move::Held => shared.metrics.moves.inc(["held"]),
         Move::Moved => shared.metrics.moves.inc(["moved"]),
+        Move::Barred => shared.metrics.moves.inc(["barred"]),
     }
     let (decision, reason) = match (snap.mismatch, any_match, snap.approximate) {
         (Some(why), ..) => (DecisionKind::Load, why.reason()),

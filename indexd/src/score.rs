@@ -214,6 +214,11 @@ pub enum Move {
     Held,
     /// The saving pays the re-prefill: the cheapest goes first.
     Moved,
+    /// The saving pays the re-prefill, but the cheapest may not take the
+    /// conversation now (`may_move`: it moved a moment ago, or the target
+    /// is a replica still filling with new conversations): the warm replica
+    /// stays first.
+    Barred,
 }
 
 /// Of `matched`, what a replica with `load` will still hold when a request
@@ -401,16 +406,15 @@ fn apply_move_rule(
     // several gateways route it (each sees the turns sent through it): the
     // replicas' own counts, every gateway's requests, must show more in
     // flight on the warm replica too.
-    if saving > w.move_margin * reprefill_seconds
-        && lasting(&warm_input.load, &cheapest.load, w)
-        && may_move(first.input)
-    {
+    let pays =
+        saving > w.move_margin * reprefill_seconds && lasting(&warm_input.load, &cheapest.load, w);
+    if pays && may_move(first.input) {
         return Move::Moved;
     }
     if let Some(head) = ranked.get_mut(..=at) {
         head.rotate_right(1);
     }
-    Move::Held
+    if pays { Move::Barred } else { Move::Held }
 }
 
 /// Whether the load on a conversation's `warm` replica is a lasting reason

@@ -522,7 +522,7 @@ fn a_move_goes_only_where_may_move_admits() {
         &mut StdRng::seed_from_u64(1),
         |i| i != 1,
     );
-    assert_eq!(ranking.moved, Move::Held);
+    assert_eq!(ranking.moved, Move::Barred);
     assert_eq!(ranking.ranked[0].input, 0);
     let ranking = rank_with(
         &inputs,

@@ -318,6 +318,14 @@ impl Replica {
         self.filling_until.is_some_and(|until| now < until)
     }
 
+    /// How long it goes on filling with new conversations before moves may
+    /// reach it (`join_warmup`; None: it is not filling).
+    pub(crate) fn filling_for(&self, now: Instant) -> Option<Duration> {
+        self.filling_until
+            .filter(|until| now < *until)
+            .map(|until| until.saturating_duration_since(now))
+    }
+
     /// Notes that a new conversation was sent to it at `now`.
     pub(crate) fn note_new_conversation(&self, now: Instant) {
         let ms = now.saturating_duration_since(self.registered).as_millis();

@@ -300,6 +300,9 @@ struct Timeline {
     /// When the first new conversation answered by the joiner came back.
     first_on_joiner: Option<Duration>,
     metrics_at_join: String,
+    /// indexd's `/readyz` once it names the joiner as filling (or the last
+    /// one read, if it never did).
+    readyz_after_join: String,
     metrics_at_deadline: String,
     leaver: Option<String>,
     leave: Option<Instant>,
@@ -309,6 +312,13 @@ struct Timeline {
     leavers_conversations: Vec<usize>,
     metrics_at_end: String,
     harness_error: Option<String>,
+}
+
+/// Whether indexd's `/readyz` names `replica` as filling after its join.
+fn filling_named(readyz: &str, replica: &str) -> bool {
+    readyz
+        .lines()
+        .any(|l| l.starts_with(&format!("replica {replica}")) && l.contains("joined"))
 }
 
 /// The conversations whose latest turn sent before `at` went to `replica`
@@ -405,6 +415,21 @@ fn drive(
         }
     };
     timeline.joiner = Some(joiner.clone());
+    // indexd says the joiner is filling (join_warmup) once it registered it.
+    let readyz = stack
+        .indexd_http()
+        .map(|a| format!("http://{a}/readyz"))
+        .unwrap_or_default();
+    let bound = Instant::now() + Duration::from_secs(5);
+    loop {
+        timeline.readyz_after_join = http::get(&readyz, &[], Duration::from_secs(2))
+            .map(|r| r.body)
+            .unwrap_or_default();
+        if filling_named(&timeline.readyz_after_join, &joiner) || Instant::now() > bound {
+            break;
+        }
+        std::thread::sleep(POLL);
+    }
     // A new conversation reaching the joiner, polled until the deadline
     // (and once past it: an answer recorded just after still counts if it
     // came back in time).
@@ -656,6 +681,16 @@ fn run(
             "join: no new conversation reached the joiner J within {JOIN_DEADLINE:?} of its join"
         ));
     }
+    // ...indexd's readiness said it was filling...
+    if !filling_named(
+        &timeline.readyz_after_join,
+        timeline.joiner.as_deref().unwrap_or(""),
+    ) {
+        failures.push(format!(
+            "join: indexd's /readyz never named the joiner as filling (join_warmup): {}",
+            timeline.readyz_after_join
+        ));
+    }
     // ...and no conversation started before the join moved.
     let turn_of = |c: usize, n: usize| turns.iter().find(|t| t.conversation == c && t.turn == n);
     let mut moves = Vec::new();
@@ -830,6 +865,9 @@ fn run(
         "indexd_replica_prefill_tokens_per_second",
         "indexd_replica_prefill_overhead_seconds",
         "indexd_conversation_turns_total",
+        "indexd_moves_total",
+        "indexd_moves_barred_total",
+        "indexd_explorations_total",
     ];
     let _ = write!(
         report,
