@@ -129,7 +129,7 @@ fn demo(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     println!(
         "\nWarm return: a continuation served by the replica that served the conversation's previous turn.\n\
          Cache hit: prompt tokens vLLM (the mock) served from its prefix cache, from each response's usage.\n\
-         `make up` keeps a kvroute stack running to curl; the README explains the metrics."
+         `make up` keeps a kvroute stack running to curl; docs/demo.md explains the figures."
     );
     Ok(())
 }
