@@ -77,7 +77,7 @@ const MEDIA_PARTS: &[&str] = &[
     "file",
 ];
 
-const BILLING_HEADER: &str = "x-anthropic-billing-header";
+pub(crate) const BILLING_HEADER: &str = "x-anthropic-billing-header";
 
 /// The conversation for the template.
 pub fn parse_messages(

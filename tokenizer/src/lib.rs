@@ -5,9 +5,11 @@
 //! - [`Tokenizer`] (`tokenizer`): one model; loads a directory, serves the
 //!   two endpoints, reports [`Stats`].
 //! - `protocol`: the request and answer shapes ([`TokenizeRequest`],
-//!   [`TokenizeResponse`], [`ResponsesRequest`], [`RenderResponse`]).
-//! - `chat`, `responses`, `render`: vLLM's chat preprocessing, its
-//!   Responses → chat conversion, and transformers' `apply_chat_template`.
+//!   [`TokenizeResponse`], [`ResponsesRequest`], [`RenderResponse`],
+//!   [`MessagesRequest`]).
+//! - `chat`, `responses`, `messages`, `render`: vLLM's chat preprocessing,
+//!   its Responses → chat and Anthropic Messages → chat conversions, and
+//!   transformers' `apply_chat_template`.
 //! - `template`: chat templates as transformers' Jinja environment runs them
 //!   ([`ChatTemplate`], [`ContentFormat`]); `pystr`: Python 3.11's Unicode
 //!   string functions for them (`upper`, `lower`, `title`, `strip`, …), from
@@ -34,6 +36,7 @@ mod encode;
 mod error;
 mod json;
 mod loads;
+mod messages;
 mod model;
 mod pretok;
 mod protocol;
@@ -51,8 +54,10 @@ pub use cache::CacheStats;
 pub use encode::{Encoder, EncoderStats, Mode, Truncation};
 pub use error::{Cap, InexactKind, LoadError, RequestError};
 pub use loads::MAX_DEPTH;
+pub use messages::MessagesConversion;
 pub use protocol::{
-    RenderResponse, ResponsesRequest, SamplingParams, TokenizeRequest, TokenizeResponse,
+    MessagesRequest, RenderResponse, ResponsesRequest, SamplingParams, TokenizeRequest,
+    TokenizeResponse,
 };
 pub use segment::{Analysis, Boundaries, SEGMENT_BYTES};
 pub use template::{ChatTemplate, ContentFormat};

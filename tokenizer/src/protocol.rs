@@ -1,5 +1,6 @@
 //! The wire shapes of vLLM 0.32's `POST /tokenize` and
-//! `POST /v1/responses/render`.
+//! `POST /v1/responses/render`, and the Anthropic Messages bodies of
+//! `POST /v1/messages` and `POST /v1/messages/count_tokens`.
 //!
 //! Requests are kept as ordered JSON (key order reaches the template through
 //! `tojson`), parsed once with a depth limit; responses are serde types that
@@ -19,6 +20,15 @@ pub struct TokenizeRequest {
 #[derive(Debug, Clone)]
 pub struct ResponsesRequest {
     pub(crate) body: minijinja::Value,
+}
+
+/// A `/v1/messages` body (an Anthropic Messages request), or a
+/// `/v1/messages/count_tokens` body ([`MessagesRequest::for_count_tokens`]).
+#[derive(Debug, Clone)]
+pub struct MessagesRequest {
+    pub(crate) body: minijinja::Value,
+    /// A count_tokens body: no `max_tokens`, and nothing checked against it.
+    pub(crate) count_tokens: bool,
 }
 
 impl TokenizeRequest {
@@ -81,6 +91,67 @@ impl ResponsesRequest {
     /// The `model` field, if a string.
     pub fn model(&self) -> Option<String> {
         crate::value::get_some(&self.body, "model").and_then(|m| m.as_str().map(str::to_owned))
+    }
+}
+
+impl TokenizeRequest {
+    /// The body as JSON text (keys in order; what a replica's `/tokenize`
+    /// takes).
+    pub fn to_json(&self) -> Result<String, RequestError> {
+        crate::json::dumps(&self.body, &crate::json::DumpOptions::default())
+            .map_err(RequestError::message)
+    }
+}
+
+impl MessagesRequest {
+    /// Parses a JSON body (nesting limited to [`crate::loads::MAX_DEPTH`]).
+    pub fn from_json(body: &[u8]) -> Result<Self, RequestError> {
+        Self::from_json_within(body, &crate::Caps::UNBOUNDED)
+    }
+
+    /// [`Self::from_json`], refusing ([`RequestError::OverCap`]) as soon as
+    /// the body's text passes `caps.text_bytes`.
+    pub fn from_json_within(body: &[u8], caps: &crate::Caps) -> Result<Self, RequestError> {
+        let body = crate::loads::parse_within(body, caps.text_bytes)?;
+        if body.kind() != minijinja::value::ValueKind::Map {
+            return Err(RequestError::message("the body must be a JSON object"));
+        }
+        Ok(Self {
+            body,
+            count_tokens: false,
+        })
+    }
+
+    /// The same body as a `/v1/messages/count_tokens` request (its prompt
+    /// is the same; it has no `max_tokens`).
+    pub fn for_count_tokens(self) -> Self {
+        Self {
+            count_tokens: true,
+            ..self
+        }
+    }
+
+    /// The `cache_salt` field (`null` or absent: none); an error, as vLLM
+    /// answers it, when it is not a string.
+    pub fn cache_salt(&self) -> Result<Option<String>, RequestError> {
+        crate::value::opt_str(&self.body, "cache_salt", "cache_salt")
+    }
+
+    /// The `model` field, if a string.
+    pub fn model(&self) -> Option<String> {
+        crate::value::get_some(&self.body, "model").and_then(|m| m.as_str().map(str::to_owned))
+    }
+
+    /// The `/tokenize` chat body whose ids are this request's prompt ids,
+    /// converted as a server deciding `conv` converts (see
+    /// [`crate::Tokenizer::messages_conversion`]): for a caller without the
+    /// model's tokenizer, to send to a replica's `/tokenize`.
+    pub fn to_chat(
+        &self,
+        conv: &crate::MessagesConversion,
+    ) -> Result<TokenizeRequest, RequestError> {
+        let body = crate::messages::convert(&self.body, conv, self.count_tokens)?;
+        Ok(TokenizeRequest { body })
     }
 }
 

@@ -208,3 +208,108 @@ fn every_divergence_request_matches_transformers_or_falls_back() {
         );
     }
 }
+
+/// A template that, like Qwen's, refuses a system message after the first
+/// (so vLLM merges inline system messages into the leading one) and prints
+/// `enable_thinking` and `reasoning_effort` (so `thinking: disabled` maps
+/// to `"none"`): the Messages conversion's other branch of each.
+const FIRST_SYSTEM_TEMPLATE: &str = "{%- for message in messages %}{%- if message['role'] == 'system' and not loop.first %}{{ raise_exception('System message must be at the beginning.') }}{%- endif %}<|{{ message['role'] }}|>{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}{%- if message.get('reasoning') %}<think>{{ message['reasoning'] }}</think>{%- endif %}{%- for call in message.get('tool_calls') or [] %}<call>{{ call['function']['name'] }} {{ call['function']['arguments'] | tojson }}</call>{%- endfor %}{%- if message['role'] == 'tool' %}[{{ message.get('tool_call_id') }}]{%- endif %}\n{% endfor %}{%- if tools %}<tools>{{ tools | tojson }}</tools>{%- endif %}{%- if enable_thinking is defined %}<et>{{ enable_thinking }}</et>{%- endif %}{%- if reasoning_effort is defined %}<re>{{ reasoning_effort }}</re>{%- endif %}{%- if add_generation_prompt %}<|assistant|>{%- endif %}";
+
+/// Anthropic Messages bodies (`gen_requests.py --messages`: system as a
+/// string or blocks, multi-turn text, tool_use → tool_result loops, thinking
+/// blocks, images, tools and tool_choice, thinking and output options,
+/// unicode) converted as vLLM converts them for `/v1/messages`, on both
+/// families and on tiny-llama served with a first-system-only template.
+#[test]
+fn every_generated_messages_request_matches_transformers() {
+    use kvroute_tokenizer::{LoadOptions, MessagesRequest};
+    let scratch = common::scratch("messages");
+    let python = common::reference_python();
+    let requests = scratch.join("messages.jsonl");
+    let args = [
+        "--count",
+        "0",
+        "--long",
+        "0",
+        "--messages",
+        "1200",
+        "--seed",
+        "7",
+    ];
+    let mut argv: Vec<&std::path::Path> = vec![&requests];
+    argv.extend(args.iter().map(std::path::Path::new));
+    common::run(&python, "gen_requests.py", &argv);
+    let template = scratch.join("first_system.jinja");
+    std::fs::write(&template, FIRST_SYSTEM_TEMPLATE).unwrap();
+    let lines = std::fs::read_to_string(&requests).unwrap();
+    let lines: Vec<&str> = lines.lines().collect();
+    let mut runs: Vec<(String, std::path::PathBuf, Option<&std::path::Path>)> = common::families()
+        .into_iter()
+        .map(|(f, d)| (f.to_owned(), d, None))
+        .collect();
+    runs.push((
+        "tiny-llama+first-system".into(),
+        common::tiny_llama(),
+        Some(&template),
+    ));
+    for (family, dir, template) in runs {
+        let expected_path = scratch.join(format!("expected-{family}.jsonl"));
+        let mut argv: Vec<&std::path::Path> = vec![&dir, &requests, &expected_path];
+        argv.extend(template);
+        common::run(&python, "expected.py", &argv);
+        let expected: HashMap<u64, Value> = read_jsonl(&expected_path)
+            .into_iter()
+            .map(|e| (e["id"].as_u64().unwrap(), e))
+            .collect();
+        let opts = LoadOptions {
+            chat_template: template.map(|t| std::fs::read_to_string(t).unwrap()),
+            ..LoadOptions::default()
+        };
+        let tok = Tokenizer::load(&dir, "test", opts).unwrap();
+        let (mut matched, mut mismatches) = (0usize, Vec::new());
+        for line in &lines {
+            let id: u64 = serde_json::from_str::<Value>(line).unwrap()["id"]
+                .as_u64()
+                .unwrap();
+            let got = MessagesRequest::from_json(raw_body(line).as_bytes())
+                .and_then(|r| tok.tokenize_messages(&r))
+                .map_err(|e| e.to_string());
+            let want = &expected[&id];
+            match (want.get("tokens"), got) {
+                (Some(w), Ok(g)) if serde_json::from_value::<Vec<u32>>(w.clone()).unwrap() == g => {
+                    matched += 1;
+                }
+                (Some(w), Ok(g)) => mismatches.push(format!(
+                    "{family} #{id}: {} vs {} tokens",
+                    w.as_array().map_or(0, Vec::len),
+                    g.len()
+                )),
+                (None, Err(_)) => {}
+                (Some(_), Err(e)) => mismatches.push(format!("{family} #{id}: refused: {e}")),
+                (None, Ok(_)) => mismatches.push(format!(
+                    "{family} #{id}: accepted, reference refused: {}",
+                    want["error"]
+                )),
+            }
+        }
+        assert!(
+            mismatches.is_empty(),
+            "{} mismatches on {family}:\n{}",
+            mismatches.len(),
+            mismatches
+                .iter()
+                .take(20)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        assert!(
+            matched >= 1000,
+            "{family}: only {matched} Messages requests tokenized"
+        );
+        eprintln!(
+            "{family}: {matched} Messages requests matched, {} refused by both",
+            lines.len() - matched
+        );
+    }
+}

@@ -6,7 +6,11 @@
 //! whitespace edge cases; conversations past 30k tokens). vLLM runs as its
 //! GPU-less render server (tests/vllm/render_server.py: `/tokenize` and the
 //! render endpoints, no engine), one per model. Every token id must match,
-//! and every refusal must be a refusal on both sides.
+//! and every refusal must be a refusal on both sides. Anthropic Messages
+//! bodies are checked one step earlier, offline: vLLM's own conversion
+//! against the reference's transcription of it (tests/reference/
+//! vllm_messages.py), which tests/differential.rs checks the native
+//! tokenizer against.
 //!
 //! Ignored by default: it needs the vLLM venv (tests/vllm/install.sh).
 #![allow(
@@ -349,4 +353,34 @@ fn every_divergence_request_matches_live_vllm_or_falls_back() {
             cases.len()
         );
     }
+}
+
+/// vLLM's own Messages → chat conversion (`to_chat_completion_request`,
+/// imported from the vLLM venv, no server) agrees with expected.py's
+/// transcription on every generated Messages body, with and without the
+/// inline-system merge, refusals included.
+#[test]
+#[ignore = "needs real vLLM: make test-vllm"]
+fn messages_conversion_matches_vllm() {
+    let scratch = common::scratch("live-messages");
+    let requests = scratch.join("messages.jsonl");
+    let args = [
+        "--count",
+        "0",
+        "--long",
+        "0",
+        "--messages",
+        "1200",
+        "--seed",
+        "7",
+    ];
+    let mut argv: Vec<&Path> = vec![&requests];
+    argv.extend(args.iter().map(Path::new));
+    common::run(&common::reference_python(), "gen_requests.py", &argv);
+    let (llama, deepseek) = (common::tiny_llama(), common::tiny_deepseek());
+    common::run(
+        &vllm_python(),
+        "vllm_messages.py",
+        &[&requests, &llama, &deepseek],
+    );
 }

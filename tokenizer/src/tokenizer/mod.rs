@@ -2,14 +2,16 @@
 //! `/v1/responses/render` as vLLM 0.32 answers them.
 //!
 //! `templates` picks the chat template a request renders with;
-//! `responses_render` answers `/v1/responses/render`.
+//! `responses_render` answers `/v1/responses/render`; `messages_render`
+//! tokenizes Anthropic Messages bodies.
 
+mod messages_render;
 mod responses_render;
 mod templates;
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use minijinja::Value;
 
@@ -38,6 +40,9 @@ pub struct LoadOptions {
     pub trust_request_chat_template: bool,
     /// vLLM's `--default-chat-template-kwargs`.
     pub default_chat_template_kwargs: Option<serde_json::Value>,
+    /// vLLM's `--anthropic-disabled-thinking-effort` (`None` or `"auto"`:
+    /// probe the template, as vLLM does).
+    pub anthropic_disabled_thinking_effort: Option<String>,
 }
 
 impl Default for LoadOptions {
@@ -49,6 +54,7 @@ impl Default for LoadOptions {
             content_format: None,
             trust_request_chat_template: false,
             default_chat_template_kwargs: None,
+            anthropic_disabled_thinking_effort: None,
         }
     }
 }
@@ -74,6 +80,9 @@ pub struct Tokenizer {
     max_chars_per_token: usize,
     opts: LoadOptions,
     request_templates: Mutex<HashMap<String, ChatTemplate>>,
+    /// What vLLM reads off the template for Messages requests (on first
+    /// use, as vLLM's probe).
+    messages_conversion: OnceLock<crate::MessagesConversion>,
 }
 
 impl Tokenizer {
@@ -118,6 +127,7 @@ impl Tokenizer {
             max_chars_per_token,
             opts,
             request_templates: Mutex::new(HashMap::new()),
+            messages_conversion: OnceLock::new(),
         })
     }
 
@@ -310,19 +320,22 @@ impl Tokenizer {
         let conversation = parse_messages(&messages, template.format, Origin::Chat)?;
         // Chat completions (not /tokenize) also hand the template `documents`
         // and `reasoning_effort` (and `enable_thinking` with the latter).
+        // Unset ones leave the request's kwargs of the same name in place
+        // (vLLM's `merge_kwargs` skips `None` overrides).
         let mut extra = Vec::new();
         if completion {
-            extra.push(("documents", get(body, "documents").unwrap_or_default()));
-            let effort = get_some(body, "reasoning_effort");
-            if let Some(e) = &effort {
+            if let Some(d) = get_some(body, "documents") {
+                extra.push(("documents", d));
+            }
+            if let Some(e) = get_some(body, "reasoning_effort") {
                 let user_set = kwargs
                     .as_ref()
                     .is_some_and(|k| get(k, "enable_thinking").is_some());
                 if !user_set {
                     extra.push(("enable_thinking", Value::from(e.as_str() != Some("none"))));
                 }
+                extra.push(("reasoning_effort", e));
             }
-            extra.push(("reasoning_effort", effort.unwrap_or_default()));
         }
         let kwargs = self.merged_kwargs(kwargs);
         budget.check()?;

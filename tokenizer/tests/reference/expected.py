@@ -3,17 +3,19 @@
 computes them, on transformers alone (no vLLM install): vLLM's chat
 preprocessing (content format detection, message parsing, tool-call argument
 parsing, developer roles, kwargs merging), its Responses -> chat conversion,
-then `apply_chat_template(tokenize=False)` and the tokenizer's encode with
+its Anthropic Messages -> chat conversion (checked against vLLM's own by
+vllm_messages.py), then `apply_chat_template(tokenize=False)` and the encode with
 vLLM's `add_special_tokens` (false for /tokenize chat unless asked, true for
 completions and for Responses render: hence Responses' second BOS).
 
 Checked against live vLLM with tests/vllm/live_ids.py on the same requests.
 
-    python expected.py MODEL_DIR REQUESTS.jsonl OUT.jsonl
+    python expected.py MODEL_DIR REQUESTS.jsonl OUT.jsonl [CHAT_TEMPLATE_FILE]
 """
 import inspect
 import json
 import sys
+import time
 from collections import deque
 
 import jinja2
@@ -109,7 +111,23 @@ def content_format(template):
 KNOWN_PART_FIELDS = {"type", "text", "image_url", "input_audio", "refusal", "file", "audio_url", "video_url",
                      "image_embeds", "audio_embeds", "video_embeds", "data", "image_pil", "uuid", "thinking",
                      "closed", "name", "image", "audio", "video", "detail", "file_id", "file_url", "filename"}
-PART_TEXT = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking"}
+PART_TEXT = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal", "thinking": "thinking",
+             "tool_reference": "name"}
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def strip_billing_header(parts):
+    """System text parts lose Claude Code's attribution line."""
+    out = []
+    for p in parts:
+        t = p if isinstance(p, str) else (p.get("text") if p.get("type", "text") == "text" else None)
+        if not (isinstance(t, str) and t.startswith(BILLING_HEADER)):
+            out.append(p)
+            continue
+        rest = t.partition("\n")[2]
+        if rest:
+            out.append(rest if isinstance(p, str) else {**p, "text": rest})
+    return out
 
 
 class Refused(Exception):
@@ -134,6 +152,8 @@ def parse_message(msg, fmt, chat_origin):
         content = []
     elif isinstance(content, str):
         content = [{"type": "text", "text": content}]
+    if role == "system":
+        content = strip_billing_header(content)
     texts, parts = [], []
     for part in content:
         if isinstance(part, str):
@@ -149,6 +169,9 @@ def parse_message(msg, fmt, chat_origin):
             continue
         if t or fmt != "string":  # vLLM drops empty texts before joining them
             texts.append(t)
+        if kind == "tool_reference":
+            parts.append({"type": "tool_reference", "name": t})
+            continue
         parts.append({"type": "text", "text": t, **{k: v for k, v in part.items() if k not in KNOWN_PART_FIELDS}})
     out = {"role": role, "content": "\n".join(texts) if fmt == "string" else parts}
     if role == "assistant":
@@ -161,7 +184,7 @@ def parse_message(msg, fmt, chat_origin):
     elif role == "tool":
         if "tool_call_id" in msg:
             out["tool_call_id"] = msg["tool_call_id"]
-        if isinstance(out["content"], list):
+        if isinstance(out["content"], list) and all(p["type"] == "text" for p in out["content"]):
             out["content"] = "\n".join(p["text"] for p in out["content"])
     if isinstance(msg.get("name"), str):
         out["name"] = msg["name"]
@@ -221,7 +244,13 @@ def chat_tools(tools):
         fn = {"name": f["name"], "description": f.get("description"), "parameters": f.get("parameters")}
         if f.get("strict") is not None:
             fn["strict"] = f["strict"]
-        out.append({"type": "function", "function": fn})
+        defer = f.get("defer_loading") if f.get("defer_loading") is not None else t.get("defer_loading")
+        if defer is not None:
+            fn["defer_loading"] = defer
+        tool = {"type": "function", "function": fn}
+        if t.get("defer_loading") is not None:
+            tool["defer_loading"] = t["defer_loading"]
+        out.append(tool)
     return out
 
 
@@ -284,6 +313,300 @@ def responses_tools(tools):
     return out
 
 
+# --- vLLM's Messages -> chat conversion (entrypoints/anthropic/serving.py) ---
+
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "tool_reference", "thinking", "redacted_thinking",
+               "tool_addition", "tool_removal")
+
+
+def need(ok, why):
+    if not ok:
+        raise Refused(why)
+
+
+def is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer()
+
+
+def opt(d, key, kinds):
+    """pydantic's check of an optional field (None or one of `kinds`)."""
+    v, kinds = d.get(key), kinds if isinstance(kinds, tuple) else (kinds,)
+    need(v is None or isinstance(v, kinds) and not (bool not in kinds and isinstance(v, bool)), f"{key}: wrong type")
+    return v
+
+
+def check_tool(t):
+    need(isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("input_schema"), dict), "tool")
+    opt(t, "description", str), opt(t, "strict", bool), opt(t, "defer_loading", bool)
+    if "type" not in t["input_schema"]:
+        t["input_schema"]["type"] = "object"
+
+
+def check_block(b, system_role):
+    need(isinstance(b, dict) and b.get("type") in BLOCK_TYPES, "block type")
+    for k in ("text", "id", "tool_use_id", "name", "tool_name", "thinking", "signature", "data"):
+        opt(b, k, str)
+    opt(b, "source", dict), opt(b, "input", dict), opt(b, "is_error", bool)
+    c = opt(b, "content", (str, list))
+    need(not isinstance(c, list) or all(isinstance(i, dict) for i in c), "block content")
+    if b["type"] in ("tool_addition", "tool_removal"):
+        need(system_role, "tool changes are only allowed in system messages")
+        t = b.get("tool")
+        need(isinstance(t, dict) and t.get("type") in ("tool_reference", "tool_definition"), "tool change")
+        if t["type"] == "tool_reference":
+            need(isinstance(t.get("name"), str), "tool change name")
+        else:
+            need(b["type"] == "tool_addition", "tool_removal only accepts a tool_reference")
+            check_tool(t.get("definition"))
+
+
+def check_messages_body(body):
+    """AnthropicMessagesRequest's validation of the fields the prompt depends on."""
+    need(isinstance(body.get("model"), str) and body["model"], "Model is required")
+    need(isinstance(body.get("messages"), list), "messages")
+    for m in body["messages"]:
+        need(isinstance(m, dict) and m.get("role") in ("user", "assistant", "system"), "role")
+        need(isinstance(m.get("content"), (str, list)), "content")
+        if isinstance(m["content"], list):
+            for b in m["content"]:
+                check_block(b, m["role"] == "system")
+    need(is_int(body.get("max_tokens")) and body["max_tokens"] > 0, "max_tokens must be positive")
+    system = opt(body, "system", (str, list))
+    for b in system if isinstance(system, list) else []:
+        check_block(b, False)
+    for t in opt(body, "tools", list) or []:
+        check_tool(t)
+    tc = opt(body, "tool_choice", dict)
+    if tc is not None:
+        need(tc.get("type") in ("auto", "any", "tool", "none"), "tool_choice.type")
+        opt(tc, "name", str), opt(tc, "disable_parallel_tool_use", bool)
+        need(tc["type"] != "tool" or tc.get("name"), "tool_choice.name is required when type is 'tool'")
+    th = opt(body, "thinking", dict)
+    if th is not None:
+        need(th.get("type") in ("enabled", "disabled", "adaptive"), "thinking.type")
+        if th["type"] != "disabled":
+            need(th.get("display") in (None, "summarized", "omitted", "updates"), "thinking.display")
+        if th["type"] == "enabled":
+            need(is_int(th.get("budget_tokens")) and th["budget_tokens"] >= 1024, "thinking.budget_tokens")
+            kv = opt(body, "kv_transfer_params", dict)
+            need(bool(kv and kv.get("do_remote_decode")) or th["budget_tokens"] < body["max_tokens"],
+                 "thinking.budget_tokens must be less than max_tokens")
+    oc = opt(body, "output_config", dict)
+    if oc is not None:
+        need(oc.get("effort") in (None, *EFFORTS), "output_config.effort")
+        fmt = opt(oc, "format", dict)
+        if fmt is not None:
+            opt(fmt, "schema", dict)
+            need(fmt.get("type", "json_schema") == "json_schema", "output_config.format.type")
+    opt(body, "chat_template_kwargs", dict)
+    stops = opt(body, "stop_sequences", list)
+    need(stops is None or len(stops) <= 4 and all(isinstance(x, str) for x in stops), "stop_sequences")
+
+
+def image_url(source):
+    if source.get("type") == "url":
+        return source.get("url", "")
+    return f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
+
+
+def system_text(content):
+    if isinstance(content, str):
+        return None if content.startswith(BILLING_HEADER) else content
+    parts = [b["text"] for b in content if b["type"] == "text" and b.get("text")
+             and not b["text"].startswith(BILLING_HEADER)]
+    return "".join(parts) if parts else None
+
+
+def user_tool_result(block, out):
+    text, images, refs = "", [], []
+    c = block.get("content")
+    if isinstance(c, str):
+        text = c
+    elif isinstance(c, list):
+        texts = []
+        for item in c:
+            kind = item.get("type")
+            if kind == "text":
+                texts.append(item.get("text", ""))
+            elif kind == "image":
+                url = image_url(item.get("source", {}))
+                if url:
+                    images.append(url)
+            elif kind == "tool_reference":
+                name = item.get("tool_name") or item.get("name")
+                if name:
+                    refs.append({"type": "tool_reference", "name": name})
+        text = "\n".join(texts)
+    out.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": text or ""})
+    if images:
+        out.append({"role": "user", "content": [{"type": "image_url", "image_url": {"url": u}} for u in images]})
+    if refs:
+        out.append({"role": "tool", "tool_call_id": block.get("tool_use_id") or "", "content": refs})
+
+
+def convert_blocks(msg, out):
+    openai_msg, parts, calls, reasoning = {"role": msg["role"]}, [], [], []
+    for b in msg["content"]:
+        kind = b["type"]
+        if kind == "text" and b.get("text"):
+            parts.append({"type": "text", "text": b["text"]})
+        elif kind == "image" and b.get("source"):
+            parts.append({"type": "image_url", "image_url": {"url": image_url(b["source"])}})
+        elif kind == "thinking" and b.get("thinking") is not None:
+            reasoning.append(b["thinking"])
+        elif kind == "tool_use":
+            calls.append({"id": b.get("id") or f"call_{int(time.time())}", "type": "function",
+                          "function": {"name": b.get("name") or "", "arguments": json.dumps(b.get("input") or {})}})
+        elif kind == "tool_result":
+            if msg["role"] == "user":
+                user_tool_result(b, out)
+            else:
+                parts.append({"type": "text", "text": f"Tool result: {str(b['content']) if b.get('content') else ''}"})
+    if reasoning:
+        openai_msg["reasoning"] = "".join(reasoning)
+    if calls:
+        openai_msg["tool_calls"] = calls
+    if parts:
+        openai_msg["content"] = parts[0]["text"] if len(parts) == 1 and parts[0]["type"] == "text" else parts
+    return openai_msg
+
+
+def resolve_tools(body):
+    changes = [b for m in body["messages"] if isinstance(m["content"], list) for b in m["content"]
+               if b["type"] in ("tool_addition", "tool_removal")]
+    if not changes:
+        return body.get("tools")
+    tools = {t["name"]: t for t in body.get("tools") or []}
+    removed = set()
+    for b in changes:
+        change = b["tool"]
+        if change["type"] == "tool_definition":
+            name = change["definition"]["name"]
+            tools[name] = change["definition"]
+        else:
+            name = change["name"]
+            need(name in tools, f"{b['type']} references tool {name!r}, which is not declared in tools")
+            if b["type"] == "tool_addition":
+                tools[name] = {**tools[name], "defer_loading": None}
+        if b["type"] == "tool_removal":
+            removed.add(name)
+        else:
+            removed.discard(name)
+    return [t for n, t in tools.items() if n not in removed]
+
+
+def messages_chat(body, merge_inline_system, disabled_effort):
+    """The chat completion request vLLM builds from a Messages body (its prompt-relevant fields)."""
+    body = json.loads(json.dumps(body))
+    check_messages_body(body)
+    out, system = [], []
+    if body.get("system"):
+        if isinstance(body["system"], str):
+            system.append(body["system"])
+        else:
+            system += [b["text"] for b in body["system"] if b["type"] == "text" and b.get("text")
+                       and not b["text"].startswith(BILLING_HEADER)]
+    for m in body["messages"] if merge_inline_system else []:
+        if m["role"] == "system" and system_text(m["content"]):
+            system.append(system_text(m["content"]))
+    if system:
+        out.append({"role": "system", "content": "".join(system)})
+    for m in body["messages"]:
+        if m["role"] == "system":
+            if not merge_inline_system and system_text(m["content"]):
+                out.append({"role": "system", "content": system_text(m["content"])})
+            continue
+        om = {"role": m["role"], "content": m["content"]} if isinstance(m["content"], str) else convert_blocks(m, out)
+        if not (m["role"] == "user" and "content" not in om):
+            out.append(om)
+    chat = {"messages": out, "chat_template_kwargs": body.get("chat_template_kwargs"), "tool_choice": None,
+            "reasoning_effort": None, "thinking_token_budget": None, "response_format": None}
+    oc = body.get("output_config") or {}
+    schema = (oc.get("format") or {}).get("schema")
+    if schema:
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
+    if oc.get("effort") is not None:
+        chat["reasoning_effort"] = oc["effort"]
+    th = body.get("thinking")
+    if th is not None and th["type"] == "disabled":
+        chat["reasoning_effort"] = disabled_effort
+    elif th is not None and th["type"] == "enabled":
+        chat["thinking_token_budget"] = th["budget_tokens"]
+    tc = body.get("tool_choice")
+    if tc is not None:
+        chat["parallel_tool_calls"] = not tc.get("disable_parallel_tool_use")
+        chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(tc["type"]) or \
+            {"function": {"name": tc["name"]}, "type": "function"}
+    tools = resolve_tools(body)
+    if tools is not None:
+        chat["tools"] = [{"type": "function", "function": {
+            "name": t["name"], "description": t.get("description"), "parameters": t["input_schema"],
+            **({"strict": t["strict"]} if t.get("strict") is not None else {}),
+            **({"defer_loading": t["defer_loading"]} if t.get("defer_loading") is not None else {})}}
+            for t in tools]
+        if chat["tool_choice"] is None:
+            chat["tool_choice"] = "auto"
+    return chat
+
+
+def detect_merge_inline_system(template):
+    """vLLM's probe: a template that raises on [system, user, system, user] gets inline systems merged."""
+    if not template:
+        return True
+    try:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                           extensions=[jinja2.ext.loopcontrols])
+        env.from_string(template).render(messages=[{"role": r, "content": "t"} for r in
+                                                   ("system", "user", "system", "user")],
+                                         add_generation_prompt=False)
+        return False
+    except jinja2.TemplateError:
+        return True
+
+
+def messages_render(tok, fmt, chat, template=None):
+    conv = [parse_message(m, fmt, True) for m in chat["messages"]]
+    postprocess(conv)
+    tools = chat_tools(chat["tools"]) if chat.get("tools") is not None else None
+    kwargs = dict(chat.get("chat_template_kwargs") or {})
+    effort = chat.get("reasoning_effort")
+    if effort is not None:
+        kwargs["reasoning_effort"] = effort
+        if "enable_thinking" not in (chat.get("chat_template_kwargs") or {}):
+            kwargs["enable_thinking"] = effort != "none"
+    text, tokenized = render(tok, conv, tools, kwargs, True, False, template)
+    return text, tok(text, add_special_tokens=False)["input_ids"]
+
+
+def disabled_thinking_effort(tok, fmt, template=None):
+    """vLLM's probe: "low" when the template refuses or ignores reasoning_effort="none"."""
+    def probe(effort):
+        try:
+            return messages_render(tok, fmt, {"messages": [{"role": "user", "content": "Hi"}],
+                                              "reasoning_effort": effort}, template)
+        except Exception:
+            return None
+    none = probe("none")
+    if none is None or any(probe(e) == none for e in EFFORTS):
+        return "low"
+    return "none"
+
+
+MESSAGES_SETTINGS = {}
+
+
+def messages_ids(tok, fmt, body, template=None):
+    key = (id(tok), template)
+    if key not in MESSAGES_SETTINGS:
+        templates = [template] if template else [tok.get_chat_template(None, t) for t in (None, [])]
+        MESSAGES_SETTINGS[key] = (any(detect_merge_inline_system(t) for t in templates),
+                                  disabled_thinking_effort(tok, fmt, template))
+    merge, disabled = MESSAGES_SETTINGS[key]
+    chat = messages_chat(body, merge, disabled)
+    return messages_render(tok, fmt, chat, template)[1]
+
+
 # --- apply_chat_template as vLLM calls it ---
 
 HF_BASE_PARAMS = frozenset(inspect.signature(PythonBackend.apply_chat_template).parameters)
@@ -315,6 +638,8 @@ def compute(tok, fmt, req, max_model_len):
     if template is not None:
         # A request-supplied template (vLLM with --trust-request-chat-template).
         fmt = content_format(template)
+    if req["endpoint"] == "messages":
+        return messages_ids(tok, fmt, body, template)
     if req["endpoint"] == "tokenize" and "messages" not in body:
         return tok(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))["input_ids"]
     if req["endpoint"] == "chat_render" and body.get("truncate_prompt_tokens") is not None:
@@ -344,8 +669,11 @@ def compute(tok, fmt, req, max_model_len):
     return ids
 
 
-def main(model_dir, requests, out):
+def main(model_dir, requests, out, template_file=None):
     tok = AutoTokenizer.from_pretrained(model_dir)
+    if template_file:  # vLLM's --chat-template
+        with open(template_file, encoding="utf-8") as f:
+            tok.chat_template = f.read()
     fmt = content_format(tok.chat_template)
     with open(f"{model_dir}/config.json") as f:
         max_model_len = json.load(f)["max_position_embeddings"]
@@ -361,6 +689,6 @@ def main(model_dir, requests, out):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 4:
+    if len(sys.argv) not in (4, 5):
         sys.exit(__doc__)
     main(*sys.argv[1:])

@@ -3,12 +3,14 @@
 
 Each line: {"id", "endpoint": "tokenize" | "render", "body": {...}} where
 "tokenize" bodies are vLLM /tokenize bodies (chat or completions shape) and
-"render" bodies are Responses requests for /v1/responses/render. Bodies carry
-no "model": the caller adds it. The same file drives the native differential
+"render" bodies are Responses requests for /v1/responses/render; with
+--messages, "messages" bodies are Anthropic Messages requests for /v1/messages
+(they name a model, which vLLM requires). Other bodies carry no "model": the
+caller adds it. The same file drives the native differential
 test (against transformers, see expected.py) and the real-vLLM tier (against
 live /tokenize and /v1/responses/render, see tests/vllm/live_ids.py).
 
-    python gen_requests.py OUT.jsonl [--count N] [--long N] [--seed S]
+    python gen_requests.py OUT.jsonl [--count N] [--long N] [--seed S] [--messages N]
 """
 import argparse
 import json
@@ -188,6 +190,146 @@ def responses_body(rng):
     return body
 
 
+def anthropic_tool(rng):
+    schema = {"properties": {"path": {"type": "string", "description": text(rng, 1, 6)}}, "required": ["path"]}
+    if rng.random() < 0.6:
+        schema = {"type": "object", **schema}
+    t = {"name": rng.choice(TOOL_NAMES), "input_schema": schema}
+    if rng.random() < 0.7:
+        t["description"] = text(rng, 2, 12)
+    for k in ("strict", "defer_loading"):
+        if rng.random() < 0.15:
+            t[k] = rng.random() < 0.5
+    return t
+
+
+def image_block(rng):
+    if rng.random() < 0.5:
+        return {"type": "image", "source": {"type": "url", "url": "https://example.com/cat.png"}}
+    return {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}
+
+
+def text_blocks(rng, lo=1, hi=3):
+    out = []
+    for _ in range(rng.randint(lo, hi)):
+        out.append({"type": "text", "text": text(rng)})
+        if rng.random() < 0.05:
+            out.append({"type": "text", "text": "x-anthropic-billing-header: cch=1234;\n" + text(rng, 1, 4)})
+    return out
+
+
+def tool_result(rng, call_id):
+    block = {"type": "tool_result", "tool_use_id": call_id}
+    r = rng.random()
+    if r < 0.4:
+        block["content"] = text(rng)
+    elif r < 0.8:
+        block["content"] = [{"type": "text", "text": text(rng)} for _ in range(rng.randint(1, 3))]
+        if rng.random() < 0.15:
+            block["content"].append({"type": "tool_reference", "tool_name": rng.choice(TOOL_NAMES)})
+        if rng.random() < 0.01:
+            block["content"].append(image_block(rng))
+    elif r < 0.9:
+        block["content"] = rng.choice(["", [], None])
+    if rng.random() < 0.2:
+        block["is_error"] = rng.random() < 0.7
+    return block
+
+
+def assistant_turn(rng, call, tools):
+    blocks = []
+    if rng.random() < 0.3:
+        blocks.append({"type": "thinking", "thinking": text(rng, 2, 10), "signature": "sig"})
+    if rng.random() < 0.05:
+        blocks.append({"type": "redacted_thinking", "data": "b64=="})
+    if rng.random() < 0.7:
+        blocks.append({"type": "text", "text": text(rng, 1, 8)})
+    ids = []
+    if tools and rng.random() < 0.5:
+        for _ in range(rng.randint(1, 2)):
+            use = {"type": "tool_use", "name": rng.choice(TOOL_NAMES), "input": args_obj(rng)}
+            if rng.random() < 0.95:
+                use["id"] = f"toolu_{call + len(ids)}"
+            blocks.append(use)
+            ids.append(use.get("id", ""))
+    if rng.random() < 0.03:
+        blocks.append({"type": "tool_result", "tool_use_id": "x", "content": rng.choice(["done", [{"type": "text", "text": "ok"}]])})
+    content = blocks if blocks or rng.random() < 0.5 else text(rng)
+    if not ids and rng.random() < 0.3:
+        content = text(rng)
+    return {"role": "assistant", "content": content}, ids
+
+
+def user_turn(rng, pending):
+    blocks = [tool_result(rng, i) for i in pending]
+    if not pending or rng.random() < 0.4:
+        if not blocks and rng.random() < 0.5:
+            return {"role": "user", "content": text(rng)}
+        blocks += text_blocks(rng)
+        if rng.random() < 0.01:
+            blocks.append(image_block(rng))
+    return {"role": "user", "content": blocks}
+
+
+def messages_body(rng):
+    body = {"model": "m", "max_tokens": rng.choice([1, 4096, 8192, 32000, 32000, 64000])}
+    r = rng.random()
+    if r < 0.3:
+        body["system"] = text(rng, 2, 20)
+    elif r < 0.55:
+        body["system"] = text_blocks(rng)
+    tools = rng.random() < 0.5
+    if tools:
+        body["tools"] = [anthropic_tool(rng) for _ in range(rng.randint(1, 3))]
+    msgs, call, pending = [], 0, []
+    for _ in range(rng.randint(1, 5)):
+        msgs.append(user_turn(rng, pending))
+        if rng.random() < 0.08:
+            msgs.append({"role": "system", "content": rng.choice([text(rng, 1, 8), text_blocks(rng, 1, 2)])})
+        if rng.random() < 0.85:
+            m, pending = assistant_turn(rng, call, tools)
+            call += len(pending)
+            msgs.append(m)
+        else:
+            pending = []
+    if pending or rng.random() < 0.7:
+        msgs.append(user_turn(rng, pending))
+    if tools and rng.random() < 0.08:
+        change = rng.choice([
+            {"type": "tool_addition", "tool": {"type": "tool_reference", "name": body["tools"][0]["name"]}},
+            {"type": "tool_removal", "tool": {"type": "tool_reference", "name": body["tools"][-1]["name"]}},
+            {"type": "tool_addition", "tool": {"type": "tool_definition", "definition": anthropic_tool(rng)}},
+            {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "undeclared"}}])
+        msgs.insert(rng.randint(0, len(msgs)), {"role": "system", "content": [change]})
+    body["messages"] = msgs
+    if rng.random() < 0.3:
+        tc = {"type": rng.choice(["auto", "any", "none", "tool"])}
+        if tc["type"] == "tool" and rng.random() < 0.9:
+            tc["name"] = rng.choice(TOOL_NAMES)
+        if rng.random() < 0.3:
+            tc["disable_parallel_tool_use"] = rng.random() < 0.5
+        body["tool_choice"] = tc
+    r = rng.random()
+    if r < 0.1:
+        body["thinking"] = {"type": "enabled", "budget_tokens": rng.choice([1024, 2048, 2048, 100000])}
+    elif r < 0.2:
+        body["thinking"] = {"type": rng.choice(["disabled", "adaptive"])}
+    if rng.random() < 0.15:
+        oc = {}
+        if rng.random() < 0.7:
+            oc["effort"] = rng.choice(["low", "medium", "high", "xhigh", "max"])
+        if rng.random() < 0.3:
+            oc["format"] = {"type": "json_schema", "schema": {"type": "object"}}
+        body["output_config"] = oc
+    if rng.random() < 0.08:
+        body["chat_template_kwargs"] = rng.choice([{"enable_thinking": False}, {"reasoning_effort": "high", "foo": 1}])
+    if rng.random() < 0.05:
+        body["stop_sequences"] = ["a", "b", "c", "d", "e"][: rng.randint(1, 5)]
+    if rng.random() < 0.1:
+        body["stream"] = True
+    return body
+
+
 def long_chat(rng, target_words):
     msgs = [{"role": "system", "content": text(rng, 20, 60)}]
     total = 0
@@ -213,6 +355,7 @@ def main():
     ap.add_argument("--count", type=int, default=1200)
     ap.add_argument("--long", type=int, default=4)
     ap.add_argument("--seed", type=int, default=14)
+    ap.add_argument("--messages", type=int, default=0, help="Messages (/v1/messages) bodies, after the others")
     a = ap.parse_args()
     rng = random.Random(a.seed)
     with open(a.out, "w", encoding="utf-8") as f:
@@ -230,6 +373,9 @@ def main():
             n += 1
         for k in range(a.long):
             put(n, "tokenize", long_chat(rng, 6000 + 7000 * k))
+            n += 1
+        for _ in range(a.messages):
+            put(n, "messages", messages_body(rng))
             n += 1
 
 
