@@ -34,6 +34,7 @@ pub fn canonical_text(req: &ParsedRequest<'_>) -> Vec<u8> {
         "messages",
         "instructions",
         "input",
+        "system",
     ]
     .into_iter()
     .filter_map(|name| req.value(name).map(|v| (name, v)))
@@ -72,6 +73,16 @@ pub fn canonical_text(req: &ParsedRequest<'_>) -> Vec<u8> {
                 Some(Value::Array(items)) => items.iter().for_each(&mut push),
                 Some(other) => push(other),
                 None => {}
+            }
+        }
+        Api::Messages => {
+            for name in ["chat_template_kwargs", "system", "tools"] {
+                if let Some(v) = field(name) {
+                    push(v);
+                }
+            }
+            if let Some(Value::Array(messages)) = field("messages") {
+                messages.iter().for_each(&mut push);
             }
         }
     }

@@ -26,6 +26,12 @@ pub enum Api {
     /// `POST /v1/responses`: `input`, `instructions`, `tools`,
     /// `previous_response_id`.
     Responses,
+    /// `POST /v1/messages` (Anthropic's Messages API): `system`, `messages`,
+    /// `tools`, `tool_choice`, `thinking`. vLLM serves no tokenizer
+    /// endpoint for these bodies, so the Pick carries the body and indexd
+    /// tokenizes it (converting it to chat as vLLM does), whatever
+    /// `tokenize_at` says.
+    Messages,
 }
 
 /// Which tokenizer endpoint turns a request into the prompt's token ids.
@@ -542,13 +548,15 @@ fn default_tokenizer_path(api: Api, call: TokenizerCall) -> &'static str {
         (TokenizerCall::Render, Api::Completions) => "/v1/completions/render",
         (TokenizerCall::Render, Api::Chat) => "/v1/chat/completions/render",
         (TokenizerCall::Render, Api::Responses) => "/v1/responses/render",
+        // Never called: indexd tokenizes Messages bodies ([`Api::Messages`]).
+        (TokenizerCall::Render, Api::Messages) => "/v1/messages",
     }
 }
 
 fn default_call(api: Api) -> TokenizerCall {
     match api {
         Api::Completions | Api::Chat => TokenizerCall::Tokenize,
-        Api::Responses => TokenizerCall::Render,
+        Api::Responses | Api::Messages => TokenizerCall::Render,
     }
 }
 
@@ -557,6 +565,7 @@ fn default_routes() -> Vec<Route> {
         ("/v1/completions", Api::Completions),
         ("/v1/chat/completions", Api::Chat),
         ("/v1/responses", Api::Responses),
+        ("/v1/messages", Api::Messages),
     ]
     .into_iter()
     .map(|(path, api)| {
@@ -586,6 +595,13 @@ fn routes(list: Vec<RawRoute>) -> Result<Vec<Route>, ConfigError> {
         }
         if out.iter().any(|r| r.path == raw.path) {
             return Err(ConfigError::new(field("path"), "duplicate path"));
+        }
+        if raw.api == Api::Messages && (raw.tokenizer.is_some() || raw.tokenizer_path.is_some()) {
+            return Err(ConfigError::new(
+                field("tokenizer"),
+                "messages bodies are tokenized by indexd (vLLM serves no tokenizer endpoint for \
+                 them): leave `tokenizer` and `tokenizer_path` out",
+            ));
         }
         let call = raw.tokenizer.unwrap_or_else(|| default_call(raw.api));
         if raw.api == Api::Responses && call == TokenizerCall::Tokenize {

@@ -25,7 +25,12 @@ fn minimal_config_gets_defaults() {
     assert_eq!(c.rank_header, "x-data-parallel-rank");
     assert_eq!(c.decision_header, None);
     assert_eq!(c.mode, Mode::Precise);
-    assert_eq!(c.routes.len(), 3);
+    assert_eq!(c.routes.len(), 4);
+    assert_eq!(c.route("/v1/messages").unwrap().api, Api::Messages);
+    assert!(
+        c.route("/v1/messages/count_tokens").is_none(),
+        "counting tokens is not inference"
+    );
     assert_eq!(c.index_timeout, Duration::from_millis(50));
     let r = c.route("/v1/responses?x=1").unwrap();
     assert_eq!(r.call, TokenizerCall::Render);
@@ -90,6 +95,14 @@ fn errors_name_the_field() {
         ),
         (
             r#""routes":[{"path":"/r","api":"responses","tokenizer":"tokenize"}]"#,
+            "routes[0].tokenizer",
+        ),
+        (
+            r#""routes":[{"path":"/m","api":"messages","tokenizer":"render"}]"#,
+            "routes[0].tokenizer",
+        ),
+        (
+            r#""routes":[{"path":"/m","api":"messages","tokenizer_path":"/x"}]"#,
             "routes[0].tokenizer",
         ),
         (r#""index_cluster":"""#, "index_cluster"),

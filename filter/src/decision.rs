@@ -36,7 +36,7 @@ use std::rc::Rc;
 
 use crate::approximate;
 use crate::breaker::{self, Breaker};
-use crate::config::{Config, Mode, Route, TokenizeAt};
+use crate::config::{Api, Config, Mode, Route, TokenizeAt};
 use crate::host::Host;
 use crate::memo;
 use crate::metrics::{Counter, Histogram, Reason};
@@ -284,7 +284,8 @@ impl Flow {
             let salt = req.cache_salt.as_deref();
             return self.pick_tokens(host, routed, ids, salt, Via::Callback);
         }
-        if self.cfg.tokenize_at == TokenizeAt::Indexd {
+        // Messages bodies only indexd can tokenize (`Api::Messages`).
+        if self.cfg.tokenize_at == TokenizeAt::Indexd || routed.route.api == Api::Messages {
             let mut pick = self.pick_request(host, &routed);
             pick.api = wire_api(routed.route.api).into();
             let message = with_body(&pick, body);

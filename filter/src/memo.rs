@@ -52,8 +52,15 @@ pub fn fingerprints(req: &ParsedRequest<'_>, items: &[&RawValue], model: &str) -
     }
     let mut h = DefaultHasher::new();
     (req.api as u8, model, req.cache_salt.as_deref()).hash(&mut h);
-    if let Some(instructions) = req.raw("instructions") {
-        digest(instructions.get().as_bytes(), &mut h);
+    // What precedes the items in the prompt: Responses `instructions`,
+    // Messages `system` (chat's system prompt is one of its messages).
+    let preamble = match req.api {
+        Api::Responses => req.raw("instructions"),
+        Api::Messages => req.raw("system"),
+        Api::Completions | Api::Chat => None,
+    };
+    if let Some(preamble) = preamble {
+        digest(preamble.get().as_bytes(), &mut h);
     }
     items
         .iter()
@@ -74,6 +81,7 @@ pub fn items<'a>(req: &ParsedRequest<'a>) -> Vec<&'a RawValue> {
             Some(input) => vec![input],
             None => Vec::new(),
         },
+        Api::Messages => raw_items(req.raw("messages")),
         Api::Completions => Vec::new(),
     }
 }
@@ -220,6 +228,27 @@ mod tests {
         assert_eq!(&b[..2], &a[..], "a prefix has the prefix's fingerprints");
         assert_eq!(recall(&h, &b), Some(("10.0.0.1:8000".to_owned(), Some(2))));
         assert_eq!(recall(&h, &prints(Api::Chat, other)), None);
+    }
+
+    #[test]
+    fn a_messages_turn_finds_its_previous_turn_under_the_same_system_prompt() {
+        let first = r#"{"model":"m","system":"s","messages":[{"role":"user","content":"one"}]}"#;
+        let next = r#"{"model":"m","system":"s","messages":[{"role":"user","content":"one"},{"role":"assistant","content":[{"type":"tool_use","id":"t","name":"f","input":{}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"2"}]}]}"#;
+        let other_system =
+            r#"{"model":"m","system":"t","messages":[{"role":"user","content":"one"}]}"#;
+        let a = prints(Api::Messages, first);
+        let b = prints(Api::Messages, next);
+        assert_eq!(&b[..1], &a[..]);
+        assert_ne!(prints(Api::Messages, other_system), a);
+        assert_ne!(
+            prints(
+                Api::Chat,
+                r#"{"model":"m","messages":[{"role":"user","content":"one"}]}"#
+            ),
+            a
+        );
+        let turn = previous_turn(&items(&parse(Api::Messages, next.as_bytes()).unwrap()));
+        assert_eq!(turn.map(|t| t.items), Some(1));
     }
 
     #[test]

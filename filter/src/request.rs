@@ -1,4 +1,4 @@
-//! Parsing of completions, chat and responses request bodies.
+//! Parsing of completions, chat, Responses and Messages request bodies.
 //!
 //! The filter needs only what determines the prompt's block identities (the
 //! fields vLLM renders into the prompt), the `model`, the `cache_salt` and a
@@ -85,6 +85,7 @@ const MEDIA_TYPES: &[&str] = &[
     "video",
     "input_file",
     "file",
+    "document",
 ];
 const MEDIA_KEYS: &[&str] = &[
     "image_url",
@@ -162,6 +163,7 @@ pub fn parse(api: Api, bytes: &[u8]) -> Result<ParsedRequest<'_>, Rejection> {
         Api::Completions => req.prompt_ids = completions(&req)?,
         Api::Chat => chat(&req)?,
         Api::Responses => req.previous_response_id = responses(&req)?,
+        Api::Messages => messages(&req)?,
     }
     Ok(req)
 }
@@ -236,6 +238,36 @@ fn chat(req: &ParsedRequest<'_>) -> Result<(), Rejection> {
     optional_shape(req, "add_generation_prompt", Kind::Bool)?;
     optional_shape(req, "continue_final_message", Kind::Bool)?;
     if messages.iter().any(has_media) {
+        return Err(Rejection::IncompleteIdentity(
+            "media content in `messages`".to_owned(),
+        ));
+    }
+    Ok(())
+}
+
+/// Anthropic's Messages: `messages` (a non-empty list of objects), an
+/// optional `system` (a string or a list of blocks) and `tools`. Image and
+/// document blocks carry media.
+fn messages(req: &ParsedRequest<'_>) -> Result<(), Rejection> {
+    let messages = match req.raw("messages") {
+        Some(raw) if kind(raw) == Kind::Array => serde_json::from_str::<Vec<Value>>(raw.get())
+            .map_err(|_| Rejection::bad("`messages` is not a list"))?,
+        _ => return Err(Rejection::bad("`messages` missing or not a list")),
+    };
+    if messages.is_empty() {
+        return Err(Rejection::bad("`messages` is empty"));
+    }
+    if messages.iter().any(|m| !m.is_object()) {
+        return Err(Rejection::bad("a message is not an object"));
+    }
+    let system = match req.raw("system") {
+        None => None,
+        Some(raw) if matches!(kind(raw), Kind::String | Kind::Array) => req.value("system"),
+        Some(_) => return Err(Rejection::bad("`system` has the wrong type")),
+    };
+    optional_shape(req, "tools", Kind::Array)?;
+    optional_shape(req, "chat_template_kwargs", Kind::Object)?;
+    if messages.iter().chain(system.as_ref()).any(has_media) {
         return Err(Rejection::IncompleteIdentity(
             "media content in `messages`".to_owned(),
         ));
@@ -417,6 +449,43 @@ mod tests {
         incomplete(
             Api::Responses,
             r#"{"model":"m","input":[{"role":"user","content":[{"type":"input_file","file_id":"f"}]}]}"#,
+        );
+    }
+
+    #[test]
+    fn messages_shapes() {
+        let r = ok(
+            Api::Messages,
+            r#"{"model":"m","max_tokens":8,"system":"be brief","messages":[{"role":"user","content":"hi"}],"cache_salt":"s1"}"#,
+        );
+        assert_eq!(r.cache_salt.as_deref(), Some("s1"));
+        assert_eq!(r.previous_response_id, None);
+        ok(
+            Api::Messages,
+            r#"{"model":"m","system":[{"type":"text","text":"x"}],"messages":[{"role":"user","content":[{"type":"text","text":"x"}]},{"role":"assistant","content":[{"type":"tool_use","id":"t1","name":"f","input":{}}]}],"tools":[{"name":"f","input_schema":{"type":"object"}}]}"#,
+        );
+        unparseable(Api::Messages, br#"{"model":"m"}"#);
+        unparseable(Api::Messages, br#"{"model":"m","messages":[]}"#);
+        unparseable(Api::Messages, br#"{"model":"m","messages":["hi"]}"#);
+        unparseable(
+            Api::Messages,
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"system":3}"#,
+        );
+        unparseable(
+            Api::Messages,
+            br#"{"model":"m","messages":[{"role":"user","content":"x"}],"tools":{}}"#,
+        );
+        incomplete(
+            Api::Messages,
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"image","source":{"type":"base64","media_type":"image/png","data":"AA=="}}]}]}"#,
+        );
+        incomplete(
+            Api::Messages,
+            r#"{"model":"m","messages":[{"role":"user","content":[{"type":"document","source":{"type":"text","data":"x"}}]}]}"#,
+        );
+        incomplete(
+            Api::Messages,
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"system":[{"type":"image","source":{}}]}"#,
         );
     }
 

@@ -29,7 +29,8 @@ pub fn request_body(
         TokenizerCall::Tokenize => {
             let fields = match req.api {
                 Api::Completions => COMPLETION_FIELDS,
-                Api::Chat | Api::Responses => CHAT_FIELDS,
+                // Messages bodies never come here (`Api::Messages`).
+                Api::Chat | Api::Responses | Api::Messages => CHAT_FIELDS,
             };
             object(
                 model,

@@ -79,6 +79,7 @@ impl IndexService {
             Ok(WireApi::Completions) => Api::Completions,
             Ok(WireApi::Chat) => Api::Chat,
             Ok(WireApi::Responses) => Api::Responses,
+            Ok(WireApi::Messages) => Api::Messages,
             Ok(WireApi::Unspecified) | Err(_) => {
                 return Err(Status::invalid_argument("a Pick with a body needs its api"));
             }

@@ -80,6 +80,9 @@ pub enum Api {
     Chat,
     /// `/v1/responses`: `input`, `instructions`.
     Responses,
+    /// `/v1/messages` (Anthropic's Messages): `system`, `messages`, `tools`,
+    /// converted to chat as vLLM converts it.
+    Messages,
 }
 
 /// Where a request's ids came from.
@@ -567,6 +570,22 @@ impl Tokenizers {
             &self.chat_render,
         )
         .await
+    }
+
+    /// The prompt length a healthy replica's `/v1/messages/count_tokens`
+    /// gives a Messages body: vLLM's own conversion, counted.
+    pub async fn replica_count_tokens(
+        &self,
+        replicas: &dyn Replicas,
+        model: &str,
+        body: &[u8],
+    ) -> Result<usize, TokenizeError> {
+        let Some(address) = self.replica_for(replicas, model) else {
+            return Err(TokenizeError::Unavailable(format!(
+                "no healthy replica serves {model:?}"
+            )));
+        };
+        replica::count_tokens(&self.client, address, body, self.config.replica_timeout).await
     }
 
     /// Whether replicas are still taken to serve the render endpoints (a

@@ -108,6 +108,20 @@ pub fn convert(
     Ok(object(chat))
 }
 
+/// Whether `body` converts the same under every chat template: no inline
+/// `system` message (appended to the leading one or kept in place by what
+/// the template accepts) and no `thinking: {"type": "disabled"}` (whose
+/// effort vLLM probes the template for).
+pub fn template_free(body: &Value) -> bool {
+    let inline_system = items(&get(body, "messages").unwrap_or_default())
+        .unwrap_or_default()
+        .iter()
+        .any(|m| str_of(m, "role") == "system");
+    let thinking_disabled =
+        get_some(body, "thinking").is_some_and(|t| str_of(&t, "type") == "disabled");
+    !inline_system && !thinking_disabled
+}
+
 /// `msg[key]` as a string (`""` when absent or not a string).
 fn str_of(v: &Value, key: &str) -> String {
     get(v, key)

@@ -142,6 +142,15 @@ impl MessagesRequest {
         crate::value::get_some(&self.body, "model").and_then(|m| m.as_str().map(str::to_owned))
     }
 
+    /// Whether this body converts the same under every chat template (no
+    /// inline `system` message, no `thinking: {"type": "disabled"}`): then
+    /// [`Self::to_chat`] with [`crate::MessagesConversion::default`] is
+    /// exact without the model's tokenizer, as a caller asking a replica's
+    /// `/tokenize` needs.
+    pub fn converts_without_template(&self) -> bool {
+        crate::messages::template_free(&self.body)
+    }
+
     /// The `/tokenize` chat body whose ids are this request's prompt ids,
     /// converted as a server deciding `conv` converts (see
     /// [`crate::Tokenizer::messages_conversion`]): for a caller without the

@@ -308,6 +308,7 @@ pub(super) fn wire_api(api: Api) -> WireApi {
         Api::Completions => WireApi::Completions,
         Api::Chat => WireApi::Chat,
         Api::Responses => WireApi::Responses,
+        Api::Messages => WireApi::Messages,
     }
 }
 

@@ -855,6 +855,34 @@ fn with_tokenize_at_indexd_one_pick_carries_the_body() {
 }
 
 #[test]
+fn a_messages_body_goes_to_indexd_in_its_pick_whatever_tokenize_at_says() {
+    const MESSAGES: &str = r#"{"model":"m","max_tokens":16,"system":"be brief","messages":[{"role":"user","content":"hi"}]}"#;
+    for extra in [r#""tokenize_at":"indexd""#, r#""tokenize_at":"cluster""#] {
+        let mut h = Harness::new(extra);
+        h.post("/v1/messages", MESSAGES);
+        assert!(
+            h.host.http_calls.is_empty(),
+            "{extra}: vLLM has no tokenizer endpoint for Messages"
+        );
+        let pick = h.pick_request();
+        assert_eq!(pick.body, MESSAGES.as_bytes(), "{extra}");
+        assert_eq!(pick.api, i32::from(WireApi::Messages), "{extra}");
+        assert!(pick.block_keys.is_empty());
+        h.index_answers(0, &answer(DecisionKind::Precise, &["10.0.0.9:8000"], None));
+        assert_eq!(h.flow.reason(), Some(Reason::Precise), "{extra}");
+        assert_eq!(h.override_header().as_deref(), Some("10.0.0.9:8000"));
+    }
+    // Counting tokens is not inference: not routed.
+    let mut h = Harness::new("");
+    assert_eq!(
+        h.headers("POST", "/v1/messages/count_tokens", &[], false),
+        Action::Continue
+    );
+    assert!(h.host.grpc_calls.is_empty());
+    assert_eq!(h.override_header(), None);
+}
+
+#[test]
 fn with_tokenize_at_indexd_an_untokenized_body_goes_on_unrouted() {
     let mut h = Harness::new(
         r#""tokenize_at":"indexd","breaker":{"failures":1,"window_ms":1000,"cooldown_ms":1000}"#,

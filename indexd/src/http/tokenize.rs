@@ -1,4 +1,5 @@
-//! vLLM-compatible `POST /tokenize` and `POST /v1/responses/render` on
+//! vLLM-compatible `POST /tokenize`, `POST /v1/responses/render` and
+//! `POST /v1/messages/count_tokens` (Anthropic's, with its error shape) on
 //! indexd's HTTP port: answered locally for a model whose gate is open,
 //! else passed to a healthy replica serving the model and its answer
 //! returned as it came. The `x-kvroute-tokenizer` response header says which
@@ -21,7 +22,7 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
-use kvroute_tokenizer::{ResponsesRequest, TokenizeRequest};
+use kvroute_tokenizer::{MessagesRequest, ResponsesRequest, TokenizeRequest};
 
 use crate::state::Shared;
 use crate::sync::read;
@@ -36,6 +37,7 @@ pub fn routes(shared: &Shared) -> Router<Arc<Shared>> {
     Router::new()
         .route("/tokenize", post(tokenize))
         .route("/v1/responses/render", post(render))
+        .route("/v1/messages/count_tokens", post(count_tokens))
         .layer(DefaultBodyLimit::max(limit))
         .layer(axum::middleware::from_fn(
             move |request: Request, next: Next| async move {
@@ -136,6 +138,43 @@ async fn tokenize(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: B
 
 async fn render(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
     admitted(&shared, Via::Render, &headers, Api::Responses, body).await
+}
+
+/// Anthropic's `count_tokens`: `{"input_tokens": n, …}`, errors in
+/// Anthropic's shape as vLLM answers them.
+async fn count_tokens(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let response = admitted(&shared, Via::Tokenize, &headers, Api::Messages, body).await;
+    anthropic_error(response).await
+}
+
+/// An error answer of indexd's own (vLLM's OpenAI error object) in the shape
+/// vLLM's Anthropic routes answer: `{"type": "error", "error": {"type",
+/// "message"}}`. A replica's answer, already in that shape, and a success
+/// pass as they are.
+async fn anthropic_error(response: Response) -> Response {
+    if response.status().is_success() {
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    let bytes = axum::body::to_bytes(body, 1 << 20)
+        .await
+        .unwrap_or_default();
+    let error = serde_json::from_slice::<serde_json::Value>(&bytes)
+        .ok()
+        .and_then(|v| v.get("error").cloned())
+        .filter(|e| e.get("code").is_some());
+    let Some(error) = error else {
+        return Response::from_parts(parts, axum::body::Body::from(bytes));
+    };
+    let body = serde_json::json!({
+        "type": "error",
+        "error": {"type": error.get("type"), "message": error.get("message")},
+    });
+    Response::from_parts(parts, axum::body::Body::from(body.to_string()))
 }
 
 /// Refuses a forwarded body and a body over the budget; serves the rest,
@@ -245,6 +284,16 @@ async fn serve_locally(
                 Api::Chat | Api::Completions => TokenizeRequest::from_json_within(&input, &caps)
                     .and_then(|r| tokenizer.tokenize_with(&r, &namespaced(r.cache_salt())))
                     .map(|r| serde_json::to_vec(&r)),
+                Api::Messages => MessagesRequest::from_json_within(&input, &caps)
+                    .map(MessagesRequest::for_count_tokens)
+                    .and_then(|r| tokenizer.tokenize_messages_with(&r, &namespaced(r.cache_salt())))
+                    .map(|t| {
+                        let n = t.ids.len();
+                        serde_json::to_vec(&serde_json::json!({
+                            "input_tokens": n,
+                            "context_management": {"original_input_tokens": n},
+                        }))
+                    }),
             }
         })
         .await;
@@ -290,6 +339,7 @@ async fn by_replica(shared: &Shared, api: Api, model: &str, body: &Bytes) -> Res
     let path = match api {
         Api::Responses => "/v1/responses/render",
         Api::Chat | Api::Completions => "/tokenize",
+        Api::Messages => "/v1/messages/count_tokens",
     };
     let timeout = tokenizers.config().replica_timeout;
     match replica::call(tokenizers.client(), target, path, body.to_vec(), timeout).await {

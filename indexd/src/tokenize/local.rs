@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use kvroute_tokenizer::{ResponsesRequest, TokenizeRequest, Tokenizer};
+use kvroute_tokenizer::{MessagesRequest, ResponsesRequest, TokenizeRequest, Tokenizer};
 
 use super::{Api, Cancel, TokenizeError};
 
@@ -66,7 +66,7 @@ impl Limits {
 /// The tokenizer's error as indexd's: what vLLM refuses is refused, a
 /// local refusal asks a replica, over a cap or the time budget is over
 /// budget.
-fn from_request_error(e: kvroute_tokenizer::RequestError) -> TokenizeError {
+pub(crate) fn from_request_error(e: kvroute_tokenizer::RequestError) -> TokenizeError {
     use kvroute_tokenizer::RequestError as E;
     match e {
         E::Cancelled => TokenizeError::Cancelled,
@@ -113,6 +113,15 @@ pub fn local_ids(
                 tokenizer.completion_tokens_with(&req, &budget)
             };
             (tokens.map_err(refused)?, salt)
+        }
+        Api::Messages => {
+            let req = MessagesRequest::from_json_within(body, &caps).map_err(refused)?;
+            let salt = valid_salt(req.cache_salt().map_err(refused)?)?;
+            let budget = limits.budget(tokenizer, salt.as_deref());
+            let tokens = tokenizer
+                .tokenize_messages_with(&req, &budget)
+                .map_err(refused)?;
+            (tokens, salt)
         }
         Api::Responses => {
             let req = ResponsesRequest::from_json_within(body, &caps).map_err(refused)?;

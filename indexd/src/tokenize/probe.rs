@@ -13,6 +13,11 @@
 //! without `--enable-auto-tool-choice`, a shorter `--max-model-len`), and a
 //! request a replica refuses is never served, so its ids misroute nothing.
 //! A round needs at least one agreeing probe to count as clean.
+//!
+//! Messages probes are compared twice: their ids with the replica's
+//! `/tokenize` of the chat body they convert to (the conversion's own
+//! template-free form), and their count with the replica's
+//! `/v1/messages/count_tokens`, which runs vLLM's own conversion.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -65,6 +70,20 @@ pub fn compare(
             b.len()
         )),
         (Err(e), Err(_)) => Verdict::Inconclusive(format!("local failed: {e}")),
+    }
+}
+
+/// Compares the local ids' count with a replica's `count_tokens`.
+pub fn compare_count(local: usize, replica: &Result<usize, TokenizeError>) -> Verdict {
+    match replica {
+        Ok(n) if *n == local => Verdict::Agree,
+        Ok(n) => Verdict::Mismatch(format!(
+            "local gave {local} ids, the replica's count_tokens {n}"
+        )),
+        Err(TokenizeError::Refused { .. }) => Verdict::Refused(format!(
+            "local gave {local} ids, the replica refused count_tokens"
+        )),
+        Err(e) => Verdict::Inconclusive(format!("count_tokens: {e}")),
     }
 }
 
@@ -133,6 +152,19 @@ pub fn probes(model: &str) -> Vec<(Api, String)> {
             format!(r#"{{"model":{m},"instructions":"Be brief.","input":"What is a KV cache?"}}"#),
         ),
         (
+            Api::Messages,
+            format!(
+                r#"{{"model":{m},"max_tokens":64,"system":[{{"type":"text","text":"You are terse. "}},{{"type":"text","text":"Cite files."}}],"messages":[{{"role":"user","content":{t}}},{{"role":"assistant","content":"Noted."}},{{"role":"user","content":[{{"type":"text","text":"And now?"}}]}}]}}"#,
+                t = serde_json::to_string(text).unwrap_or_default()
+            ),
+        ),
+        (
+            Api::Messages,
+            format!(
+                r#"{{"model":{m},"max_tokens":64,"messages":[{{"role":"user","content":"Weather in Paris?"}},{{"role":"assistant","content":[{{"type":"tool_use","id":"toolu_1","name":"get_weather","input":{{"city":"Paris"}}}}]}},{{"role":"user","content":[{{"type":"tool_result","tool_use_id":"toolu_1","content":"21 C"}},{{"type":"text","text":"Thanks."}}]}}],"tools":[{{"name":"get_weather","description":"Weather by city","input_schema":{{"type":"object","properties":{{"city":{{"type":"string"}}}},"required":["city"]}}}}]}}"#
+            ),
+        ),
+        (
             Api::Responses,
             format!(
                 r#"{{"model":{m},"input":[{{"role":"user","content":[{{"type":"input_text","text":"Weather?"}}]}},{{"type":"function_call","call_id":"c1","name":"get_weather","arguments":"{{\"city\":\"Oslo\"}}"}},{{"type":"function_call_output","call_id":"c1","output":"cold"}}],"tools":[{{"type":"function","name":"get_weather","parameters":{{"type":"object","properties":{{"city":{{"type":"string"}}}}}}}}]}}"#
@@ -161,7 +193,16 @@ pub async fn probe_round(replicas: &dyn Replicas, tokenizers: &Tokenizers, model
         let theirs = tokenizers
             .replica_ids(replicas, api, model, body.as_bytes())
             .await;
-        let verdict = compare(&mine, &theirs);
+        let mut verdict = compare(&mine, &theirs);
+        if api == Api::Messages
+            && verdict == Verdict::Agree
+            && let Ok(ids) = &mine
+        {
+            let counted = tokenizers
+                .replica_count_tokens(replicas, model, body.as_bytes())
+                .await;
+            verdict = compare_count(ids.len(), &counted);
+        }
         local.gate.count(false, &verdict);
         match verdict {
             Verdict::Agree => agreed += 1,

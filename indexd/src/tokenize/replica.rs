@@ -4,7 +4,9 @@
 //! without the render endpoints (`--enable-scale-out`); `/tokenize` for
 //! completions; `POST /v1/responses/render` for Responses bodies as they
 //! came (`/tokenize` refuses them, and rendering them as chat would miss the
-//! second BOS).
+//! second BOS); Messages bodies converted to chat first, as vLLM converts
+//! them, then `POST /tokenize` (vLLM serves no tokenizer endpoint for
+//! them).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -56,6 +58,7 @@ pub fn request(
 ) -> Result<(&'static str, Vec<u8>), TokenizeError> {
     let fields = match (api, endpoint) {
         (Api::Responses, _) => return Ok(("/v1/responses/render", with_model(model, body)?)),
+        (Api::Messages, _) => return Ok(("/tokenize", messages_as_chat(model, body)?)),
         (Api::Chat, Endpoint::Render) => {
             return Ok(("/v1/chat/completions/render", with_model(model, body)?));
         }
@@ -82,6 +85,28 @@ pub fn request(
     }
     out.push(b'}');
     Ok(("/tokenize", out))
+}
+
+/// A Messages body as the `/tokenize` chat body vLLM's conversion makes of
+/// it. Without the model's chat template, only a body that converts the
+/// same under every template can be converted (no inline `system` message,
+/// no `thinking` disabled); the others need indexd's own tokenizer.
+fn messages_as_chat(model: &str, body: &[u8]) -> Result<Vec<u8>, TokenizeError> {
+    use super::local::from_request_error;
+    let req = kvroute_tokenizer::MessagesRequest::from_json(body).map_err(from_request_error)?;
+    if !req.converts_without_template() {
+        return Err(TokenizeError::Unsupported(
+            "a Messages body with inline system messages or thinking disabled converts by what \
+             vLLM reads off the model's chat template: only indexd's own tokenizer of the model \
+             converts it"
+                .to_owned(),
+        ));
+    }
+    let chat = req
+        .to_chat(&kvroute_tokenizer::MessagesConversion::default())
+        .and_then(|c| c.to_json())
+        .map_err(from_request_error)?;
+    with_model(model, chat.as_bytes())
 }
 
 fn json_string(s: &str) -> Vec<u8> {
@@ -199,6 +224,37 @@ fn truncates(body: &[u8]) -> bool {
         .ok()
         .and_then(|t| t.truncate_prompt_tokens)
         .is_some_and(|v| v.get() != "null")
+}
+
+/// `input_tokens` of the replica's `POST /v1/messages/count_tokens` for a
+/// Messages body (vLLM's own conversion to chat, rendered and counted).
+pub async fn count_tokens(
+    client: &reqwest::Client,
+    address: SocketAddr,
+    body: &[u8],
+    timeout: Duration,
+) -> Result<usize, TokenizeError> {
+    #[derive(serde::Deserialize)]
+    struct Count {
+        input_tokens: usize,
+    }
+    let path = "/v1/messages/count_tokens";
+    let (status, answer) = call(client, address, path, body.to_vec(), timeout).await?;
+    match status {
+        200 => serde_json::from_slice::<Count>(&answer)
+            .map(|c| c.input_tokens)
+            .map_err(|e| {
+                TokenizeError::Unavailable(format!("{address}{path}: no input_tokens: {e}"))
+            }),
+        400..=499 if status != 408 && status != 429 => Err(TokenizeError::Refused {
+            status,
+            message: error_message(&answer),
+        }),
+        _ => Err(TokenizeError::Unavailable(format!(
+            "{address}{path} answered {status}: {}",
+            error_message(&answer)
+        ))),
+    }
 }
 
 /// The ids the replica at `address` computes for a body of `api`. A chat

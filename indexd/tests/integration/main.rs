@@ -17,9 +17,9 @@
 //! - `snapshot.rs`: a restart that loads the previous snapshot.
 //! - `kube_api.rs`, `kubernetes.rs`: Kubernetes discovery against a list/watch
 //!   stand-in.
-//! - `tokenize.rs`, `tokenize_hostile.rs`: Picks with request bodies, the
-//!   tokenizer endpoints and the exactness gate, under friendly and hostile
-//!   bodies.
+//! - `tokenize.rs`, `tokenize_hostile.rs`, `tokenize_messages.rs`: Picks
+//!   with request bodies, the tokenizer endpoints and the exactness gate,
+//!   under friendly and hostile bodies, and Anthropic Messages bodies.
 //! - `hybrid.rs`: hybrid models' real vLLM events.
 //! - `zmtp_faults.rs`: hostile and broken ZMTP peers.
 //! - `libzmq.rs`: interop with libzmq through pyzmq (`make test-vllm` runs it).
@@ -49,4 +49,5 @@ mod replay;
 mod snapshot;
 mod tokenize;
 mod tokenize_hostile;
+mod tokenize_messages;
 mod zmtp_faults;

@@ -18,7 +18,9 @@ use indexd::tokenize::{TokenizeConfig, TokenizerSpec};
 use indexd::{Config, Server};
 use kvroute_proto::v1::index_client::IndexClient;
 use kvroute_proto::v1::{Api, DecisionKind, Mode, PickRequest, PickResponse, TokenizerSource};
-use kvroute_tokenizer::{LoadOptions, ResponsesRequest, TokenizeRequest, Tokenizer};
+use kvroute_tokenizer::{
+    LoadOptions, MessagesRequest, ResponsesRequest, TokenizeRequest, Tokenizer,
+};
 use tokio_util::sync::CancellationToken;
 
 use crate::harness::eventually;
@@ -44,9 +46,9 @@ pub(super) fn model_dir() -> PathBuf {
 }
 
 /// A replica's tokenizer endpoints, answered by `tokenizer`; counts calls.
-struct Replica {
-    addr: std::net::SocketAddr,
-    calls: Arc<AtomicUsize>,
+pub(super) struct Replica {
+    pub(super) addr: std::net::SocketAddr,
+    pub(super) calls: Arc<AtomicUsize>,
 }
 
 #[derive(Clone)]
@@ -107,7 +109,29 @@ async fn replica_render(
     }
 }
 
-async fn start_replica(dir: &Path) -> Replica {
+/// vLLM's `/v1/messages/count_tokens`: the Messages prompt's length, or
+/// Anthropic's error object.
+async fn replica_count_tokens(
+    State(s): State<ReplicaState>,
+    body: Body,
+) -> (axum::http::StatusCode, String) {
+    s.calls.fetch_add(1, Ordering::Relaxed);
+    let counted = MessagesRequest::from_json(&body)
+        .map(MessagesRequest::for_count_tokens)
+        .and_then(|r| s.tokenizer.tokenize_messages(&r));
+    match counted {
+        Ok(ids) => (
+            axum::http::StatusCode::OK,
+            serde_json::json!({"input_tokens": ids.len()}).to_string(),
+        ),
+        Err(e) => (
+            axum::http::StatusCode::BAD_REQUEST,
+            serde_json::json!({"type": "error", "error": {"type": "BadRequestError", "message": e.to_string()}}).to_string(),
+        ),
+    }
+}
+
+pub(super) async fn start_replica(dir: &Path) -> Replica {
     start_replica_with(dir, false).await
 }
 
@@ -122,6 +146,7 @@ async fn start_replica_with(dir: &Path, refuse_tools: bool) -> Replica {
     let app = Router::new()
         .route("/tokenize", post(replica_tokenize))
         .route("/v1/responses/render", post(replica_render))
+        .route("/v1/messages/count_tokens", post(replica_count_tokens))
         .with_state(state);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -191,7 +216,7 @@ pub(super) async fn get(url: &str) -> String {
     reqwest::get(url).await.unwrap().text().await.unwrap()
 }
 
-async fn wait_for_gate(d: &Daemon, state: u8) {
+pub(super) async fn wait_for_gate(d: &Daemon, state: u8) {
     let want = format!("indexd_tokenizer_gate{{model=\"{MODEL}\"}} {state}");
     let url = format!("{}/metrics", d.http);
     eventually(&format!("gate {state}"), || {
@@ -217,7 +242,7 @@ pub(super) fn chat(content: &str) -> Vec<u8> {
     .into_bytes()
 }
 
-async fn pick_body(d: &mut Daemon, api: Api, body: Vec<u8>) -> PickResponse {
+pub(super) async fn pick_body(d: &mut Daemon, api: Api, body: Vec<u8>) -> PickResponse {
     d.client
         .pick(PickRequest {
             model: MODEL.into(),
@@ -254,7 +279,7 @@ async fn oversized_request_head(http: &str, length: usize) -> String {
 
 /// A replica and an indexd tokenizing `dir`'s model locally, its gate open,
 /// and the tokenizer to check their answers against.
-async fn gate_open(dir: &Path) -> (Replica, Daemon, Tokenizer) {
+pub(super) async fn gate_open(dir: &Path) -> (Replica, Daemon, Tokenizer) {
     let replica = start_replica(dir).await;
     let d = start_indexd(replica.addr, dir).await;
     wait_for_gate(&d, 1).await;

@@ -23,9 +23,11 @@ pub struct Outcome {
     pub decision: Option<String>,
     /// The data-parallel rank that served (mock only).
     pub rank: Option<String>,
-    /// `usage.prompt_tokens` (`input_tokens` for Responses).
+    /// `usage.prompt_tokens` (`input_tokens` for Responses; for Anthropic
+    /// Messages, `input_tokens` + `cache_read_input_tokens` +
+    /// `cache_creation_input_tokens`).
     pub prompt_tokens: u64,
-    /// `…tokens_details.cached_tokens`.
+    /// `…tokens_details.cached_tokens` (Messages: `cache_read_input_tokens`).
     pub cached_tokens: u64,
     /// The Responses API id, if any.
     pub response_id: Option<String>,
@@ -64,19 +66,30 @@ pub fn post_raw(
     let latency = started.elapsed();
     let doc: Value = serde_json::from_str(&response.body).unwrap_or(Value::Null);
     let usage = &doc["usage"];
-    let prompt_tokens = usage["prompt_tokens"]
-        .as_u64()
-        .or_else(|| usage["input_tokens"].as_u64())
-        .unwrap_or(0);
+    let count = |key: &str| usage[key].as_u64().unwrap_or(0);
+    // Anthropic's input_tokens leaves out what the cache served.
+    let anthropic = doc["type"] == "message";
+    let prompt_tokens = if anthropic {
+        count("input_tokens")
+            + count("cache_read_input_tokens")
+            + count("cache_creation_input_tokens")
+    } else {
+        usage["prompt_tokens"]
+            .as_u64()
+            .or_else(|| usage["input_tokens"].as_u64())
+            .unwrap_or(0)
+    };
     let cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .or_else(|| usage["input_tokens_details"]["cached_tokens"].as_u64())
+        .or_else(|| usage["cache_read_input_tokens"].as_u64())
         .unwrap_or(0);
     let text = doc["choices"][0]["message"]["content"]
         .as_str()
         .or_else(|| doc["choices"][0]["text"].as_str())
         .map(str::to_owned)
         .or_else(|| responses_text(&doc))
+        .or_else(|| messages_text(&doc))
         .unwrap_or_default();
     Ok(Outcome {
         status: response.status,
@@ -96,6 +109,18 @@ pub fn post_raw(
         latency,
         body: response.body,
     })
+}
+
+/// An Anthropic Messages answer's text blocks.
+fn messages_text(doc: &Value) -> Option<String> {
+    let content = doc["content"].as_array()?;
+    Some(
+        content
+            .iter()
+            .filter(|b| b["type"] == "text")
+            .filter_map(|b| b["text"].as_str())
+            .collect(),
+    )
 }
 
 fn responses_text(doc: &Value) -> Option<String> {

@@ -80,6 +80,11 @@ pub fn router(replica: Arc<Replica>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/responses", post(responses))
+        .route("/v1/messages", post(crate::messages::messages))
+        .route(
+            "/v1/messages/count_tokens",
+            post(crate::messages::count_tokens),
+        )
         .route("/v1/responses/{id}", get(get_response))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

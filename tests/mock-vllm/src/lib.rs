@@ -40,6 +40,7 @@ mod generate;
 pub mod groups;
 pub mod latency;
 pub mod layout;
+mod messages;
 mod metrics;
 mod openai;
 pub mod pool;

@@ -78,7 +78,7 @@ pub struct Prompt {
 impl Prompt {
     /// The engine job for this prompt, with the served model's name and the
     /// prompt length that the response reports.
-    fn into_job(self, cache_salt: Option<String>) -> (String, usize, Job) {
+    pub(crate) fn into_job(self, cache_salt: Option<String>) -> (String, usize, Job) {
         let name = self.model.name.clone();
         let len = self.ids.len();
         let job = Job {

@@ -107,3 +107,29 @@ fn a_missing_tool_use_id_is_stamped_with_the_time() {
     assert!(got.contains(r#"{"id": "call_1"#), "{got}");
     assert!(got.contains(r#""arguments": "{}""#), "{got}");
 }
+
+#[test]
+fn a_template_free_body_converts_alike_under_every_conversion() {
+    let other = MessagesConversion {
+        merge_inline_system: true,
+        disabled_thinking_effort: "low".to_owned(),
+    };
+    let free = [
+        r#"{"model": "m", "max_tokens": 9, "system": "s", "messages": [{"role": "user", "content": "u"}]}"#,
+        r#"{"model": "m", "max_tokens": 4096, "thinking": {"type": "enabled", "budget_tokens": 1024}, "messages": [{"role": "user", "content": "u"}]}"#,
+    ];
+    for body in free {
+        let parsed = crate::loads::parse(body.as_bytes()).unwrap();
+        assert!(template_free(&parsed), "{body}");
+        assert_eq!(ok(body), chat(body, &other).unwrap(), "{body}");
+    }
+    let bound = [
+        r#"{"model": "m", "max_tokens": 9, "system": "s", "messages": [{"role": "user", "content": "u"}, {"role": "system", "content": "s2"}, {"role": "user", "content": "v"}]}"#,
+        r#"{"model": "m", "max_tokens": 9, "thinking": {"type": "disabled"}, "messages": [{"role": "user", "content": "u"}]}"#,
+    ];
+    for body in bound {
+        let parsed = crate::loads::parse(body.as_bytes()).unwrap();
+        assert!(!template_free(&parsed), "{body}");
+        assert_ne!(ok(body), chat(body, &other).unwrap(), "{body}");
+    }
+}

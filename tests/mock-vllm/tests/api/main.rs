@@ -6,6 +6,7 @@ mod dp;
 mod faults;
 mod http;
 mod hybrid;
+mod messages;
 mod real_captures;
 mod support;
 mod wire;
