@@ -112,30 +112,15 @@ fn parse_message(
             format!("{at}: Input should be a valid dictionary"),
         ));
     }
+    if origin == Origin::Responses && get(msg, "role").is_some_and(|r| !is_str(&r)) {
+        // An item vLLM passes on by its `role` key alone: the template
+        // would get a role that is not a string.
+        return Err(RequestError::Unsupported(format!(
+            "{at}.role: a role that is not a string is not rendered locally"
+        )));
+    }
     let role = req_str(msg, "role", &format!("{at}.role"))?;
-    let content = get(msg, "content");
-    let parts = match &content {
-        None => Vec::new(),
-        Some(c) if c.is_none() => {
-            if origin == Origin::Chat && role != "assistant" {
-                return Err(RequestError::invalid(
-                    format!("{at}.content"),
-                    format!("{at}.content: Input should be a valid string or list"),
-                ));
-            }
-            Vec::new()
-        }
-        Some(c) if is_str(c) => vec![Part::Text(c.clone(), Map::new())],
-        Some(c) => match items(c) {
-            Some(list) => parse_parts(&list, origin, &format!("{at}.content"))?,
-            None => {
-                return Err(RequestError::invalid(
-                    format!("{at}.content"),
-                    format!("{at}.content: Input should be a valid string or list"),
-                ));
-            }
-        },
-    };
+    let parts = content_parts(msg, &role, origin, at)?;
     let parts = if role == "system" {
         strip_billing_header(parts)
     } else {
@@ -202,6 +187,44 @@ fn parse_message(
     Ok(object(m))
 }
 
+/// A message's content as parts.
+fn content_parts(
+    msg: &Value,
+    role: &str,
+    origin: Origin,
+    at: &str,
+) -> Result<Vec<Part>, RequestError> {
+    let content = get(msg, "content");
+    Ok(match &content {
+        None => Vec::new(),
+        Some(c) if c.is_none() => {
+            if origin == Origin::Chat && role != "assistant" {
+                return Err(RequestError::invalid(
+                    format!("{at}.content"),
+                    format!("{at}.content: Input should be a valid string or list"),
+                ));
+            }
+            Vec::new()
+        }
+        Some(c) if is_str(c) => vec![Part::Text(c.clone(), Map::new())],
+        // vLLM's chat parser iterates the content of an item the Responses
+        // conversion passes on unchecked: an object's keys are text parts.
+        Some(c) if origin == Origin::Responses && is_map(c) => {
+            let keys: Vec<Value> = entries(c).into_keys().collect();
+            parse_parts(&keys, origin, &format!("{at}.content"))?
+        }
+        Some(c) => match items(c) {
+            Some(list) => parse_parts(&list, origin, &format!("{at}.content"))?,
+            None => {
+                return Err(RequestError::invalid(
+                    format!("{at}.content"),
+                    format!("{at}.content: Input should be a valid string or list"),
+                ));
+            }
+        },
+    })
+}
+
 /// The texts of `parts` joined with newlines (one part's text is shared,
 /// not copied).
 fn texts_joined(parts: &[Part]) -> Value {
@@ -262,6 +285,13 @@ fn parse_parts(list: &[Value], origin: Origin, at: &str) -> Result<Vec<Part>, Re
             continue;
         }
         if !is_map(part) {
+            if origin == Origin::Responses {
+                // vLLM's chat parser asserts that a part is text or an
+                // object (a server error): a replica answers.
+                return Err(RequestError::Unsupported(format!(
+                    "{here}: a content part that is neither text nor an object, which vLLM's chat parser fails on"
+                )));
+            }
             return Err(RequestError::invalid(
                 &here,
                 format!("{here}: Input should be a valid dictionary"),

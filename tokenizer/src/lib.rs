@@ -9,11 +9,14 @@
 //!   [`MessagesRequest`]).
 //! - `chat`, `responses`, `messages`, `render`: vLLM's chat preprocessing,
 //!   its Responses → chat and Anthropic Messages → chat conversions, and
-//!   transformers' `apply_chat_template`.
+//!   transformers' `apply_chat_template`; `responses_input`: the validation
+//!   of Responses input items (the openai SDK's item types, as pydantic
+//!   checks them for vLLM).
 //! - `template`: chat templates as transformers' Jinja environment runs them
 //!   ([`ChatTemplate`], [`ContentFormat`]); `pystr`: Python 3.11's Unicode
 //!   string functions for them (`upper`, `lower`, `title`, `strip`, …), from
-//!   tables read off Python itself.
+//!   tables read off Python itself; `generation`: transformers'
+//!   `{% generation %}` tag as a scope.
 //! - `budget`: what one request may cost ([`Budget`], [`Caps`]) and the ids
 //!   it gets ([`Tokens`]): the `*_with` entry points of [`Tokenizer`].
 //! - `encode`, `split`, `segment`, `cache`, `pretok`: text → ids as
@@ -34,6 +37,7 @@ mod chat;
 mod clock;
 mod encode;
 mod error;
+mod generation;
 mod json;
 mod loads;
 mod messages;
@@ -43,6 +47,7 @@ mod protocol;
 mod pystr;
 mod render;
 mod responses;
+mod responses_input;
 mod segment;
 mod split;
 mod template;

@@ -2,6 +2,9 @@
 //! (`construct_input_messages` and `construct_tool_dicts` in
 //! `vllm/entrypoints/openai/responses/utils.py`):
 //!
+//! - a list `input` is first validated as vLLM validates it, and each item
+//!   read as the member of the item union pydantic makes of it
+//!   (`responses_input`): an output message TypedDict passes whole;
 //! - `instructions` becomes a first system message; a string `input` a user
 //!   message;
 //! - `function_call` (and `custom_tool_call`) items become assistant tool
@@ -19,8 +22,10 @@
 
 use minijinja::Value;
 
-use crate::chat::function_definition;
+use crate::chat::{Origin, function_definition, parse_messages};
 use crate::error::RequestError;
+use crate::responses_input::Reading;
+use crate::template::ContentFormat;
 use crate::value::{Map, entries, get, get_some, is_map, is_str, items, object, opt_str, s};
 
 /// The messages, tool dicts and continuation flag of a Responses request.
@@ -32,6 +37,9 @@ pub struct Converted {
     pub tools: Option<Value>,
     /// Whether the last input item is a partial assistant message.
     pub continue_final: bool,
+    /// The first message whose parts vLLM's chat parser refuses as it
+    /// reads them, and why.
+    pub late: Option<(usize, RequestError)>,
 }
 
 const CUSTOM_TOOL_INPUT_KEY: &str = "input";
@@ -53,12 +61,23 @@ pub fn convert(request: &Value) -> Result<Converted, RequestError> {
         messages.push(Msg::new(message("system", Some(s(&instructions)))));
     }
     let mut continue_final = false;
+    let mut late = None;
     if is_str(&input) {
         messages.push(Msg::new(message("user", Some(input.clone()))));
     } else {
-        let list = items(&input).ok_or_else(|| {
-            RequestError::invalid("input", "input: Input should be a valid string or list")
-        })?;
+        // vLLM lists another iterable `input` before validating it: an
+        // object becomes its keys (and `{}` an empty list).
+        let list = match items(&input) {
+            Some(list) => list,
+            None if is_map(&input) => entries(&input).into_keys().collect(),
+            None => {
+                return Err(RequestError::invalid(
+                    "input",
+                    "input: Input should be a valid string or list",
+                ));
+            }
+        };
+        crate::responses_input::check(&list)?;
         for (i, item) in list.iter().enumerate() {
             if !is_map(item) {
                 return Err(RequestError::invalid(
@@ -67,6 +86,11 @@ pub fn convert(request: &Value) -> Result<Converted, RequestError> {
                 ));
             }
             add_item(&mut messages, item, &format!("input.{i}"))?;
+            if late.is_none()
+                && let Some(e) = crate::responses_input::read_later(item, &format!("input.{i}"))
+            {
+                late = Some((messages.len().saturating_sub(1), e));
+            }
         }
         continue_final = list.last().is_some_and(is_partial);
     }
@@ -74,7 +98,27 @@ pub fn convert(request: &Value) -> Result<Converted, RequestError> {
         messages: messages.into_iter().map(Msg::into_value).collect(),
         tools: tools(request)?,
         continue_final,
+        late,
     })
+}
+
+/// The chat conversation of converted `messages`, parsed as vLLM's chat
+/// parser does, in order: a `late` failure (a message whose parts pydantic
+/// checks as the parser reads them) is the answer unless a message before it
+/// fails first.
+pub fn conversation(
+    messages: Vec<Value>,
+    late: Option<(usize, RequestError)>,
+    format: ContentFormat,
+) -> Result<Vec<Value>, RequestError> {
+    match late {
+        Some((at, e)) => {
+            let before: Vec<Value> = messages.into_iter().take(at).collect();
+            parse_messages(&Value::from(before), format, Origin::Responses)?;
+            Err(e)
+        }
+        None => parse_messages(&Value::from(messages), format, Origin::Responses),
+    }
 }
 
 fn message(role: &str, content: Option<Value>) -> Value {
@@ -203,7 +247,70 @@ fn prev_assistant(messages: &mut [Msg]) -> Option<&mut Msg> {
 
 fn add_item(messages: &mut Vec<Msg>, item: &Value, at: &str) -> Result<(), RequestError> {
     let kind = item_type(item);
-    let call = match kind.as_deref() {
+    let reading = crate::responses_input::reading(item);
+    match reading {
+        Reading::Raw | Reading::ModelParts => {}
+        Reading::Whole => {
+            messages.push(Msg::new(item.clone()));
+            return Ok(());
+        }
+        Reading::Refused => return Err(unsupported_type(kind.as_deref())),
+        Reading::Fails(why) => {
+            return Err(RequestError::Unsupported(format!(
+                "{at}: {why}, which vLLM's conversion fails on"
+            )));
+        }
+    }
+    if let Some(call) = call_of(item, kind.as_deref(), at)? {
+        let call = match prev_assistant(messages) {
+            Some(prev) => match prev.push_call(call) {
+                Ok(()) => return Ok(()),
+                Err(call) => call,
+            },
+            None => call,
+        };
+        let mut m = Msg::new(Value::from(()));
+        m.fields = Some(Map::new());
+        m.set_field("role", s("assistant"));
+        m.set_field("tool_calls", Value::from(()));
+        m.calls = Some(vec![call]);
+        messages.push(m);
+        return Ok(());
+    }
+    match kind.as_deref() {
+        Some("reasoning") => add_reasoning(messages, item),
+        Some("function_call_output" | "custom_tool_call_output") => {
+            let mut output = get(item, "output").unwrap_or(Value::from(()));
+            if reading == Reading::ModelParts {
+                // The parts reach vLLM's chat parser as models, which it
+                // takes for neither text nor objects.
+                output = Value::from(vec![Value::from(()); output.len().unwrap_or(0)]);
+            }
+            let mut m = Map::new();
+            m.insert(s("role"), s("tool"));
+            m.insert(s("content"), output);
+            m.insert(
+                s("tool_call_id"),
+                get(item, "call_id").unwrap_or(Value::from(())),
+            );
+            messages.push(Msg::new(object(m)));
+            Ok(())
+        }
+        _ if get(item, "role").as_ref().and_then(Value::as_str) == Some("assistant") => {
+            add_assistant(messages, item);
+            Ok(())
+        }
+        _ if get(item, "role").is_some() => {
+            messages.push(Msg::new(item.clone()));
+            Ok(())
+        }
+        other => Err(unsupported_type(other)),
+    }
+}
+
+/// The tool call a `function_call` or `custom_tool_call` item makes.
+fn call_of(item: &Value, kind: Option<&str>, at: &str) -> Result<Option<Value>, RequestError> {
+    Ok(match kind {
         Some("function_call") => {
             let mut name = crate::value::req_str(item, "name", &format!("{at}.name"))?;
             if let Some(ns) =
@@ -226,98 +333,71 @@ fn add_item(messages: &mut Vec<Msg>, item: &Value, at: &str) -> Result<(), Reque
             Some(tool_call(&id, &name, &args))
         }
         _ => None,
+    })
+}
+
+/// A reasoning item: the first content text, else the first summary text,
+/// as the reasoning of a directly preceding assistant message without one.
+fn add_reasoning(messages: &mut Vec<Msg>, item: &Value) -> Result<(), RequestError> {
+    if get_some(item, "encrypted_content").is_some_and(|e| e.is_true()) {
+        return Err(RequestError::invalid(
+            "input",
+            "Encrypted content is not supported.",
+        ));
+    }
+    let first_text = |key: &str| {
+        get_some(item, key)
+            .and_then(|c| items(&c))
+            .and_then(|l| l.first().cloned())
+            .and_then(|p| get_some(&p, "text"))
     };
-    if let Some(call) = call {
-        let call = match prev_assistant(messages) {
-            Some(prev) => match prev.push_call(call) {
-                Ok(()) => return Ok(()),
-                Err(call) => call,
-            },
-            None => call,
-        };
-        let mut m = Msg::new(Value::from(()));
-        m.fields = Some(Map::new());
-        m.set_field("role", s("assistant"));
-        m.set_field("tool_calls", Value::from(()));
-        m.calls = Some(vec![call]);
-        messages.push(m);
+    let reasoning = first_text("content")
+        .or_else(|| first_text("summary"))
+        .unwrap_or_else(|| s(""));
+    if let Some(prev) = prev_assistant(messages)
+        && prev.get_some("reasoning").is_none()
+    {
+        prev.set_field("reasoning", reasoning);
         return Ok(());
     }
-    match kind.as_deref() {
-        Some("reasoning") => {
-            if get_some(item, "encrypted_content").is_some_and(|e| e.is_true()) {
-                return Err(RequestError::invalid(
-                    "input",
-                    "Encrypted content is not supported.",
-                ));
-            }
-            let first_text = |key: &str| {
-                get_some(item, key)
-                    .and_then(|c| items(&c))
-                    .and_then(|l| l.first().cloned())
-                    .and_then(|p| get_some(&p, "text"))
-            };
-            let reasoning = first_text("content")
-                .or_else(|| first_text("summary"))
-                .unwrap_or_else(|| s(""));
+    let mut m = Map::new();
+    m.insert(s("role"), s("assistant"));
+    m.insert(s("reasoning"), reasoning);
+    messages.push(Msg::new(object(m)));
+    Ok(())
+}
+
+/// An assistant message read raw: its text (the content string, else the
+/// first part's text) as the content of a directly preceding assistant
+/// message without one; without text, the item itself.
+fn add_assistant(messages: &mut Vec<Msg>, item: &Value) {
+    let content = get(item, "content").unwrap_or_default();
+    let text = if is_str(&content) {
+        Some(content)
+    } else {
+        items(&content)
+            .and_then(|l| l.first().cloned())
+            .and_then(|p| get_some(&p, "text"))
+    };
+    match text {
+        Some(text) => {
             if let Some(prev) = prev_assistant(messages)
-                && prev.get_some("reasoning").is_none()
+                && prev.get_some("content").is_none()
             {
-                prev.set_field("reasoning", reasoning);
-                return Ok(());
+                prev.set_field("content", text);
+                return;
             }
-            let mut m = Map::new();
-            m.insert(s("role"), s("assistant"));
-            m.insert(s("reasoning"), reasoning);
-            messages.push(Msg::new(object(m)));
-            Ok(())
+            messages.push(Msg::new(message("assistant", Some(text))));
         }
-        Some("function_call_output" | "custom_tool_call_output") => {
-            let mut m = Map::new();
-            m.insert(s("role"), s("tool"));
-            m.insert(s("content"), get(item, "output").unwrap_or(Value::from(())));
-            m.insert(
-                s("tool_call_id"),
-                get(item, "call_id").unwrap_or(Value::from(())),
-            );
-            messages.push(Msg::new(object(m)));
-            Ok(())
-        }
-        _ if get(item, "role").as_ref().and_then(Value::as_str) == Some("assistant") => {
-            let content = get(item, "content").unwrap_or_default();
-            let text = if is_str(&content) {
-                Some(content)
-            } else {
-                items(&content)
-                    .and_then(|l| l.first().cloned())
-                    .and_then(|p| get_some(&p, "text"))
-            };
-            match text {
-                Some(text) => {
-                    if let Some(prev) = prev_assistant(messages)
-                        && prev.get_some("content").is_none()
-                    {
-                        prev.set_field("content", text);
-                        return Ok(());
-                    }
-                    messages.push(Msg::new(message("assistant", Some(text))));
-                    Ok(())
-                }
-                None => {
-                    messages.push(Msg::new(item.clone()));
-                    Ok(())
-                }
-            }
-        }
-        _ if get(item, "role").is_some() => {
-            messages.push(Msg::new(item.clone()));
-            Ok(())
-        }
-        other => Err(RequestError::invalid(
-            "input",
-            format!("Unsupported input item type: {}", other.unwrap_or("None")),
-        )),
+        None => messages.push(Msg::new(item.clone())),
     }
+}
+
+fn unsupported_type(kind: Option<&str>) -> RequestError {
+    RequestError::invalid(
+        "input",
+        format!("Unsupported input item type: {}", kind.unwrap_or("None")),
+    )
 }
 
 fn tool_call(id: &str, name: &str, arguments: &str) -> Value {
@@ -399,255 +479,4 @@ fn custom_tool_parameters() -> Value {
 }
 
 #[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing)]
-
-    use super::*;
-    use proptest::prelude::*;
-
-    /// The former conversion, which copied the tool-call list on every
-    /// merge: the reference the linear one must equal.
-    mod quadratic {
-        use super::super::*;
-
-        /// The last message if it is an assistant's (to merge into).
-        fn prev_assistant(messages: &mut [Value]) -> Option<&mut Value> {
-            messages
-                .last_mut()
-                .filter(|m| get(m, "role").as_ref().and_then(Value::as_str) == Some("assistant"))
-        }
-
-        fn set_field(msg: &mut Value, key: &str, v: Value) {
-            let mut e = entries(msg);
-            e.insert(s(key), v);
-            *msg = object(e);
-        }
-
-        pub fn add_item(
-            messages: &mut Vec<Value>,
-            item: &Value,
-            at: &str,
-        ) -> Result<(), RequestError> {
-            let kind = item_type(item);
-            let call = match kind.as_deref() {
-                Some("function_call") => {
-                    let mut name = crate::value::req_str(item, "name", &format!("{at}.name"))?;
-                    if let Some(ns) = opt_str(item, "namespace", &format!("{at}.namespace"))?
-                        .filter(|n| !n.is_empty())
-                    {
-                        name = format!("{ns}__{name}");
-                    }
-                    let args =
-                        crate::value::req_str(item, "arguments", &format!("{at}.arguments"))?;
-                    let id = crate::value::req_str(item, "call_id", &format!("{at}.call_id"))?;
-                    Some(tool_call(&id, &name, &args))
-                }
-                Some("custom_tool_call") => {
-                    let name = crate::value::req_str(item, "name", &format!("{at}.name"))?;
-                    let id = crate::value::req_str(item, "call_id", &format!("{at}.call_id"))?;
-                    let payload =
-                        opt_str(item, "input", &format!("{at}.input"))?.unwrap_or_default();
-                    let mut m = Map::new();
-                    m.insert(s(CUSTOM_TOOL_INPUT_KEY), s(&payload));
-                    let args = crate::json::dumps(&object(m), &crate::json::DumpOptions::default())
-                        .map_err(RequestError::message)?;
-                    Some(tool_call(&id, &name, &args))
-                }
-                _ => None,
-            };
-            if let Some(call) = call {
-                if let Some(prev) = prev_assistant(messages) {
-                    match get(prev, "tool_calls") {
-                        None => {
-                            set_field(prev, "tool_calls", Value::from(vec![call]));
-                            return Ok(());
-                        }
-                        Some(tc) => {
-                            if let Some(mut list) = items(&tc) {
-                                list.push(call);
-                                set_field(prev, "tool_calls", Value::from(list));
-                                return Ok(());
-                            }
-                        }
-                    }
-                }
-                let mut m = Map::new();
-                m.insert(s("role"), s("assistant"));
-                m.insert(s("tool_calls"), Value::from(vec![call]));
-                messages.push(object(m));
-                return Ok(());
-            }
-            match kind.as_deref() {
-                Some("reasoning") => {
-                    if get_some(item, "encrypted_content").is_some_and(|e| e.is_true()) {
-                        return Err(RequestError::invalid(
-                            "input",
-                            "Encrypted content is not supported.",
-                        ));
-                    }
-                    let first_text = |key: &str| {
-                        get_some(item, key)
-                            .and_then(|c| items(&c))
-                            .and_then(|l| l.first().cloned())
-                            .and_then(|p| get_some(&p, "text"))
-                    };
-                    let reasoning = first_text("content")
-                        .or_else(|| first_text("summary"))
-                        .unwrap_or_else(|| s(""));
-                    if let Some(prev) = prev_assistant(messages)
-                        && get_some(prev, "reasoning").is_none()
-                    {
-                        set_field(prev, "reasoning", reasoning);
-                        return Ok(());
-                    }
-                    let mut m = Map::new();
-                    m.insert(s("role"), s("assistant"));
-                    m.insert(s("reasoning"), reasoning);
-                    messages.push(object(m));
-                    Ok(())
-                }
-                Some("function_call_output" | "custom_tool_call_output") => {
-                    let mut m = Map::new();
-                    m.insert(s("role"), s("tool"));
-                    m.insert(s("content"), get(item, "output").unwrap_or(Value::from(())));
-                    m.insert(
-                        s("tool_call_id"),
-                        get(item, "call_id").unwrap_or(Value::from(())),
-                    );
-                    messages.push(object(m));
-                    Ok(())
-                }
-                _ if get(item, "role").as_ref().and_then(Value::as_str) == Some("assistant") => {
-                    let content = get(item, "content").unwrap_or_default();
-                    let text = if is_str(&content) {
-                        Some(content)
-                    } else {
-                        items(&content)
-                            .and_then(|l| l.first().cloned())
-                            .and_then(|p| get_some(&p, "text"))
-                    };
-                    match text {
-                        Some(text) => {
-                            if let Some(prev) = prev_assistant(messages)
-                                && get_some(prev, "content").is_none()
-                            {
-                                set_field(prev, "content", text);
-                                return Ok(());
-                            }
-                            messages.push(message("assistant", Some(text)));
-                            Ok(())
-                        }
-                        None => {
-                            messages.push(item.clone());
-                            Ok(())
-                        }
-                    }
-                }
-                _ if get(item, "role").is_some() => {
-                    messages.push(item.clone());
-                    Ok(())
-                }
-                other => Err(RequestError::invalid(
-                    "input",
-                    format!("Unsupported input item type: {}", other.unwrap_or("None")),
-                )),
-            }
-        }
-    }
-
-    fn body_of(items: &[serde_json::Value]) -> Value {
-        let body = serde_json::json!({"model": "m", "instructions": "be brief", "input": items});
-        crate::loads::parse(body.to_string().as_bytes()).unwrap()
-    }
-
-    /// The messages the former code built, as JSON text (key order kept).
-    fn quadratic_messages(body: &Value) -> Result<String, RequestError> {
-        let mut messages = vec![message("system", Some(s("be brief")))];
-        let list = items(&get(body, "input").unwrap()).unwrap();
-        for (i, item) in list.iter().enumerate() {
-            quadratic::add_item(&mut messages, item, &format!("input.{i}"))?;
-        }
-        dump(&messages)
-    }
-
-    fn dump(messages: &[Value]) -> Result<String, RequestError> {
-        crate::json::dumps(
-            &Value::from(messages.to_vec()),
-            &crate::json::DumpOptions::default(),
-        )
-        .map_err(RequestError::message)
-    }
-
-    fn linear_messages(body: &Value) -> Result<String, RequestError> {
-        dump(&convert(body)?.messages)
-    }
-
-    fn arb_item() -> impl Strategy<Value = serde_json::Value> {
-        use serde_json::json;
-        prop_oneof![
-            (0u8..3).prop_map(|i| json!({"type": "function_call", "call_id": format!("c{i}"), "name": "f", "arguments": "{\"a\": 1}"})),
-            Just(json!({"type": "function_call", "call_id": "n", "name": "g", "namespace": "ns", "arguments": ""})),
-            Just(json!({"type": "custom_tool_call", "call_id": "x", "name": "h", "input": "free text"})),
-            Just(json!({"type": "reasoning", "summary": [{"type": "summary_text", "text": "think"}]})),
-            Just(json!({"type": "reasoning", "content": [{"type": "reasoning_text", "text": "deep"}]})),
-            Just(json!({"type": "function_call_output", "call_id": "c0", "output": "42"})),
-            Just(json!({"role": "assistant", "content": "said"})),
-            Just(json!({"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "out"}]})),
-            Just(json!({"role": "assistant", "content": [{"type": "input_image"}]})),
-            Just(json!({"role": "assistant", "content": [], "tool_calls": "not a list"})),
-            Just(json!({"role": "assistant", "content": [], "tool_calls": null})),
-            Just(json!({"role": "assistant", "content": [], "tool_calls": [{"id": "t", "type": "function", "function": {"name": "f", "arguments": "{}"}}], "extra": 1})),
-            Just(json!({"role": "user", "content": "hi"})),
-            Just(json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "q"}]})),
-            Just(json!({"type": "bogus"})),
-            Just(json!({"type": "function_call", "call_id": 3, "name": "f", "arguments": "{}"})),
-        ]
-    }
-
-    proptest::proptest! {
-        #![proptest_config(ProptestConfig::with_cases(2_000))]
-        #[test]
-        fn equals_the_former_quadratic_conversion(
-            list in proptest::collection::vec(arb_item(), 0..24)
-        ) {
-            let body = body_of(&list);
-            proptest::prop_assert_eq!(linear_messages(&body), quadratic_messages(&body));
-        }
-    }
-
-    #[test]
-    fn merges_a_run_of_calls_into_one_assistant_message() {
-        let list: Vec<serde_json::Value> = (0..3)
-            .map(|i| serde_json::json!({"type": "function_call", "call_id": format!("c{i}"), "name": "f", "arguments": "{}"}))
-            .collect();
-        let got = linear_messages(&body_of(&list)).unwrap();
-        assert_eq!(
-            got,
-            r#"[{"role": "system", "content": "be brief"}, {"role": "assistant", "tool_calls": [{"id": "c0", "function": {"name": "f", "arguments": "{}"}, "type": "function"}, {"id": "c1", "function": {"name": "f", "arguments": "{}"}, "type": "function"}, {"id": "c2", "function": {"name": "f", "arguments": "{}"}, "type": "function"}]}]"#
-        );
-    }
-
-    /// 64k calls in a row (42 s when each merge copied the list so far):
-    /// one message holding all of them, built in one pass.
-    #[test]
-    fn sixty_four_thousand_calls_convert() {
-        let n = 65_536;
-        let mut text = String::from(r#"{"input": [{"role": "user", "content": "go"}"#);
-        for i in 0..n {
-            text.push_str(&format!(
-                r#", {{"type": "function_call", "call_id": "c{i}", "name": "f", "arguments": "{{}}"}}"#
-            ));
-        }
-        text.push_str("]}");
-        let body = crate::loads::parse(text.as_bytes()).unwrap();
-        let converted = convert(&body).unwrap();
-        assert_eq!(converted.messages.len(), 2);
-        let calls = get(&converted.messages[1], "tool_calls").unwrap();
-        assert_eq!(calls.len(), Some(n));
-        let last = calls.get_item(&Value::from(n - 1)).unwrap();
-        assert_eq!(
-            get(&last, "id").unwrap().as_str(),
-            Some(format!("c{}", n - 1).as_str())
-        );
-    }
-}
+mod tests;

@@ -2,7 +2,8 @@
 //! `trim_blocks`, `lstrip_blocks` and loop controls; `tojson` being Python's
 //! `json.dumps(…, ensure_ascii=False)` with `indent`, `separators` and
 //! `sort_keys`; `raise_exception` and `strftime_now`; Python's string methods
-//! (minijinja-contrib's pycompat); values printed as Python prints them.
+//! (minijinja-contrib's pycompat); values printed as Python prints them;
+//! transformers' `{% generation %}` tag (`generation`).
 //! Also vLLM's detection of the template's content format.
 
 use std::sync::{Arc, LazyLock};
@@ -12,6 +13,7 @@ use minijinja::{Environment, Error as JinjaError, ErrorKind, State, UndefinedBeh
 use regex::Regex;
 
 use crate::error::{InexactKind, RequestError};
+use crate::generation;
 use crate::json::{DumpOptions, dumps, py_str};
 use crate::pystr;
 
@@ -88,7 +90,7 @@ impl ChatTemplate {
         });
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
-        let owned: String = source.to_owned();
+        let owned: String = generation::rewrite(source)?.into_owned();
         env.add_template_owned(NAME, owned)
             .map_err(|e| e.to_string())?;
         Ok(Self {

@@ -7,7 +7,6 @@ use minijinja::Value;
 
 use super::{Tokenizer, check_request_caps};
 use crate::budget::{Budget, Caps, Tokens};
-use crate::chat::{Origin, parse_messages};
 use crate::encode::Truncation;
 use crate::error::{Cap, RequestError};
 use crate::protocol::{RenderResponse, ResponsesRequest, SamplingParams};
@@ -74,11 +73,8 @@ impl Tokenizer {
         }
         let template = self.pick_template(None, kwargs.as_ref(), converted.tools.is_some())?;
         budget.check()?;
-        let conversation = parse_messages(
-            &Value::from(converted.messages),
-            template.format,
-            Origin::Responses,
-        )?;
+        let conversation =
+            crate::responses::conversation(converted.messages, converted.late, template.format)?;
         let effort = get_some(body, "reasoning").and_then(|r| get_some(&r, "effort"));
         let mut extra = Vec::new();
         if let Some(e) = &effort {

@@ -19,6 +19,7 @@ import time
 from collections import deque
 
 import jinja2
+import jinja2.ext
 import jinja2.meta
 import jinja2.nodes
 import jinja2.sandbox
@@ -612,6 +613,18 @@ def messages_ids(tok, fmt, body, template=None):
 HF_BASE_PARAMS = frozenset(inspect.signature(PythonBackend.apply_chat_template).parameters)
 
 
+class AssistantTracker(jinja2.ext.Extension):
+    """The `{% generation %}` tag as vLLM parses templates for their
+    variables (renderers/hf.py): transformers' extension, parse only."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_generation_support"), [], [], body).set_lineno(lineno)
+
+
 def render(tok, conversation, tools, request_kwargs, add_generation_prompt, continue_final, template=None):
     template = template or tok.chat_template
     kw = {"tools": tools, "tokenize": False}
@@ -624,7 +637,7 @@ def render(tok, conversation, tools, request_kwargs, add_generation_prompt, cont
             '"developer"' not in template and "'developer'" not in template:
         conversation = developer_to_system(conversation)
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
+                                                       extensions=[AssistantTracker, jinja2.ext.loopcontrols])
     template_vars = jinja2.meta.find_undeclared_variables(env.parse(template))
     accepted = (template_vars | HF_BASE_PARAMS) - {"chat_template", "tokenize"}
     kw = {k: v for k, v in kw.items() if k in accepted}

@@ -12,7 +12,9 @@ most likely to differ from vLLM 0.32 (deterministic per seed):
 - Python's Unicode case mapping and whitespace (`upper`, `lower`, `title`,
   `capitalize`, `trim`, `.strip()`, `.split()` in request-supplied chat
   templates) on text chosen where Python 3.11 and other Unicode tables or
-  definitions of whitespace disagree.
+  definitions of whitespace disagree;
+- transformers' `{% generation %}` blocks (a Qwen3-style template with the
+  assistant turn in one), under every whitespace control of the tags.
 
 Each line: {"id", "endpoint": "tokenize" | "render" | "chat_render",
 "kind", "may_fall_back", "body": ...} with "body" last and written raw (it
@@ -81,6 +83,118 @@ TEMPLATES = [
 ]
 
 TOOL_NAMES = ["get_weather", "search", "read_file"]
+
+# A Qwen3-style chat template whose assistant turn sits in transformers'
+# `{% generation %}` block (its AssistantTracker extension), which marks a
+# span and changes no text. The block is a scope of its own: `content` and
+# `reasoning_content` set inside it do not reach the line after it, while
+# the namespace's counter does. String literals and comments name the tags
+# too, which stay text.
+GENERATION_TEMPLATE = """{%- set tag_text = '{% generation %} and {% endgeneration %}' %}
+{#- {% generation %} in a comment #}
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1, turns=0) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role + '\\n' }}
+        @OPEN@
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}
+            {{- '<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+        {%- else %}
+            {{- content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>' }}
+        {%- set ns.turns = ns.turns + 1 %}
+        @CLOSE@
+        {{- '\\n' }}
+        {{- '<!-- ' ~ (content | length) ~ ' ' ~ (reasoning_content is defined) ~ ' -->\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{{- '<!-- turns ' ~ ns.turns ~ ' -->' }}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+# The generation tags with each whitespace control: none (the environment's
+# trim_blocks and lstrip_blocks alone), `-` before, `-` on both sides, `+`
+# (whitespace kept), and inline in text.
+GENERATION_TAGS = [
+    ("{% generation %}", "{% endgeneration %}"),
+    ("{%- generation %}", "{%- endgeneration %}"),
+    ("{%- generation -%}", "{%- endgeneration -%}"),
+    ("{%+ generation +%}\n", "{%+ endgeneration +%}\n"),
+    ("{%- generation: -%}\n   [", "]\n  {%generation%}{%endgeneration%}  {% endgeneration %}"),
+]
+GENERATION_TEMPLATES = [GENERATION_TEMPLATE.replace("@OPEN@", o).replace("@CLOSE@", c)
+                        for o, c in GENERATION_TAGS]
 
 
 class Raw:
@@ -157,6 +271,36 @@ def unicode_chat(rng):
     return {"messages": msgs, "chat_template": template}, may
 
 
+def generation_chat(rng, template):
+    msgs = []
+    if rng.random() < 0.6:
+        msgs.append({"role": "system", "content": "be brief"})
+    for turn in range(rng.randint(1, 3)):
+        msgs.append({"role": "user", "content": rng.choice(["hi", "what is the weather?", " spaced \n text "])})
+        reply = {"role": "assistant", "content": rng.choice([
+            "fine", "<think>\nlet me see\n</think>\n\nsunny", "", "  two\n\nlines  "])}
+        if rng.random() < 0.3:
+            reply["reasoning"] = rng.choice(["thought", "\nstep\n"])
+        if rng.random() < 0.3:
+            reply["tool_calls"] = [{"id": f"call_{turn}", "type": "function", "function": {
+                "name": rng.choice(TOOL_NAMES), "arguments": rng.choice(['{"city": "Paris"}', "{}"])}}]
+            msgs.append(reply)
+            msgs.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": "22C"})
+        else:
+            msgs.append(reply)
+    body = {"messages": msgs, "chat_template": template}
+    if rng.random() < 0.3:
+        body["tools"] = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+                         for n in TOOL_NAMES[:2]]
+        body["tool_choice"] = "none"
+    if rng.random() < 0.2:
+        body["chat_template_kwargs"] = {"enable_thinking": False}
+    if rng.random() < 0.15 and msgs[-1]["role"] == "assistant" and msgs[-1]["content"]:
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
+    return body
+
+
 def truncating_chat(rng):
     msgs = [{"role": "user", "content": unicode_text(rng) + " and some ordinary words to cut"}]
     body = {"messages": msgs, "truncate_prompt_tokens": rng.choice([1, 3, 8, 100000, -1, None])}
@@ -213,6 +357,12 @@ def main():
                 endpoint = rng.choice(["tokenize", "chat_render"])
                 may = endpoint == "chat_render" and body["truncate_prompt_tokens"] is not None
                 put(endpoint, "truncate", may, body)
+        # Generation tags, last (the requests above keep their ids).
+        grng = random.Random(a.seed)
+        for template in GENERATION_TEMPLATES:
+            for _ in range(8):
+                put(grng.choice(["tokenize", "chat_render"]), "generation", False,
+                    generation_chat(grng, template))
 
 
 if __name__ == "__main__":
