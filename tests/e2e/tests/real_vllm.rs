@@ -311,6 +311,53 @@ fn real_vllm_end_to_end() {
         previous = Some(out.response_id.clone().expect("a response id"));
     }
 
+    // Anthropic Messages: an agent loop of tool_use → tool_result turns, each
+    // continuation warm by vLLM's own cache_read_input_tokens (no `tools`:
+    // these replicas run without --enable-auto-tool-choice, and refuse them).
+    let mut turns = vec![json!({ "role": "user", "content": filler(800, 300) })];
+    let body = |turns: &[Value]| {
+        json!({ "model": model, "max_tokens": 2, "system": filler(801, 60), "messages": turns })
+    };
+    let mut last = send(&stack, "/v1/messages", &body(&turns));
+    for step in 1..4u64 {
+        let id = format!("toolu_{step}");
+        turns.push(json!({ "role": "assistant", "content": [
+            { "type": "text", "text": "Running it." },
+            { "type": "tool_use", "id": id, "name": "run", "input": { "cmd": "ls" } },
+        ] }));
+        turns.push(json!({ "role": "user", "content": [
+            { "type": "tool_result", "tool_use_id": id, "content": filler(810 + step, 40) },
+        ] }));
+        let next = send(&stack, "/v1/messages", &body(&turns));
+        assert_warm(&last, &next, &format!("messages step {step}"));
+        last = next;
+    }
+    // indexd's count_tokens is vLLM's.
+    let counted = |url: String| {
+        let r = http::post(
+            &url,
+            &[("content-type", "application/json")],
+            body(&turns).to_string().as_bytes(),
+            WAIT,
+        )
+        .unwrap();
+        assert_eq!(r.status, 200, "{url}: {}", r.body);
+        serde_json::from_str::<Value>(&r.body).unwrap()["input_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(
+        counted(format!(
+            "http://{}/v1/messages/count_tokens",
+            stack.indexd_http().unwrap()
+        )),
+        counted(format!(
+            "http://{}/v1/messages/count_tokens",
+            stack.replica_addresses()[0]
+        )),
+        "count_tokens"
+    );
+
     // The salt gate: A, B, B → 0, 0, hit.
     let messages = vec![message("user", &filler(900, 300))];
     let a = send(
