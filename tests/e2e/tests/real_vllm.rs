@@ -315,9 +315,7 @@ fn real_vllm_end_to_end() {
     // continuation warm by vLLM's own cache_read_input_tokens (no `tools`:
     // these replicas run without --enable-auto-tool-choice, and refuse them).
     let mut turns = vec![json!({ "role": "user", "content": filler(800, 300) })];
-    let body = |turns: &[Value]| {
-        json!({ "model": model, "max_tokens": 2, "system": filler(801, 60), "messages": turns })
-    };
+    let body = |turns: &[Value]| json!({ "model": model, "max_tokens": 2, "system": filler(801, 60), "messages": turns });
     let mut last = send(&stack, "/v1/messages", &body(&turns));
     for step in 1..4u64 {
         let id = format!("toolu_{step}");
