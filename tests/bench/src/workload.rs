@@ -118,6 +118,9 @@ pub enum Api {
     Chat,
     /// `/v1/responses` with the full history as input items.
     Responses,
+    /// `/v1/messages` (Anthropic's Messages): the system prompt apart, tool
+    /// calls as `tool_use` blocks and their results as `tool_result` blocks.
+    Messages,
 }
 
 /// What the client adds after a reply before the next request.
