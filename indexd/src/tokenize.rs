@@ -510,6 +510,11 @@ impl Tokenizers {
         let Some(_slot) = local.gate.take_shadow_slot() else {
             return (mine.ids, Source::Local);
         };
+        if api == Api::Messages {
+            return self
+                .shadow_counted(replicas, local, model, body, mine)
+                .await;
+        }
         let mut theirs = self.timed_replica_ids(replicas, api, model, body).await;
         if mine.truncated
             && let Ok(full) = &mut theirs
@@ -531,6 +536,37 @@ impl Tokenizers {
             }
             _ => (ids, Source::Local),
         }
+    }
+
+    /// A Messages body's shadow check: its length against the replica's
+    /// `/v1/messages/count_tokens`, which runs vLLM's own conversion (there
+    /// is no vLLM endpoint for a Messages body's ids). A difference answers
+    /// this request without ids (routed by load), and counts toward the gate
+    /// as any live mismatch does.
+    async fn shadow_counted(
+        &self,
+        replicas: &dyn Replicas,
+        local: &LocalModel,
+        model: &str,
+        body: &[u8],
+        mine: LocalIds,
+    ) -> (Vec<u32>, Source) {
+        let verdict = if mine.truncated {
+            probe::Verdict::Inconclusive("the local ids stopped at the Pick's token cap".to_owned())
+        } else {
+            let started = Instant::now();
+            let counted = self.replica_count_tokens(replicas, model, body).await;
+            self.metrics.replica_latency.observe(started.elapsed());
+            probe::compare_count(mine.ids.len(), &counted)
+        };
+        local.gate.count(true, &verdict);
+        if let probe::Verdict::Mismatch(why) = verdict {
+            local
+                .gate
+                .shadow_mismatch(body_hash(body), &why, Instant::now());
+            return (Vec::new(), Source::Replica);
+        }
+        (mine.ids, Source::Local)
     }
 
     /// [`Tokenizers::replica_ids`], timed.

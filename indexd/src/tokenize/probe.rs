@@ -49,6 +49,11 @@ pub fn compare(
 ) -> Verdict {
     match (local, replica) {
         (_, Err(TokenizeError::Unavailable(why))) => Verdict::Inconclusive(why.clone()),
+        // indexd could not ask the replica (a Messages body that needs the
+        // model's template, with none here): nothing was compared.
+        (_, Err(TokenizeError::Unsupported(why))) => {
+            Verdict::Inconclusive(format!("not asked of a replica: {why}"))
+        }
         (Err(TokenizeError::Cancelled), _) | (_, Err(TokenizeError::Cancelled)) => {
             Verdict::Inconclusive("cancelled".to_owned())
         }

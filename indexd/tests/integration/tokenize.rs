@@ -49,6 +49,9 @@ pub(super) fn model_dir() -> PathBuf {
 pub(super) struct Replica {
     pub(super) addr: std::net::SocketAddr,
     pub(super) calls: Arc<AtomicUsize>,
+    /// Added to every `count_tokens` answer (a replica that counts
+    /// differently from this tokenizer).
+    pub(super) count_skew: Arc<AtomicUsize>,
 }
 
 #[derive(Clone)]
@@ -58,6 +61,7 @@ struct ReplicaState {
     /// Refuse requests with tools, as vLLM does without
     /// `--enable-auto-tool-choice`.
     refuse_tools: bool,
+    count_skew: Arc<AtomicUsize>,
 }
 
 /// vLLM's answer to tools when auto tool choice is off.
@@ -122,7 +126,8 @@ async fn replica_count_tokens(
     match counted {
         Ok(ids) => (
             axum::http::StatusCode::OK,
-            serde_json::json!({"input_tokens": ids.len()}).to_string(),
+            serde_json::json!({"input_tokens": ids.len() + s.count_skew.load(Ordering::Relaxed)})
+                .to_string(),
         ),
         Err(e) => (
             axum::http::StatusCode::BAD_REQUEST,
@@ -138,10 +143,12 @@ pub(super) async fn start_replica(dir: &Path) -> Replica {
 async fn start_replica_with(dir: &Path, refuse_tools: bool) -> Replica {
     let tokenizer = Arc::new(Tokenizer::load(dir, MODEL, LoadOptions::default()).unwrap());
     let calls = Arc::new(AtomicUsize::new(0));
+    let count_skew = Arc::new(AtomicUsize::new(0));
     let state = ReplicaState {
         tokenizer,
         calls: calls.clone(),
         refuse_tools,
+        count_skew: count_skew.clone(),
     };
     let app = Router::new()
         .route("/tokenize", post(replica_tokenize))
@@ -151,7 +158,11 @@ async fn start_replica_with(dir: &Path, refuse_tools: bool) -> Replica {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await });
-    Replica { addr, calls }
+    Replica {
+        addr,
+        calls,
+        count_skew,
+    }
 }
 
 /// An indexd in this process, stopped on drop.

@@ -143,3 +143,40 @@ async fn without_a_local_tokenizer_only_template_free_messages_are_tokenized() {
     assert_eq!(a.decision, DecisionKind::Untokenized as i32, "{a:?}");
     assert!(a.reason.contains("chat template"), "{}", a.reason);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_messages_body_counted_otherwise_falls_back_alone() {
+    let dir = model_dir();
+    let (replica, mut d, _truth) = gate_open(&dir).await;
+    // From now on the replica's count_tokens is one more than indexd's ids:
+    // the shadow check of the next live Messages body finds it.
+    replica.count_skew.store(1, Ordering::Relaxed);
+    let series = |result: &str| {
+        format!(
+            "indexd_tokenizer_checks_total{{model=\"{MODEL}\",kind=\"shadow\",result=\"{result}\"}} 1"
+        )
+    };
+    let mut fell_back = None;
+    for i in 0..40 {
+        let a = pick_body(&mut d, Api::Messages, tool_loop(&format!("Variant {i}."))).await;
+        if get(&format!("{}/metrics", d.http))
+            .await
+            .contains(&series("mismatch"))
+        {
+            fell_back = Some(a);
+            break;
+        }
+        // One shadow check a second: wait for the next slot.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let a = fell_back.expect("a shadow check of a Messages body within 40 Picks");
+    assert_eq!(a.tokenizer, TokenizerSource::Replica as i32, "{a:?}");
+    assert_eq!(a.prompt_tokens, 0, "no ids: routed by load");
+    assert_ne!(a.decision, DecisionKind::Untokenized as i32);
+    // One body does not close the gate.
+    let metrics = get(&format!("{}/metrics", d.http)).await;
+    assert!(
+        metrics.contains(&format!("indexd_tokenizer_gate{{model=\"{MODEL}\"}} 1")),
+        "{metrics}"
+    );
+}
