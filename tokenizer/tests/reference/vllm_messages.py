@@ -13,6 +13,15 @@ response_format), or both refuse. With model directories, vLLM's
 Run with the vLLM venv's python:
 
     python vllm_messages.py REQUESTS.jsonl [MODEL_DIR ...]
+
+With `REQUESTS.jsonl --emit MODEL_DIR OUT.jsonl` it writes instead, for every body, the
+`/tokenize` request of the chat vLLM converts it to for that model (the
+inline-system merge as vLLM detects it on the model's template), for a live
+vLLM to tokenize: {"id", "tokenize"}, or {"id", "error"} where vLLM refuses
+the body. Bodies whose conversion sets `reasoning_effort` (output effort,
+thinking disabled: the chat completion hands it to the template, which
+`/tokenize` does not), or stamps a tool_use id with the clock, are left
+out: {"id", "skipped"}.
 """
 import json
 import os
@@ -114,7 +123,43 @@ def main(requests, *model_dirs):
     sys.exit(1 if wrong or not bodies else 0)
 
 
+def emit(requests, model_dir, out):
+    with open(os.path.join(model_dir, "chat_template.jinja"), encoding="utf-8") as f:
+        merge = AnthropicServingMessages._detect_merge_inline_system(f.read())
+    with open(requests, encoding="utf-8") as f, open(out, "w", encoding="utf-8") as o:
+        for line in f:
+            req = json.loads(line)
+            if req["endpoint"] != "messages":
+                continue
+            rec = {"id": req["id"]}
+            try:
+                body = AnthropicMessagesRequest.model_validate(req["body"])
+                chat = AnthropicServingMessages.to_chat_completion_request(
+                    body, merge_inline_system=merge, disabled_thinking_effort="none")
+            except Exception as e:  # noqa: BLE001 - vLLM answers these with an error
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                o.write(json.dumps(rec) + "\n")
+                continue
+            if chat.reasoning_effort is not None:
+                rec["skipped"] = "reasoning_effort"
+            elif STAMPED.search(json.dumps(chat.messages)):
+                # A tool_use without an id gets call_<unix seconds>: the
+                # clock of the conversion, not the body, decides its ids.
+                rec["skipped"] = "stamped tool id"
+            else:
+                tok = {"model": "test", "messages": chat.messages}
+                if chat.tools is not None:
+                    tok["tools"] = [t.model_dump() for t in chat.tools]
+                if chat.chat_template_kwargs is not None:
+                    tok["chat_template_kwargs"] = chat.chat_template_kwargs
+                rec["tokenize"] = tok
+            o.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         sys.exit(__doc__)
-    main(*sys.argv[1:])
+    if len(sys.argv) == 5 and sys.argv[2] == "--emit":
+        emit(sys.argv[1], sys.argv[3], sys.argv[4])
+    else:
+        main(*sys.argv[1:])
