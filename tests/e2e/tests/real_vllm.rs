@@ -195,6 +195,93 @@ fn report_tokenizer_paths(stack: &Stack, model: &str) {
     );
 }
 
+/// The tokenizer's generated Messages bodies (tokenizer/tests/reference/
+/// gen_requests.py --messages): indexd's `/v1/messages/count_tokens`, its
+/// native tokenizer, against vLLM's own on a replica, for every body. A
+/// body a replica refuses for its serving flags alone (tools without
+/// `--enable-auto-tool-choice`) is left out; every other count must be
+/// equal, and every other refusal mutual.
+fn messages_counts_match(stack: &Stack, model: &str) {
+    let scratch = tempfile::tempdir().unwrap();
+    let requests = scratch.path().join("messages.jsonl");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tokenizer/tests/reference/gen_requests.py");
+    let status = std::process::Command::new(kvroute_e2e::vllm::venv().join("bin/python"))
+        .arg(&script)
+        .arg(&requests)
+        .args([
+            "--count",
+            "0",
+            "--long",
+            "0",
+            "--messages",
+            "2600",
+            "--seed",
+            "13",
+        ])
+        .status()
+        .unwrap();
+    assert!(status.success(), "gen_requests.py");
+    let text = std::fs::read_to_string(&requests).unwrap();
+    let indexd = format!(
+        "http://{}/v1/messages/count_tokens",
+        stack.indexd_http().unwrap()
+    );
+    let replica = format!(
+        "http://{}/v1/messages/count_tokens",
+        stack.replica_addresses()[0]
+    );
+    let count = |url: &str, body: &str| {
+        let r = http::post(
+            url,
+            &[("content-type", "application/json")],
+            body.as_bytes(),
+            WAIT,
+        )
+        .unwrap();
+        let v: Value = serde_json::from_str(&r.body).unwrap_or(Value::Null);
+        (r.status, v["input_tokens"].as_u64(), r.body)
+    };
+    let (mut matched, mut refused, mut flags, mut wrong) = (0, 0, 0, Vec::new());
+    for line in text.lines() {
+        // The body as written (key order reaches the template), its model ours.
+        let start = line.find("\"body\": ").unwrap() + "\"body\": ".len();
+        let body = line[start..].trim_end().strip_suffix('}').unwrap();
+        let body = body.replacen(
+            "\"model\": \"m\"",
+            &format!("\"model\": {}", json!(model)),
+            1,
+        );
+        let (ours, theirs) = (count(&indexd, &body), count(&replica, &body));
+        match (ours.1, theirs.1) {
+            (Some(a), Some(b)) if a == b => matched += 1,
+            (None, None) => refused += 1,
+            (Some(_), None) if theirs.2.contains("tool") => flags += 1,
+            _ => wrong.push(format!(
+                "{}: indexd {:?}, vLLM {:?}",
+                &line[..20],
+                ours,
+                theirs
+            )),
+        }
+    }
+    eprintln!(
+        "Messages count_tokens: {matched} equal to vLLM's, {refused} refused by both, {flags} refused by the replica's flags, {} differ",
+        wrong.len()
+    );
+    assert!(
+        wrong.is_empty(),
+        "{}",
+        wrong
+            .iter()
+            .take(10)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    assert!(matched >= 1000, "only {matched} counts compared");
+}
+
 #[test]
 #[ignore = "needs real vLLM: make test-vllm"]
 fn real_vllm_end_to_end() {
@@ -355,6 +442,8 @@ fn real_vllm_end_to_end() {
         )),
         "count_tokens"
     );
+
+    messages_counts_match(&stack, model);
 
     // The salt gate: A, B, B → 0, 0, hit.
     let messages = vec![message("user", &filler(900, 300))];
