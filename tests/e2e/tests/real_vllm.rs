@@ -195,13 +195,28 @@ fn report_tokenizer_paths(stack: &Stack, model: &str) {
     );
 }
 
+/// What a `count_tokens` answered: its status, `input_tokens`, the body.
+type Counted = (u16, Option<u64>, String);
+
+fn count_tokens(url: &str, body: &str) -> Counted {
+    let r = http::post(
+        url,
+        &[("content-type", "application/json")],
+        body.as_bytes(),
+        WAIT,
+    )
+    .unwrap();
+    let v: Value = serde_json::from_str(&r.body).unwrap_or(Value::Null);
+    (r.status, v["input_tokens"].as_u64(), r.body)
+}
+
 /// The tokenizer's generated Messages bodies (tokenizer/tests/reference/
-/// gen_requests.py --messages): indexd's `/v1/messages/count_tokens`, its
-/// native tokenizer, against vLLM's own on a replica, for every body. A
-/// body a replica refuses for its serving flags alone (tools without
+/// gen_requests.py --messages), counted by `ours` and by vLLM's own
+/// `count_tokens` at `replica` (`ip:port`), for every body. A body the
+/// replica refuses for its serving flags alone (tools without
 /// `--enable-auto-tool-choice`) is left out; every other count must be
-/// equal, and every other refusal mutual.
-fn messages_counts_match(stack: &Stack, model: &str) {
+/// equal, every other refusal mutual, and at least 1,000 compared.
+fn messages_counts_match(replica: &str, model: &str, ours: impl Fn(&str) -> Counted) {
     let scratch = tempfile::tempdir().unwrap();
     let requests = scratch.path().join("messages.jsonl");
     let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -223,25 +238,7 @@ fn messages_counts_match(stack: &Stack, model: &str) {
         .unwrap();
     assert!(status.success(), "gen_requests.py");
     let text = std::fs::read_to_string(&requests).unwrap();
-    let indexd = format!(
-        "http://{}/v1/messages/count_tokens",
-        stack.indexd_http().unwrap()
-    );
-    let replica = format!(
-        "http://{}/v1/messages/count_tokens",
-        stack.replica_addresses()[0]
-    );
-    let count = |url: &str, body: &str| {
-        let r = http::post(
-            url,
-            &[("content-type", "application/json")],
-            body.as_bytes(),
-            WAIT,
-        )
-        .unwrap();
-        let v: Value = serde_json::from_str(&r.body).unwrap_or(Value::Null);
-        (r.status, v["input_tokens"].as_u64(), r.body)
-    };
+    let replica = format!("http://{replica}/v1/messages/count_tokens");
     let (mut matched, mut refused, mut flags, mut wrong) = (0, 0, 0, Vec::new());
     for line in text.lines() {
         // The body as written (key order reaches the template), its model ours.
@@ -252,21 +249,21 @@ fn messages_counts_match(stack: &Stack, model: &str) {
             &format!("\"model\": {}", json!(model)),
             1,
         );
-        let (ours, theirs) = (count(&indexd, &body), count(&replica, &body));
-        match (ours.1, theirs.1) {
+        let (mine, theirs) = (ours(&body), count_tokens(&replica, &body));
+        match (mine.1, theirs.1) {
             (Some(a), Some(b)) if a == b => matched += 1,
             (None, None) => refused += 1,
             (Some(_), None) if theirs.2.contains("tool") => flags += 1,
             _ => wrong.push(format!(
-                "{}: indexd {:?}, vLLM {:?}",
+                "{}: ours {:?}, vLLM {:?}",
                 &line[..20],
-                ours,
+                mine,
                 theirs
             )),
         }
     }
     eprintln!(
-        "Messages count_tokens: {matched} equal to vLLM's, {refused} refused by both, {flags} refused by the replica's flags, {} differ",
+        "{model}: Messages count_tokens {matched} equal to vLLM's, {refused} refused by both, {flags} refused by the replica's flags, {} differ",
         wrong.len()
     );
     assert!(
@@ -280,6 +277,48 @@ fn messages_counts_match(stack: &Stack, model: &str) {
             .join("\n")
     );
     assert!(matched >= 1000, "only {matched} counts compared");
+}
+
+/// The same count check on the other tokenizer family: one vLLM replica of
+/// tiny-deepseek (the tiny Llama on DeepSeek V4's byte-level BPE tokenizer)
+/// against the native tokenizer of that directory, in process.
+#[test]
+#[ignore = "needs real vLLM: make test-vllm"]
+fn messages_counts_match_vllm_on_the_deepseek_tokenizer() {
+    let model = "tiny-deepseek";
+    let dir = kvroute_e2e::vllm::model_dir()
+        .parent()
+        .unwrap()
+        .join("tiny-deepseek");
+    let options = kvroute_e2e::vllm::VllmOptions {
+        served_name: model.into(),
+        block_size: BLOCK,
+        events_endpoint: format!(
+            "tcp://127.0.0.1:{}",
+            kvroute_e2e::vllm::free_port().unwrap()
+        ),
+        topic: format!("kv@r0@{model}"),
+        cpu: 0,
+        port: kvroute_e2e::vllm::free_port().unwrap(),
+        replay_port: kvroute_e2e::vllm::free_port().unwrap(),
+        max_model_len: 8192,
+        num_gpu_blocks: None,
+        model_dir: Some(dir.clone()),
+    };
+    let mut server = kvroute_e2e::vllm::RealVllm::spawn_model(&options, &dir).unwrap();
+    server.wait_ready().unwrap();
+    let tok =
+        kvroute_tokenizer::Tokenizer::load(&dir, model, kvroute_tokenizer::LoadOptions::default())
+            .unwrap();
+    messages_counts_match(&server.http.to_string(), model, |body| {
+        let counted = kvroute_tokenizer::MessagesRequest::from_json(body.as_bytes())
+            .map(kvroute_tokenizer::MessagesRequest::for_count_tokens)
+            .and_then(|r| tok.tokenize_messages(&r));
+        match counted {
+            Ok(ids) => (200, Some(ids.len() as u64), String::new()),
+            Err(e) => (400, None, e.to_string()),
+        }
+    });
 }
 
 #[test]
@@ -443,7 +482,13 @@ fn real_vllm_end_to_end() {
         "count_tokens"
     );
 
-    messages_counts_match(&stack, model);
+    let indexd_count = format!(
+        "http://{}/v1/messages/count_tokens",
+        stack.indexd_http().unwrap()
+    );
+    messages_counts_match(&stack.replica_addresses()[0], model, |body| {
+        count_tokens(&indexd_count, body)
+    });
 
     // The salt gate: A, B, B → 0, 0, hit.
     let messages = vec![message("user", &filler(900, 300))];
