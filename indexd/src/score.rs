@@ -98,9 +98,10 @@ use std::time::Duration;
 use rand::Rng;
 
 pub use crate::config::Weights;
-pub(crate) use replica::Registry;
+pub(crate) use registry::Registry;
 pub use replica::Replica;
 
+pub mod registry;
 pub mod replica;
 use crate::event::Tier;
 use crate::index::PrefixMatch;

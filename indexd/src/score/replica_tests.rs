@@ -1,4 +1,5 @@
 use super::*;
+use crate::score::Registry;
 
 /// A replica of model `m`, never scraped.
 fn replica() -> Replica {

@@ -1,0 +1,169 @@
+//! Phase 3 of a Pick, placement: each candidate's load and surviving match,
+//! the cost model's order under the move rules (no move within
+//! `move_cooldown`, none to a replica still filling after it joined), the
+//! exploration of a replica its speed estimate alone kept from new
+//! conversations, and the chosen replica's note, all under the
+//! conversations' lock.
+
+use std::time::Instant;
+
+use kvroute_proto::v1::PickRequest;
+
+use super::{Snapshot, note};
+use crate::score::{self, Input, Move, Ranking};
+use crate::state::Shared;
+use crate::sync::lock;
+
+/// Phase 3: the loads, the order and the chosen replica's note, at once.
+///
+/// Under the conversations' lock, so that Picks place one after the other:
+/// two Picks reading the loads at the same moment (requests starting
+/// together, on Envoy's several workers) would both see the same idle
+/// replica and both go there, neither seeing the prefill the other queued.
+/// The prefix match before and the speculative credit after stay outside.
+pub(super) fn place(
+    shared: &Shared,
+    req: &PickRequest,
+    snap: &mut Snapshot,
+    now: Instant,
+) -> Ranking {
+    let cfg = &shared.config;
+    let mut conversations = lock(&shared.conversations);
+    let counts = conversations.counts(now);
+    snap.inputs = snap
+        .eligible
+        .iter()
+        .zip(&snap.matches)
+        .map(|(r, m)| {
+            let on = counts.get(&r.slot).copied().unwrap_or(0);
+            let load = r.load(now, cfg.pending_pick_ttl, on);
+            let matched = score::surviving(*m, &load, req.block_size, &cfg.weights);
+            if matched.blocks < m.blocks {
+                shared.metrics.eviction_discounts.inc();
+            }
+            Input { matched, load }
+        })
+        .collect();
+    let continues = conversations.continues_at(&snap.keys, now);
+    // A conversation that changed replica a moment ago stays (no thrash), and
+    // none moves to a replica still filling with new conversations.
+    let settled = continues
+        .and_then(|c| c.moved_at)
+        .is_some_and(|at| now.saturating_duration_since(at) < cfg.move_cooldown);
+    let mut ranking = rank(shared, req, snap, |i| {
+        !settled && snap.eligible.get(i).is_some_and(|r| !r.filling(now))
+    });
+    if ranking.moved == Move::Barred {
+        let reason = if settled { "cooldown" } else { "joining" };
+        shared.metrics.moves_barred.inc([reason]);
+        tracing::debug!(
+            request_id = %req.request_id,
+            reason,
+            "pick: a move that would pay was not made (move_cooldown, join_warmup)"
+        );
+    }
+    if continues.is_none() {
+        explore(shared, req, snap, &mut ranking, now);
+    }
+    note(
+        shared,
+        req,
+        snap,
+        &ranking,
+        &mut conversations,
+        continues,
+        now,
+    );
+    ranking
+}
+
+/// The prompt's length in tokens, at least its keyed blocks'.
+fn prompt_tokens(req: &PickRequest, snap: &Snapshot) -> u32 {
+    let keyed_tokens = u32::try_from(snap.keys.len())
+        .unwrap_or(u32::MAX)
+        .saturating_mul(req.block_size);
+    req.prompt_tokens.max(keyed_tokens)
+}
+
+/// No replica starved by an estimate: a new conversation goes instead to a
+/// replica that has had none for `starve_after` while the first choice had
+/// one within it, where vLLM reports no request waiting and where, at the
+/// first choice's prefill speed, it would cost no more. Its speed estimate
+/// alone kept it out, and only work sent there can correct that estimate.
+/// Among several, the longest without one. Counted and logged.
+fn explore(
+    shared: &Shared,
+    req: &PickRequest,
+    snap: &Snapshot,
+    ranking: &mut Ranking,
+    now: Instant,
+) {
+    let after = shared.config.starve_after;
+    if after.is_zero() || snap.keys.is_empty() || snap.mismatch.is_some() {
+        return;
+    }
+    let Some(first) = ranking.ranked.first().map(|r| r.input) else {
+        return;
+    };
+    let (Some(chosen), Some(chosen_input)) = (snap.eligible.get(first), snap.inputs.get(first))
+    else {
+        return;
+    };
+    if chosen.without_new_conversation(now) >= after {
+        return;
+    }
+    let prompt = prompt_tokens(req, snap);
+    let w = &shared.config.weights;
+    // The costs only where the cheap conditions hold (rarely).
+    let starved = ranking
+        .ranked
+        .iter()
+        .enumerate()
+        .skip(1)
+        .filter_map(|(at, r)| {
+            let replica = snap.eligible.get(r.input)?;
+            let input = snap.inputs.get(r.input)?;
+            let without = replica.without_new_conversation(now);
+            (without >= after && input.load.waiting <= 0.0).then_some((at, input, without))
+        })
+        .filter(|(_, input, _)| {
+            score::behind_on_speed_alone(input, chosen_input, prompt, req.block_size, w)
+        })
+        .map(|(at, _, without)| (at, without))
+        .max_by_key(|(_, without)| *without);
+    let Some((at, without)) = starved else {
+        return;
+    };
+    let explored = ranking.ranked.remove(at);
+    ranking.ranked.insert(0, explored);
+    shared.metrics.explorations.inc();
+    if let Some(replica) = snap.eligible.get(explored.input) {
+        tracing::info!(
+            endpoint = %replica.id(),
+            instead_of = %chosen.id(),
+            model = %req.model,
+            without_new_conversation = ?without,
+            "new conversation sent to a replica its prefill speed estimate alone kept from new \
+             conversations (starve_after; indexd_explorations_total)"
+        );
+    }
+}
+
+/// The cost model's order ([`score::rank_with`]), moves allowed only to
+/// the inputs `may_move` admits.
+fn rank(
+    shared: &Shared,
+    req: &PickRequest,
+    snap: &Snapshot,
+    may_move: impl Fn(usize) -> bool,
+) -> Ranking {
+    let mut rng = lock(&shared.rng);
+    score::rank_with(
+        &snap.inputs,
+        prompt_tokens(req, snap),
+        req.block_size,
+        &shared.config.weights,
+        &mut *rng,
+        may_move,
+    )
+}
