@@ -90,7 +90,13 @@ fn prompt_tokens(req: &PickRequest, snap: &Snapshot) -> u32 {
 /// one within it, where vLLM reports no request waiting and where, at the
 /// first choice's prefill speed, it would cost no more. Its speed estimate
 /// alone kept it out, and only work sent there can correct that estimate.
-/// Among several, the longest without one. Counted and logged.
+/// A replica that joined the fleet (still filling, `join_warmup`) is taken
+/// so even when what kept it out is the shared prompt the others hold: a
+/// new conversation holds nothing of its own anywhere, the joiner pays that
+/// prompt's prefill once, and then holds it too; without this, a lightly
+/// loaded fleet whose conversations share a long prompt would never send
+/// the joiner one. Among several, the longest without one. Counted and
+/// logged.
 fn explore(
     shared: &Shared,
     req: &PickRequest,
@@ -124,12 +130,17 @@ fn explore(
             let replica = snap.eligible.get(r.input)?;
             let input = snap.inputs.get(r.input)?;
             let without = replica.without_new_conversation(now);
-            (without >= after && input.load.waiting <= 0.0).then_some((at, input, without))
+            (without >= after && input.load.waiting <= 0.0).then_some((
+                at,
+                input,
+                without,
+                replica.filling(now),
+            ))
         })
-        .filter(|(_, input, _)| {
-            score::behind_on_speed_alone(input, chosen_input, prompt, req.block_size, w)
+        .filter(|(_, input, _, joined)| {
+            *joined || score::behind_on_speed_alone(input, chosen_input, prompt, req.block_size, w)
         })
-        .map(|(at, _, without)| (at, without))
+        .map(|(at, _, without, _)| (at, without))
         .max_by_key(|(_, without)| *without);
     let Some((at, without)) = starved else {
         return;
@@ -143,8 +154,10 @@ fn explore(
             instead_of = %chosen.id(),
             model = %req.model,
             without_new_conversation = ?without,
-            "new conversation sent to a replica its prefill speed estimate alone kept from new \
-             conversations (starve_after; indexd_explorations_total)"
+            joined = replica.filling(now),
+            "new conversation sent to a replica its prefill speed estimate, or the shared prompt \
+             the fleet it joined holds, kept from new conversations (starve_after; \
+             indexd_explorations_total)"
         );
     }
 }
