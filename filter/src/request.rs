@@ -221,7 +221,8 @@ fn completions(req: &ParsedRequest<'_>) -> Result<Option<Vec<u32>>, Rejection> {
     }
 }
 
-fn chat(req: &ParsedRequest<'_>) -> Result<(), Rejection> {
+/// `messages`: a non-empty list of objects (chat and Anthropic Messages).
+fn message_list(req: &ParsedRequest<'_>) -> Result<Vec<Value>, Rejection> {
     let messages = match req.raw("messages") {
         Some(raw) if kind(raw) == Kind::Array => serde_json::from_str::<Vec<Value>>(raw.get())
             .map_err(|_| Rejection::bad("`messages` is not a list"))?,
@@ -233,6 +234,11 @@ fn chat(req: &ParsedRequest<'_>) -> Result<(), Rejection> {
     if messages.iter().any(|m| !m.is_object()) {
         return Err(Rejection::bad("a message is not an object"));
     }
+    Ok(messages)
+}
+
+fn chat(req: &ParsedRequest<'_>) -> Result<(), Rejection> {
+    let messages = message_list(req)?;
     optional_shape(req, "tools", Kind::Array)?;
     optional_shape(req, "chat_template_kwargs", Kind::Object)?;
     optional_shape(req, "add_generation_prompt", Kind::Bool)?;
@@ -249,17 +255,7 @@ fn chat(req: &ParsedRequest<'_>) -> Result<(), Rejection> {
 /// optional `system` (a string or a list of blocks) and `tools`. Image and
 /// document blocks carry media.
 fn messages(req: &ParsedRequest<'_>) -> Result<(), Rejection> {
-    let messages = match req.raw("messages") {
-        Some(raw) if kind(raw) == Kind::Array => serde_json::from_str::<Vec<Value>>(raw.get())
-            .map_err(|_| Rejection::bad("`messages` is not a list"))?,
-        _ => return Err(Rejection::bad("`messages` missing or not a list")),
-    };
-    if messages.is_empty() {
-        return Err(Rejection::bad("`messages` is empty"));
-    }
-    if messages.iter().any(|m| !m.is_object()) {
-        return Err(Rejection::bad("a message is not an object"));
-    }
+    let messages = message_list(req)?;
     let system = match req.raw("system") {
         None => None,
         Some(raw) if matches!(kind(raw), Kind::String | Kind::Array) => req.value("system"),

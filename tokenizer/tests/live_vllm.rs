@@ -357,6 +357,24 @@ fn every_divergence_request_matches_live_vllm_or_falls_back() {
     }
 }
 
+/// Writes `count` generated Messages bodies (and nothing else) from `seed`.
+fn messages_corpus(requests: &Path, count: u32, seed: u64) {
+    let (count, seed) = (count.to_string(), seed.to_string());
+    let args = [
+        "--count",
+        "0",
+        "--long",
+        "0",
+        "--messages",
+        &count,
+        "--seed",
+        &seed,
+    ];
+    let mut argv: Vec<&Path> = vec![requests];
+    argv.extend(args.iter().map(Path::new));
+    common::run(&common::reference_python(), "gen_requests.py", &argv);
+}
+
 /// vLLM's own Messages → chat conversion (`to_chat_completion_request`,
 /// imported from the vLLM venv, no server) agrees with expected.py's
 /// transcription on every generated Messages body, with and without the
@@ -366,19 +384,7 @@ fn every_divergence_request_matches_live_vllm_or_falls_back() {
 fn messages_conversion_matches_vllm() {
     let scratch = common::scratch("live-messages");
     let requests = scratch.join("messages.jsonl");
-    let args = [
-        "--count",
-        "0",
-        "--long",
-        "0",
-        "--messages",
-        "1200",
-        "--seed",
-        "7",
-    ];
-    let mut argv: Vec<&Path> = vec![&requests];
-    argv.extend(args.iter().map(Path::new));
-    common::run(&common::reference_python(), "gen_requests.py", &argv);
+    messages_corpus(&requests, 1200, 7);
     let (llama, deepseek) = (common::tiny_llama(), common::tiny_deepseek());
     common::run(
         &vllm_python(),
@@ -399,19 +405,7 @@ fn messages_conversion_matches_vllm() {
 fn every_messages_body_matches_live_vllm() {
     let scratch = common::scratch("live-messages-ids");
     let requests = scratch.join("messages.jsonl");
-    let args = [
-        "--count",
-        "0",
-        "--long",
-        "0",
-        "--messages",
-        "2000",
-        "--seed",
-        "11",
-    ];
-    let mut argv: Vec<&Path> = vec![&requests];
-    argv.extend(args.iter().map(Path::new));
-    common::run(&common::reference_python(), "gen_requests.py", &argv);
+    messages_corpus(&requests, 2000, 11);
     let text = std::fs::read_to_string(&requests).unwrap();
     let bodies: std::collections::HashMap<u64, &str> = text
         .lines()

@@ -45,7 +45,8 @@ impl ApiError {
         self
     }
 
-    fn kind(&self) -> &'static str {
+    /// vLLM's error `type` for this status.
+    pub(crate) fn kind(&self) -> &'static str {
         match self.status {
             StatusCode::BAD_REQUEST => "BadRequestError",
             StatusCode::NOT_FOUND => "NotFoundError",

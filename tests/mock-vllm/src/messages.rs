@@ -16,7 +16,7 @@ use std::sync::Arc;
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
@@ -32,11 +32,7 @@ use crate::runner::{Step, run_streaming, run_to_end, steps};
 
 /// An error in the shape vLLM's Anthropic routes answer.
 fn anthropic(e: ApiError) -> Response {
-    let kind = match e.status {
-        StatusCode::NOT_FOUND => "NotFoundError",
-        StatusCode::BAD_REQUEST => "BadRequestError",
-        _ => "InternalServerError",
-    };
+    let kind = e.kind();
     (
         e.status,
         Json(json!({"type": "error", "error": {"type": kind, "message": e.message}})),
