@@ -57,14 +57,80 @@ pub(crate) async fn run(shared: Arc<Shared>, replica: Arc<Replica>) {
     let mut tick = tokio::time::interval(shared.config.scrape_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut page = replica.config.metrics_url.as_ref().map(MetricsPage::new);
+    let mut models_read: Option<Instant> = None;
     loop {
         tokio::select! {
             () = replica.cancel.cancelled() => return,
             _ = tick.tick() => {}
         }
         scrape_once(&shared, &replica, &client, page.as_mut()).await;
+        if replica.is_healthy()
+            && models_read.is_none_or(|at| at.elapsed() >= MODELS_EVERY)
+            && read_context_lengths(&shared, &replica, &client).await
+        {
+            models_read = Some(Instant::now());
+        }
     }
 }
+
+/// How often a replica's `/v1/models` is read again once it answered.
+const MODELS_EVERY: Duration = Duration::from_secs(60);
+
+/// Reads the context length (`max_model_len`) of each model a replica's
+/// `/v1/models` lists, its adapters included, into
+/// [`crate::tokenize::Tokenizers::max_model_len`]: a Pick for a prompt
+/// longer than that is one vLLM refuses, and is noted nowhere
+/// ([`crate::pick`]). Whether it answered; a replica that does not (not
+/// vLLM, or not yet) is asked again at the next scrape, at debug level.
+async fn read_context_lengths(
+    shared: &Shared,
+    replica: &Replica,
+    client: &reqwest::Client,
+) -> bool {
+    let url = HttpUrl {
+        authority: replica.address().to_owned(),
+        path: "/v1/models".to_owned(),
+    };
+    let body = match get(client, &url, shared.config.scrape_timeout).await {
+        Ok(body) => body,
+        Err(e) => {
+            tracing::debug!(endpoint = %replica.id(), error = %e, "no /v1/models: context length unknown");
+            return false;
+        }
+    };
+    let lengths = parse_context_lengths(&body);
+    for (model, len) in &lengths {
+        shared.tokenizers.learn_max_model_len(model, *len);
+    }
+    tracing::debug!(endpoint = %replica.id(), models = ?lengths, "context lengths read from /v1/models");
+    true
+}
+
+/// `(id, max_model_len)` of each model card in a `/v1/models` answer that
+/// gives one (vLLM's do, adapters included), at most [`MAX_MODEL_CARDS`].
+pub(crate) fn parse_context_lengths(body: &[u8]) -> Vec<(String, u32)> {
+    #[derive(serde::Deserialize)]
+    struct Card {
+        id: String,
+        max_model_len: Option<u32>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Models {
+        data: Vec<Card>,
+    }
+    serde_json::from_slice::<Models>(body)
+        .map(|m| {
+            m.data
+                .into_iter()
+                .filter_map(|c| Some((c.id, c.max_model_len.filter(|l| *l > 0)?)))
+                .take(MAX_MODEL_CARDS)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The model cards read from one `/v1/models` answer, at most.
+const MAX_MODEL_CARDS: usize = 1_024;
 
 /// The samples indexd reads from `/metrics` ([`parse_vllm_metrics`]).
 pub(crate) const SAMPLES: [&str; 8] = [

@@ -285,3 +285,20 @@ fn capacity_signal() {
     );
     assert_eq!(parse_capacity(b"nope"), (None, None));
 }
+
+#[test]
+fn context_lengths_from_model_cards() {
+    // vLLM 0.32's /v1/models: the base model and an adapter, each with its
+    // max_model_len.
+    let body = br#"{"object":"list","data":[
+        {"id":"m","object":"model","created":0,"owned_by":"vllm","root":"m","parent":null,"max_model_len":4096,"permission":[]},
+        {"id":"lora-a","object":"model","root":"lora-a","parent":"m","max_model_len":4096},
+        {"id":"other","object":"model"},
+        {"id":"zero","max_model_len":0}]}"#;
+    assert_eq!(
+        parse_context_lengths(body),
+        [("m".to_owned(), 4096), ("lora-a".to_owned(), 4096)]
+    );
+    assert!(parse_context_lengths(b"<html>").is_empty());
+    assert!(parse_context_lengths(br#"{"data":"x"}"#).is_empty());
+}

@@ -221,6 +221,19 @@ fn note_continued(shared: &Shared, req: &PickRequest, now: Instant) {
     }
 }
 
+/// The model's context length, if the request's prompt is longer than it
+/// ([`crate::tokenize::Tokenizers::max_model_len`]): vLLM refuses it with a
+/// 400 before it schedules anything. Without this, one body of a million
+/// tokens (a client's mistake, or a hostile one) would be noted as a minute
+/// of prefill and a cache's worth of blocks on the replica chosen for it,
+/// and every conversation there would look evicted until it completed.
+fn over_length(shared: &Shared, req: &PickRequest) -> Option<u32> {
+    shared
+        .tokenizers
+        .max_model_len(&req.model)
+        .filter(|limit| req.prompt_tokens > *limit)
+}
+
 /// The request's block keys.
 fn block_keys(req: &PickRequest) -> Vec<BlockKey> {
     req.block_keys
@@ -247,7 +260,10 @@ fn affinity_shortcut(shared: &Shared, req: &PickRequest, now: Instant) -> Option
             let prefill = score::prefill_time(&load, f64::from(req.prompt_tokens), weights);
             // What it adds to the stored response is unknown and usually a
             // turn's worth: no blocks are counted against the cache there.
-            r.note_pick(now, &req.request_id, prefill, 0);
+            // A prompt vLLM refuses for its length queues nothing.
+            if over_length(shared, req).is_none() {
+                r.note_pick(now, &req.request_id, prefill, 0);
+            }
             // The conversation goes on there: the move rule counts it.
             let keys = block_keys(req);
             let found = conversations.continues_at(&keys, now);
@@ -284,6 +300,10 @@ struct Snapshot {
     approximate: bool,
     /// Why the request's keys cannot be matched, if they cannot.
     mismatch: Option<Mismatch>,
+    /// The model's context length, when the prompt is longer: vLLM answers
+    /// such a request 400 and allocates nothing, so it holds, queues and
+    /// continues nothing anywhere ([`over_length`]).
+    over_length: Option<u32>,
     index_block_size: u32,
 }
 
@@ -324,7 +344,12 @@ fn snapshot(
 ) -> Snapshot {
     let cfg = &shared.config;
     let approximate = req.mode == Mode::Approximate as i32;
-    let keys = block_keys(req);
+    let over_length = over_length(shared, req);
+    let keys = if over_length.is_some() {
+        Vec::new()
+    } else {
+        block_keys(req)
+    };
     let slots: Vec<_> = eligible.iter().map(|r| r.slot).collect();
     let index_block_size = eligible
         .iter()
@@ -389,6 +414,7 @@ fn snapshot(
         inputs: Vec::new(),
         approximate,
         mismatch,
+        over_length,
         index_block_size,
     }
 }
@@ -547,6 +573,7 @@ fn classify(
         Move::Barred => shared.metrics.moves.inc(["barred"]),
     }
     let (decision, reason) = match (snap.mismatch, any_match, snap.approximate) {
+        _ if snap.over_length.is_some() => (DecisionKind::Load, "over_max_model_len"),
         (Some(why), ..) => (DecisionKind::Load, why.reason()),
         (None, true, false) if unmodelled => (DecisionKind::Approximate, "unmodelled_kv_layout"),
         (None, true, false) => (DecisionKind::Precise, "prefix_match"),

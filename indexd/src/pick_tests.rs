@@ -852,6 +852,61 @@ fn a_pick_credits_only_the_blocks_that_survive_the_queue_ahead() {
     assert_eq!(d0, 14.0, "12 ahead, and the 2 blocks it adds");
 }
 
+/// A prompt longer than the model's context is refused by vLLM with a 400
+/// before anything is scheduled: its Pick is routed by load and noted
+/// nowhere, so a flood of such bodies leaves every conversation warm where
+/// it is. Before the context length is known, the same Pick is the queue
+/// and the cache demand it would be, and moves the conversation away.
+#[test]
+fn a_prompt_longer_than_the_context_queues_and_holds_nothing() {
+    let run = |known: Option<u32>| {
+        let (s, rs) = shared(2, |c| c.speculative_ttl = Duration::ZERO);
+        if let Some(len) = known {
+            s.tokenizers.learn_max_model_len("m", len);
+        }
+        let now = Instant::now();
+        let t: Vec<u32> = (0..40).collect();
+        store(&s, &rs[0], &t[..32]);
+        for r in &rs {
+            r.scrape_ok(0.0, 0.0, 0.5, Some(20.0), now);
+        }
+        // 4,096 tokens of text the conversation does not share, first
+        // placed on its warm replica by load alone (the other has a queue).
+        rs[1].note_pick(now, "other", Duration::from_millis(50), 0);
+        let long: Vec<u32> = (100_000..104_096).collect();
+        let mut hostile = req(&keys(&long));
+        hostile.request_id = "long".into();
+        hostile.prompt_tokens = 4_096;
+        let answer = pick(&s, &hostile, now).unwrap();
+        let to = answer.candidates[0].address.clone();
+        let queued = rs[0].load(now, s.config.pending_pick_ttl, 0);
+        let mut next = req(&keys(&t));
+        next.prompt_tokens = 40;
+        let cont = pick(&s, &next, now).unwrap();
+        (
+            answer.reason,
+            to,
+            queued.demand_blocks,
+            queued.queued_seconds,
+            cont.candidates[0].address.clone(),
+        )
+    };
+    let (reason, to, demand, queued, cont) = run(Some(2_048));
+    assert_eq!(reason, "over_max_model_len");
+    assert_eq!(to, "10.0.0.1:8000");
+    assert_eq!((demand, queued), (0.0, 0.0), "nothing noted");
+    assert_eq!(cont, "10.0.0.1:8000", "the conversation stays warm");
+    // Unknown context length: the long prompt is the load it would be.
+    let (reason, to, demand, queued, cont) = run(None);
+    assert_eq!(reason, "no_match");
+    assert_eq!(to, "10.0.0.1:8000");
+    assert!(demand >= 1_000.0 && queued > 0.0, "{demand} {queued}");
+    assert_eq!(cont, "10.0.0.1:8001", "the queue moved it");
+    // Within the context: noted as before.
+    let (reason, ..) = run(Some(4_096));
+    assert_eq!(reason, "no_match");
+}
+
 fn believed(r: &Replica, tokens_per_second: f64) {
     let speed = crate::calibrate::PrefillSpeed {
         tokens_per_second,

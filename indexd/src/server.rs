@@ -92,8 +92,12 @@ impl IndexService {
         let body = std::mem::take(&mut req.body);
         let block_size = BlockSize::new(req.block_size).unwrap_or(self.shared.config.block_size);
         let cap = self.shared.config.max_pick_keys;
-        // No more ids than the keys a Pick looks at.
-        let max_tokens = cap.saturating_mul(block_size.get() as usize);
+        // No more ids than the keys a Pick looks at, nor than it takes to
+        // know the prompt is longer than vLLM admits.
+        let mut max_tokens = cap.saturating_mul(block_size.get() as usize);
+        if let Some(limit) = self.shared.tokenizers.max_model_len(&req.model) {
+            max_tokens = max_tokens.min((limit as usize).saturating_add(1));
+        }
         let tokenized = self
             .shared
             .tokenizers

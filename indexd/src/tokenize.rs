@@ -40,8 +40,8 @@ pub mod probe;
 pub mod replica;
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -53,6 +53,7 @@ pub use crate::config::tokenize::{
 };
 pub use crate::error::{LoadError, LoadFailure};
 use crate::metrics::{CounterVec, Histogram};
+use crate::sync::lock;
 pub use admission::{Admission, Cancel, Refusal, Via};
 pub use gate::{Gate, GateState};
 use local::body_hash;
@@ -228,6 +229,9 @@ pub struct Tokenizers {
     pub admission: Arc<Admission>,
     /// The threads large bodies are tokenized on (with local tokenizers).
     bulk: Option<bulk::Bulk>,
+    /// Each model's context length as its replicas give it (`/v1/models`,
+    /// `/tokenize`; the longest seen).
+    context_lengths: Mutex<BTreeMap<String, u32>>,
     /// Metrics.
     pub metrics: TokenizeMetrics,
 }
@@ -291,6 +295,7 @@ impl Tokenizers {
             config,
             next_replica: AtomicUsize::new(0),
             chat_render: AtomicBool::new(true),
+            context_lengths: Mutex::new(BTreeMap::new()),
             metrics: TokenizeMetrics::new(),
         })
     }
@@ -305,6 +310,7 @@ impl Tokenizers {
             config: TokenizeConfig::default(),
             next_replica: AtomicUsize::new(0),
             chat_render: AtomicBool::new(true),
+            context_lengths: Mutex::new(BTreeMap::new()),
             metrics: TokenizeMetrics::new(),
         }
     }
@@ -317,6 +323,20 @@ impl Tokenizers {
     /// The local model named `model`, if any.
     pub fn local(&self, model: &str) -> Option<&LocalModel> {
         self.models.get(model)
+    }
+
+    /// The longest prompt `model`'s replicas admit, in tokens: the longest
+    /// `max_model_len` its replicas gave (their `/v1/models`, read by the
+    /// scrape, and their `/tokenize` answers), else the
+    /// local tokenizer's (`max_model_len` in its spec, else config.json);
+    /// `None` before either is known. vLLM refuses a longer prompt with a
+    /// 400 before it allocates anything.
+    pub fn max_model_len(&self, model: &str) -> Option<u32> {
+        lock(&self.context_lengths)
+            .get(model)
+            .copied()
+            .or_else(|| self.local(model).map(|l| l.tokenizer.max_model_len()))
+            .filter(|l| *l > 0)
     }
 
     /// Every local model.
@@ -596,7 +616,7 @@ impl Tokenizers {
                 "no healthy replica serves {model:?}"
             )));
         };
-        replica::token_ids(
+        let replied = replica::token_ids(
             &self.client,
             address,
             api,
@@ -605,7 +625,23 @@ impl Tokenizers {
             self.config.replica_timeout,
             &self.chat_render,
         )
-        .await
+        .await?;
+        if let Some(len) = replied.max_model_len {
+            self.learn_max_model_len(model, len);
+        }
+        Ok(replied.ids)
+    }
+
+    /// A replica serving `model` gave its `max_model_len`: the longest seen
+    /// is kept ([`Tokenizers::max_model_len`]). Bounded: the models are the
+    /// replicas' own (a bounded list each).
+    pub(crate) fn learn_max_model_len(&self, model: &str, len: u32) {
+        let mut known = lock(&self.context_lengths);
+        if let Some(at) = known.get_mut(model) {
+            *at = (*at).max(len);
+        } else {
+            known.insert(model.to_owned(), len);
+        }
     }
 
     /// The prompt length a healthy replica's `/v1/messages/count_tokens`

@@ -65,6 +65,18 @@ pub(super) fn place(
     if continues.is_none() {
         explore(shared, req, snap, &mut ranking, now);
     }
+    if let Some(limit) = snap.over_length {
+        // vLLM answers it 400 at once: nothing is queued or held there.
+        tracing::debug!(
+            request_id = %req.request_id,
+            model = %req.model,
+            prompt_tokens = req.prompt_tokens,
+            max_model_len = limit,
+            "pick: a prompt longer than the model's context, which vLLM refuses; routed by load, \
+             noted nowhere (indexd_decisions_total reason over_max_model_len)"
+        );
+        return ranking;
+    }
     note(
         shared,
         req,

@@ -141,10 +141,26 @@ fn with_model(model: &str, body: &[u8]) -> Result<Vec<u8>, TokenizeError> {
 /// The ids in a `/tokenize` (`tokens`) or render (`token_ids`, possibly in
 /// a one-element list) answer.
 pub fn parse_ids(answer: &[u8]) -> Option<Vec<u32>> {
+    parse_answer(answer).map(|a| a.ids)
+}
+
+/// A replica's token ids for a body, and the model's context length where
+/// the answer gives it (vLLM's `/tokenize` does: `max_model_len`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Replied {
+    /// The prompt's token ids.
+    pub ids: Vec<u32>,
+    /// The serving replica's `max_model_len`, if the answer says.
+    pub max_model_len: Option<u32>,
+}
+
+/// [`parse_ids`], with the answer's `max_model_len`.
+fn parse_answer(answer: &[u8]) -> Option<Replied> {
     #[derive(serde::Deserialize)]
     struct Ids {
         tokens: Option<Vec<u32>>,
         token_ids: Option<Vec<u32>>,
+        max_model_len: Option<u32>,
     }
     #[derive(serde::Deserialize)]
     #[serde(untagged)]
@@ -157,7 +173,10 @@ pub fn parse_ids(answer: &[u8]) -> Option<Vec<u32>> {
         Answer::List(mut list) if list.len() == 1 => list.pop()?,
         Answer::List(_) => return None,
     };
-    ids.tokens.or(ids.token_ids)
+    Some(Replied {
+        ids: ids.tokens.or(ids.token_ids)?,
+        max_model_len: ids.max_model_len.filter(|l| *l > 0),
+    })
 }
 
 /// A vLLM error answer's message, if it is one.
@@ -257,7 +276,8 @@ pub async fn count_tokens(
     }
 }
 
-/// The ids the replica at `address` computes for a body of `api`. A chat
+/// The ids the replica at `address` computes for a body of `api` (and its
+/// `max_model_len`, where the answer gives it). A chat
 /// body, and a completions body that sets `truncate_prompt_tokens`, go to
 /// the render endpoints unless `chat_render` says the replicas lack them (a
 /// 404 there clears it, and `/tokenize` answers); a body that truncates is
@@ -271,7 +291,7 @@ pub async fn token_ids(
     body: &[u8],
     timeout: Duration,
     chat_render: &AtomicBool,
-) -> Result<Vec<u32>, TokenizeError> {
+) -> Result<Replied, TokenizeError> {
     let truncating = api != Api::Responses && truncates(body);
     let without_render = || {
         TokenizeError::Unsupported(
@@ -301,7 +321,7 @@ pub async fn token_ids(
         break (status, answer, path);
     };
     match status {
-        200 => parse_ids(&answer).ok_or_else(|| {
+        200 => parse_answer(&answer).ok_or_else(|| {
             TokenizeError::Unavailable(format!("{address}{path}: no token ids in the answer"))
         }),
         400..=499 if status != 408 && status != 429 => Err(TokenizeError::Refused {
@@ -438,7 +458,7 @@ mod tests {
         )
         .await
         .unwrap();
-        assert_eq!(ids, [5, 6]);
+        assert_eq!(ids.ids, [5, 6]);
         let heads = served.await.unwrap();
         assert_eq!(heads.len(), 2);
         for head in heads {
@@ -473,7 +493,8 @@ mod tests {
         let ids = token_ids(&client, addr, Api::Completions, "m", raw, timeout, &render)
             .await
             .unwrap();
-        assert_eq!(ids, [7, 8]);
+        assert_eq!(ids.ids, [7, 8]);
+        assert_eq!(ids.max_model_len, None);
         let heads = served.await.unwrap();
         assert!(
             heads[0].starts_with("post /v1/completions/render "),
@@ -512,6 +533,18 @@ mod tests {
         assert_eq!(parse_ids(br#"[{"token_ids":[4]},{"token_ids":[5]}]"#), None);
         assert_eq!(parse_ids(br#"{"tokens":[-1]}"#), None);
         assert_eq!(parse_ids(b"garbage"), None);
+        // /tokenize gives the model's context length; render does not.
+        assert_eq!(
+            parse_answer(br#"{"count":2,"max_model_len":9,"tokens":[1,2]}"#),
+            Some(Replied {
+                ids: vec![1, 2],
+                max_model_len: Some(9)
+            })
+        );
+        assert_eq!(
+            parse_answer(br#"{"max_model_len":0,"tokens":[1]}"#).and_then(|a| a.max_model_len),
+            None
+        );
         assert_eq!(
             error_message(br#"{"error":{"message":"bad","type":"BadRequestError","code":400}}"#),
             "bad"

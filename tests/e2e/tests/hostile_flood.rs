@@ -115,7 +115,8 @@ fn series_sum(stack: &Stack, name: &str) -> f64 {
 }
 
 /// indexd's counters a failure's message shows.
-const DIAGNOSED: [&str; 6] = [
+const DIAGNOSED: [&str; 7] = [
+    "eviction_discounts_total",
     "decisions_total",
     "moves_total",
     "scrapes_total",
@@ -390,9 +391,18 @@ fn hostile_bodies_leave_ordinary_requests_routed() {
     let tokenized = series_sum(&stack, "indexd_tokenize_total") - tokenized_before;
     let refused = series_sum(&stack, "indexd_tokenize_refused_total") - refused_before;
     let hostile_at_indexd = tokenized as usize - ordinary.min(tokenized as usize);
+    let over_length = stack
+        .indexd()
+        .unwrap()
+        .metrics_text()
+        .lines()
+        .filter(|l| l.contains("reason=\"over_max_model_len\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum::<u64>();
     eprintln!(
         "hostile flood: {} hostile requests in {:.1} s beside {ordinary} ordinary ({overlapped} continuations overlapped); \
-         indexd tokenized {tokenized} bodies ({hostile_at_indexd} hostile), refused {refused} at admission; hostile outcomes {seen:?}",
+         indexd tokenized {tokenized} bodies ({hostile_at_indexd} hostile), refused {refused} at admission, \
+         routed {over_length} by load as longer than the model's context; hostile outcomes {seen:?}",
         hostile.len(),
         flood_took.as_secs_f64()
     );
