@@ -110,21 +110,34 @@ pub fn markdown(rows: &[AddedRow]) -> String {
          | workload | profile | round | gateway | requests | hold | filter work | pick call | tokenizer call | indexd tokenize | indexd pick |\n\
          |---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
-    let mut keys: Vec<(&str, &str, u32, u32)> = rows
-        .iter()
-        .map(|r| (r.workload.as_str(), r.profile.as_str(), r.round, r.gateway))
-        .collect();
-    keys.dedup();
-    for (workload, profile, round, gateway) in keys {
-        let of = |metric: &str| {
-            rows.iter().find(|r| {
-                r.workload == workload
-                    && r.profile == profile
-                    && r.round == round
-                    && r.gateway == gateway
-                    && r.metric == metric
-            })
+    // One line per gateway of a run: its rows are written together, so a
+    // line is a run of rows with one key and no metric twice (a round run
+    // several times, `--burst-repeats`, has a line per run).
+    let mut lines: Vec<Vec<&AddedRow>> = Vec::new();
+    let same = |a: &AddedRow, b: &AddedRow| {
+        a.workload == b.workload
+            && a.profile == b.profile
+            && a.round == b.round
+            && a.gateway == b.gateway
+    };
+    for r in rows {
+        match lines.last_mut() {
+            Some(line)
+                if line.first().is_some_and(|f| same(f, r))
+                    && !line.iter().any(|x| x.metric == r.metric) =>
+            {
+                line.push(r);
+            }
+            _ => lines.push(vec![r]),
+        }
+    }
+    for line in lines {
+        let Some(first) = line.first() else {
+            continue;
         };
+        let (workload, profile, round, gateway) =
+            (&first.workload, &first.profile, first.round, first.gateway);
+        let of = |metric: &str| line.iter().copied().find(|r| r.metric == metric);
         let cell = |metric: &str| {
             of(metric).filter(|r| r.count > 0).map_or_else(
                 || "–".to_owned(),
@@ -199,6 +212,25 @@ mod tests {
         assert!(
             md.contains("| w2-lite | kvroute-precise | 2 | 0 | 0 | – | – | – | – | – | – |"),
             "each round its own line: {md}"
+        );
+        // A round run twice (`--burst-repeats`): a line per run, each its own.
+        let mut again = rows("w2-lite", "kvroute-precise", 0, &hists);
+        for r in &mut again {
+            r.round = 2;
+        }
+        all.extend(again);
+        let md = markdown(&all);
+        assert!(
+            md.contains("| w2-lite | kvroute-precise | 2 | 0 | 0 | – | – | – | – | – | – |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| w2-lite | kvroute-precise | 2 | 0 | 4 | 2.0 / 1.1 / 5.1 |"),
+            "the second run's own figures: {md}"
+        );
+        assert_eq!(
+            md.matches("| w2-lite | kvroute-precise | 2 | 0 |").count(),
+            2
         );
     }
 }

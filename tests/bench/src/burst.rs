@@ -16,7 +16,7 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::rounds::{round_means, round_of};
+use crate::rounds::{repeat_of, round_means, round_of};
 use crate::sample::{STICKY_ORACLE, Sample};
 use crate::stats::{busiest_share, percentile};
 
@@ -33,8 +33,12 @@ pub struct BurstSeed {
     /// The round, from 1 (its seed is the run's `--seed` + round − 1).
     pub round: u32,
     /// Answered requests per replica, every turn (every replica of the
-    /// workload, zero for those this round never used).
+    /// workload, zero for those this round never used): of its most
+    /// lopsided run, when it ran several times.
     pub replica_requests: BTreeMap<String, usize>,
+    /// Its runs (`--burst-repeats`), pooled in its means.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub runs: u32,
     /// Mean latency of the continuations that answered, ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mean_ms: Option<f64>,
@@ -44,6 +48,17 @@ pub struct BurstSeed {
     /// `mean_ms` over `sticky_mean_ms`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vs_sticky: Option<f64>,
+}
+
+/// Serde's default of [`BurstSeed::runs`] (summaries of single runs omit it).
+const fn one() -> u32 {
+    1
+}
+
+/// Whether `runs` is the default.
+#[allow(clippy::trivially_copy_pass_by_ref)]
+const fn is_one(runs: &u32) -> bool {
+    *runs == 1
 }
 
 impl BurstSeed {
@@ -105,22 +120,42 @@ pub fn bursts(by_profile: &[((String, String), Vec<&Sample>)]) -> Vec<Burst> {
             .filter(|s| !s.replica.is_empty())
             .map(|s| (s.replica.clone(), 0))
             .collect();
-        let mut load: BTreeMap<u32, BTreeMap<String, usize>> = BTreeMap::new();
+        // Each run's split: (round, repeat) → requests per replica.
+        let mut load: BTreeMap<(u32, u32), BTreeMap<String, usize>> = BTreeMap::new();
         for s in rows {
-            let round = load.entry(round_of(s)).or_insert_with(|| replicas.clone());
+            let run = load
+                .entry((round_of(s), repeat_of(s)))
+                .or_insert_with(|| replicas.clone());
             if s.ok() && !s.replica.is_empty() {
-                *round.entry(s.replica.clone()).or_insert(0) += 1;
+                *run.entry(s.replica.clone()).or_insert(0) += 1;
+            }
+        }
+        // Each round's most lopsided run (the first on a tie), and its runs.
+        let mut worst: BTreeMap<u32, (BTreeMap<String, usize>, u32)> = BTreeMap::new();
+        for ((round, _), split) in load {
+            let share = busiest_share(&split).unwrap_or(0.0);
+            match worst.get_mut(&round) {
+                Some((kept, runs)) => {
+                    *runs += 1;
+                    if share > busiest_share(kept).unwrap_or(0.0) {
+                        *kept = split;
+                    }
+                }
+                None => {
+                    worst.insert(round, (split, 1));
+                }
             }
         }
         let means = round_means(rows);
-        let seeds = load
+        let seeds = worst
             .into_iter()
-            .map(|(round, replica_requests)| {
+            .map(|(round, (replica_requests, runs))| {
                 let mean_ms = means.get(&round).copied();
                 let sticky_mean_ms = sticky.get(&round).copied();
                 BurstSeed {
                     round,
                     replica_requests,
+                    runs,
                     mean_ms,
                     sticky_mean_ms,
                     vs_sticky: mean_ms
@@ -166,11 +201,13 @@ fn distribution(workload: &str, profile: &str, seeds: Vec<BurstSeed>) -> Burst {
 
 /// What the burst tables' columns mean.
 const LEGEND: &str = "Each round is one seed (`--seed` + round − 1: its script, its \
-    conversations' start offsets within 100 ms and indexd's tie-breaks) on fresh gateways and a \
-    fresh indexd. Split: answered requests per replica (r0/r1/…, every turn) and the busiest \
-    one's share, `✗` when worse than 65/35; mean: the round's mean continuation latency, ms; \
-    vs sticky: over the sticky oracle's in the same round. Then over the rounds: how many \
-    splits are worse than 65/35, the worst split, the worst and the median ratio.\n";
+    conversations' start offsets within 100 ms and indexd's tie-breaks), run on fresh gateways \
+    and a fresh indexd, as many times as runs says (`--burst-repeats`, every profile \
+    interleaved). Split: answered requests per replica (r0/r1/…, every turn) and the busiest \
+    one's share, of the round's most lopsided run, `✗` when worse than 65/35; mean: the round's \
+    mean continuation latency (its runs pooled), ms; vs sticky: over the sticky oracle's in the \
+    same round. Then over the rounds: how many splits are worse than 65/35, the worst split, \
+    the worst and the median ratio.\n";
 
 /// `1.02×`, or `n/a`.
 fn times(r: Option<f64>) -> String {
@@ -254,11 +291,17 @@ pub fn markdown(bursts: &[Burst], w: &str) -> String {
             (Some(v), Some(r)) => format!("{v:.2}× (round {r})"),
             _ => "n/a".to_owned(),
         };
+        let runs: u32 = b.seeds.iter().map(|s| s.runs).sum();
+        let seeds = if runs as usize == b.seeds.len() {
+            b.seeds.len().to_string()
+        } else {
+            format!("{} ({runs} runs)", b.seeds.len())
+        };
         let _ = writeln!(
             out,
             "| {} | {} | {} | {} | {} | {} |",
             b.profile,
-            b.seeds.len(),
+            seeds,
             b.lopsided_seeds,
             worst_split,
             worst_ratio,

