@@ -57,31 +57,31 @@ pub(crate) async fn run(shared: Arc<Shared>, replica: Arc<Replica>) {
     let mut tick = tokio::time::interval(shared.config.scrape_interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut page = replica.config.metrics_url.as_ref().map(MetricsPage::new);
-    let mut models_read: Option<Instant> = None;
+    let mut models_due = Instant::now();
     loop {
         tokio::select! {
             () = replica.cancel.cancelled() => return,
             _ = tick.tick() => {}
         }
         scrape_once(&shared, &replica, &client, page.as_mut()).await;
-        if replica.is_healthy()
-            && models_read.is_none_or(|at| at.elapsed() >= MODELS_EVERY)
-            && read_context_lengths(&shared, &replica, &client).await
-        {
-            models_read = Some(Instant::now());
+        if replica.is_healthy() && Instant::now() >= models_due {
+            let answered = read_context_lengths(&shared, &replica, &client).await;
+            models_due = Instant::now() + if answered { MODELS_EVERY } else { MODELS_RETRY };
         }
     }
 }
 
 /// How often a replica's `/v1/models` is read again once it answered.
 const MODELS_EVERY: Duration = Duration::from_secs(60);
+/// How soon it is asked again when it did not answer (not vLLM, or not yet).
+const MODELS_RETRY: Duration = Duration::from_secs(10);
 
 /// Reads the context length (`max_model_len`) of each model a replica's
 /// `/v1/models` lists, its adapters included, into
 /// [`crate::tokenize::Tokenizers::max_model_len`]: a Pick for a prompt
 /// longer than that is one vLLM refuses, and is noted nowhere
 /// ([`crate::pick`]). Whether it answered; a replica that does not (not
-/// vLLM, or not yet) is asked again at the next scrape, at debug level.
+/// vLLM, or not yet) is asked again after [`MODELS_RETRY`], at debug level.
 async fn read_context_lengths(
     shared: &Shared,
     replica: &Replica,

@@ -391,14 +391,11 @@ fn hostile_bodies_leave_ordinary_requests_routed() {
     let tokenized = series_sum(&stack, "indexd_tokenize_total") - tokenized_before;
     let refused = series_sum(&stack, "indexd_tokenize_refused_total") - refused_before;
     let hostile_at_indexd = tokenized as usize - ordinary.min(tokenized as usize);
-    let over_length = stack
-        .indexd()
-        .unwrap()
-        .metrics_text()
-        .lines()
-        .filter(|l| l.contains("reason=\"over_max_model_len\""))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
-        .sum::<u64>();
+    // (A sum of no series is -0.0: counted as a whole number.)
+    let over_length = series_sum(
+        &stack,
+        "indexd_decisions_total{decision=\"load\",reason=\"over_max_model_len\"}",
+    ) as u64;
     eprintln!(
         "hostile flood: {} hostile requests in {:.1} s beside {ordinary} ordinary ({overlapped} continuations overlapped); \
          indexd tokenized {tokenized} bodies ({hostile_at_indexd} hostile), refused {refused} at admission, \
