@@ -90,6 +90,8 @@ impl IndexService {
             ));
         }
         let body = std::mem::take(&mut req.body);
+        // The body again for a shadow check beside the Pick (a reference).
+        let shadow_body = body.clone();
         let block_size = BlockSize::new(req.block_size).unwrap_or(self.shared.config.block_size);
         let cap = self.shared.config.max_pick_keys;
         // No more ids than the keys a Pick looks at, nor than it takes to
@@ -125,6 +127,18 @@ impl IndexService {
                 });
             }
         };
+        if t.source == Source::Local && self.shared.tokenizers.shadow_due(&req.model) {
+            let shared = Arc::clone(&self.shared);
+            let model = req.model.clone();
+            let ids = t.ids.clone();
+            let truncated = ids.len() >= max_tokens;
+            tokio::spawn(async move {
+                shared
+                    .tokenizers
+                    .shadow_beside(shared.as_ref(), api, &model, &shadow_body, ids, truncated)
+                    .await;
+            });
+        }
         let keys = block_keys(&t.ids, block_size, t.salt.as_deref());
         req.block_keys = keys.iter().take(cap).map(|k| k.as_u64()).collect();
         req.key_scheme = SCHEME_VERSION.to_owned();

@@ -10,9 +10,9 @@
 //!   a healthy replica serving it ([`replica`]): vLLM's own `/tokenize` or
 //!   `/v1/responses/render`, as before, one hop further.
 //! - The gate compares the local tokenizer with a replica's on a probe set at
-//!   start and periodically ([`probe`]), and on a sample of live requests
-//!   (shadow checks, inline: a sampled request whose ids differ is answered
-//!   with the replica's). A probe mismatch, or live mismatches from several
+//!   start and periodically ([`probe`]), and on a sample of live Picks
+//!   (shadow checks, run beside the Pick, which is routed on its local ids
+//!   without waiting). A probe mismatch, or live mismatches from several
 //!   distinct bodies within a window, close it for that model; clean probe
 //!   rounds reopen it ([`gate`]).
 //! - [`http`] serves vLLM-compatible `POST /tokenize` and
@@ -433,11 +433,9 @@ impl Tokenizers {
         answer
     }
 
-    /// An open gate's path: the local ids, checked inline against a
-    /// replica's when a shadow check is due (a difference answers this
-    /// request with the replica's ids and counts toward closing the gate);
-    /// a replica's ids where the local tokenizer does not reproduce the
-    /// request.
+    /// An open gate's path: the local ids (a Pick's shadow check runs
+    /// beside it, [`Tokenizers::shadow_beside`]); a replica's ids where the
+    /// local tokenizer does not reproduce the request.
     async fn local_or_replica(
         &self,
         replicas: &dyn Replicas,
@@ -479,13 +477,7 @@ impl Tokenizers {
         };
         self.metrics.local_latency.observe(started.elapsed());
         match ids {
-            Ok(mine) => {
-                let salt = mine.salt.clone();
-                let (ids, source) = self
-                    .shadow_checked(replicas, local, api, model, &body, mine)
-                    .await;
-                Ok((ids, salt, source))
-            }
+            Ok(mine) => Ok((mine.ids, mine.salt, Source::Local)),
             Err(TokenizeError::Unsupported(why)) => {
                 tracing::debug!(model, reason = %why, "request not reproduced locally; asking a replica");
                 let salt = salt_of(&body).map_err(|e| (e, Source::Local))?;
@@ -516,77 +508,77 @@ impl Tokenizers {
         }
     }
 
-    /// `mine`'s ids, or a replica's where a due shadow check finds they
-    /// differ (where `mine` stopped at its token cap, in the ids it has).
-    async fn shadow_checked(
+    /// Whether a Pick of `model` answered with local ids should have its
+    /// ids checked against a replica's now ([`Tokenizers::shadow_beside`]):
+    /// the model's gate is open and its shadow rate allows a check.
+    pub fn shadow_due(&self, model: &str) -> bool {
+        self.local(model)
+            .is_some_and(|l| l.gate.state() == GateState::Open && l.gate.shadow_due())
+    }
+
+    /// A Pick's shadow check, run beside the Pick rather than inside it:
+    /// the Pick was routed on `ids` (the local ids of `body`; `truncated`:
+    /// they stopped at the Pick's token cap) without waiting, and here a
+    /// replica tokenizes `body` too, if a check is due (at most
+    /// `shadow_per_second`, one at a time). The verdict is counted, and a
+    /// difference is logged (sparingly) and noted toward closing the gate:
+    /// one body's differences cannot close it. A check inside the Pick made
+    /// the sampled request wait on vLLM's `/tokenize` (every request of a
+    /// model that sees less than one a second), and one that took longer
+    /// than the filter's Pick timeout left that request to least-request.
+    pub async fn shadow_beside(
         &self,
         replicas: &dyn Replicas,
-        local: &LocalModel,
         api: Api,
         model: &str,
         body: &[u8],
-        mine: LocalIds,
-    ) -> (Vec<u32>, Source) {
+        ids: Vec<u32>,
+        truncated: bool,
+    ) {
+        let Some(local) = self.local(model) else {
+            return;
+        };
         let Some(_slot) = local.gate.take_shadow_slot() else {
-            return (mine.ids, Source::Local);
+            return;
         };
-        if api == Api::Messages {
-            return self
-                .shadow_counted(replicas, local, model, body, mine)
-                .await;
-        }
-        let mut theirs = self.timed_replica_ids(replicas, api, model, body).await;
-        if mine.truncated
-            && let Ok(full) = &mut theirs
-        {
-            full.truncate(mine.ids.len());
-        }
-        let mine = Ok(mine.ids);
-        let verdict = probe::compare(&mine, &theirs);
-        local.gate.count(true, &verdict);
-        let Ok(ids) = mine else {
-            return (Vec::new(), Source::Local);
-        };
-        match (verdict, theirs) {
-            (probe::Verdict::Mismatch(why), Ok(replica)) => {
-                local
-                    .gate
-                    .shadow_mismatch(body_hash(body), &why, Instant::now());
-                (replica, Source::Replica)
-            }
-            _ => (ids, Source::Local),
-        }
-    }
-
-    /// A Messages body's shadow check: its length against the replica's
-    /// `/v1/messages/count_tokens`, which runs vLLM's own conversion (there
-    /// is no vLLM endpoint for a Messages body's ids). A difference answers
-    /// this request without ids (routed by load), and counts toward the gate
-    /// as any live mismatch does.
-    async fn shadow_counted(
-        &self,
-        replicas: &dyn Replicas,
-        local: &LocalModel,
-        model: &str,
-        body: &[u8],
-        mine: LocalIds,
-    ) -> (Vec<u32>, Source) {
-        let verdict = if mine.truncated {
-            probe::Verdict::Inconclusive("the local ids stopped at the Pick's token cap".to_owned())
+        let verdict = if api == Api::Messages {
+            self.shadow_counted(replicas, model, body, ids.len(), truncated)
+                .await
         } else {
-            let started = Instant::now();
-            let counted = self.replica_count_tokens(replicas, model, body).await;
-            self.metrics.replica_latency.observe(started.elapsed());
-            probe::compare_count(mine.ids.len(), &counted)
+            let mut theirs = self.timed_replica_ids(replicas, api, model, body).await;
+            if truncated && let Ok(full) = &mut theirs {
+                full.truncate(ids.len());
+            }
+            probe::compare(&Ok(ids), &theirs)
         };
         local.gate.count(true, &verdict);
         if let probe::Verdict::Mismatch(why) = verdict {
             local
                 .gate
                 .shadow_mismatch(body_hash(body), &why, Instant::now());
-            return (Vec::new(), Source::Replica);
         }
-        (mine.ids, Source::Local)
+    }
+
+    /// A Messages body's shadow verdict: its length (`count` local ids)
+    /// against the replica's `/v1/messages/count_tokens`, which runs vLLM's
+    /// own conversion (there is no vLLM endpoint for a Messages body's ids).
+    async fn shadow_counted(
+        &self,
+        replicas: &dyn Replicas,
+        model: &str,
+        body: &[u8],
+        count: usize,
+        truncated: bool,
+    ) -> probe::Verdict {
+        if truncated {
+            return probe::Verdict::Inconclusive(
+                "the local ids stopped at the Pick's token cap".to_owned(),
+            );
+        }
+        let started = Instant::now();
+        let counted = self.replica_count_tokens(replicas, model, body).await;
+        self.metrics.replica_latency.observe(started.elapsed());
+        probe::compare_count(count, &counted)
     }
 
     /// [`Tokenizers::replica_ids`], timed.

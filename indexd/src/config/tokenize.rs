@@ -11,7 +11,7 @@
 //!   cache_bytes: 67108864            # per model: the segment cache's bound
 //!   replica_timeout: 2s              # a replica's /tokenize or render call
 //!   gate_interval: 10m               # the probe set runs again this often
-//!   shadow_per_second: 1             # live requests compared, per model (0: none)
+//!   shadow_per_second: 1             # live Picks compared beside them, per model (0: none)
 //!   gate_close_after_mismatches: 3   # distinct live bodies differing within…
 //!   gate_mismatch_window: 10m        # …this window close the gate
 //!   gate_reopen_after_rounds: 2      # clean probe rounds in a row reopen it
@@ -152,7 +152,7 @@ impl Default for AdmissionConfig {
 pub struct GateRules {
     /// The probe set's period while open; the cap of a closed gate's pause.
     pub interval: Duration,
-    /// Live requests compared per second at most (0: none).
+    /// Live Picks compared per second at most, beside them (0: none).
     pub shadow_per_second: f64,
     /// Distinct live bodies whose ids differ within `mismatch_window` that
     /// close the gate (at least 1).

@@ -1,15 +1,16 @@
 //! The exactness gate of a local tokenizer: local ids are used for routing
 //! only while they are proven equal to a replica's. Its evidence comes from
 //! [`super::probe`]: probe rounds (indexd's own requests) and shadow checks
-//! (a sample of live requests, compared with a replica inline).
+//! (a sample of live requests, compared with a replica).
 //!
 //! - **Pending** at start: requests go to a replica. The first clean probe
 //!   round (every probe agrees, same ids or both refuse) opens it.
 //! - **Open**: the local tokenizer answers. Probe rounds run every
-//!   `gate_interval`; up to `shadow_per_second` live requests per model are
-//!   tokenized both ways, and each such request is answered with the
-//!   replica's ids when the two differ (that request alone falls back:
-//!   counted, logged at most every 10 s with the first differing position).
+//!   `gate_interval`; up to `shadow_per_second` live Picks per model are
+//!   tokenized by a replica too, beside the Pick (routed on its local ids
+//!   at once: no request waits on a replica's tokenizer). A difference is
+//!   counted and logged at most every 10 s with the first differing
+//!   position.
 //! - **Closed** by a probe mismatch (the probe set is indexd's own: a
 //!   difference there is the tokenizer's), or by live requests with
 //!   `gate_close_after_mismatches` distinct bodies whose ids differed within
@@ -196,9 +197,8 @@ impl Gate {
     }
 
     /// [`Gate::describe`] at `now`: an open gate also says how many live
-    /// requests were served a replica's ids because theirs differed (since
-    /// start, and the distinct bodies within the window, of the number
-    /// that closes it).
+    /// requests' local ids differed from a replica's (since start, and the
+    /// distinct bodies within the window, of the number that closes it).
     pub fn describe_at(&self, now: Instant) -> String {
         let inner = lock(&self.inner);
         match self.state() {
@@ -207,8 +207,8 @@ impl Gate {
                 inner.detail, self.rules.reopen_after_rounds, inner.clean_rounds
             ),
             GateState::Open => {
-                let fallbacks = self.counts.shadow_mismatch.load(Ordering::Relaxed);
-                if fallbacks == 0 {
+                let differed = self.counts.shadow_mismatch.load(Ordering::Relaxed);
+                if differed == 0 {
                     return "open".to_owned();
                 }
                 let window = self.rules.mismatch_window;
@@ -218,7 +218,7 @@ impl Gate {
                     .filter(|(at, _)| now.saturating_duration_since(*at) <= window)
                     .count();
                 format!(
-                    "open ({fallbacks} live requests whose local ids differed were served a replica's ids; {recent} distinct bodies within {window:?}, {} close it)",
+                    "open ({differed} live requests whose local ids differed from a replica's; {recent} distinct bodies within {window:?}, {} close it)",
                     self.rules.close_after_mismatches
                 )
             }
@@ -295,7 +295,7 @@ impl Gate {
     /// window. The change, if any.
     pub fn shadow_mismatch(&self, body: u64, why: &str, now: Instant) -> Option<Transition> {
         if self.mismatch_log.open() {
-            tracing::warn!(model = %self.model, difference = %why, "a live request's local ids differ from a replica's: the replica's ids serve it (logged at most every 10 s; indexd_tokenizer_checks_total counts them)");
+            tracing::warn!(model = %self.model, difference = %why, "a live Pick's local ids differ from a replica's (it was routed on its own; logged at most every 10 s; indexd_tokenizer_checks_total counts them)");
         }
         let mut inner = lock(&self.inner);
         if self.state() != GateState::Open {
@@ -348,6 +348,20 @@ impl Gate {
     /// happened since the last call).
     pub async fn changed(&self) {
         self.changed.notified().await;
+    }
+
+    /// Whether [`Gate::take_shadow_slot`] would give a slot now (no check
+    /// in flight, the last one at least `1 / shadow_per_second` ago); it
+    /// takes none.
+    pub fn shadow_due(&self) -> bool {
+        let Some(every) = self.shadow_every else {
+            return false;
+        };
+        if self.shadow_busy.load(Ordering::Acquire) {
+            return false;
+        }
+        let last = lock(&self.last_shadow);
+        !last.is_some_and(|t| Instant::now().saturating_duration_since(t) < every)
     }
 
     /// A shadow check's turn for a live request now, if one is due (at most
