@@ -134,10 +134,13 @@ fn a_closed_gate_backs_off_and_strikes_are_forgiven_after_a_clean_interval() {
 #[test]
 fn shadow_slots_are_rate_limited_and_one_at_a_time() {
     let g = open_gate();
+    assert!(g.shadow_due(), "the first live Pick is checked");
     let slot = g.take_shadow_slot();
     assert!(slot.is_some());
+    assert!(!g.shadow_due());
     assert!(g.take_shadow_slot().is_none(), "one at a time");
     drop(slot);
+    assert!(!g.shadow_due());
     assert!(g.take_shadow_slot().is_none(), "at most one a second");
     let none = Gate::new(
         "m",
@@ -146,5 +149,21 @@ fn shadow_slots_are_rate_limited_and_one_at_a_time() {
             ..rules()
         },
     );
+    assert!(!none.shadow_due());
     assert!(none.take_shadow_slot().is_none());
+    // Whether one is due takes nothing: a check is given when it comes.
+    let often = Gate::new(
+        "m",
+        GateRules {
+            shadow_per_second: 1e6,
+            ..rules()
+        },
+    );
+    assert!(often.shadow_due() && often.shadow_due());
+    let slot = often.take_shadow_slot();
+    assert!(slot.is_some());
+    assert!(!often.shadow_due(), "one in flight");
+    drop(slot);
+    std::thread::sleep(Duration::from_millis(1));
+    assert!(often.shadow_due());
 }
