@@ -382,14 +382,16 @@ async fn a_pick_encodes_no_more_than_the_blocks_it_keys() {
     let a = pick_body(&mut d, long).await;
     assert_eq!(a.tokenizer, TokenizerSource::Local as i32);
     assert_eq!(a.prompt_tokens, 12, "encoding stopped at the cap");
-    // Its shadow check compared the ids it had with the replica's first 12.
-    let metrics = get(&format!("{}/metrics", d.http)).await;
-    assert!(
-        metrics.contains(&format!(
+    // Its shadow check, beside it, compared the ids it had with the
+    // replica's first 12.
+    metric_shows(
+        &d,
+        &format!(
             "indexd_tokenizer_checks_total{{model=\"{MODEL}\",kind=\"shadow\",result=\"agree\"}} 1"
-        )),
-        "{metrics}"
-    );
+        ),
+    )
+    .await;
+    let metrics = get(&format!("{}/metrics", d.http)).await;
     assert!(!metrics.contains("result=\"mismatch\"} 1"), "{metrics}");
     assert!(stub.calls.load(Ordering::Relaxed) >= 1);
     // HTTP's /tokenize answers every id.
