@@ -354,29 +354,23 @@ impl Gate {
     /// in flight, the last one at least `1 / shadow_per_second` ago); it
     /// takes none.
     pub fn shadow_due(&self) -> bool {
-        let Some(every) = self.shadow_every else {
-            return false;
-        };
-        if self.shadow_busy.load(Ordering::Acquire) {
-            return false;
-        }
-        let last = lock(&self.last_shadow);
-        !last.is_some_and(|t| Instant::now().saturating_duration_since(t) < every)
+        self.shadow_due_at(&lock(&self.last_shadow), Instant::now())
+    }
+
+    /// [`Gate::shadow_due`] at `now`, the last check's time held.
+    fn shadow_due_at(&self, last: &Option<Instant>, now: Instant) -> bool {
+        self.shadow_every.is_some_and(|every| {
+            !self.shadow_busy.load(Ordering::Acquire)
+                && !last.is_some_and(|t| now.saturating_duration_since(t) < every)
+        })
     }
 
     /// A shadow check's turn for a live request now, if one is due (at most
     /// `shadow_per_second`, one at a time): held until dropped.
     pub fn take_shadow_slot(&self) -> Option<ShadowSlot<'_>> {
-        let every = self.shadow_every?;
-        if self.shadow_busy.load(Ordering::Acquire) {
-            return None;
-        }
         let mut last = lock(&self.last_shadow);
         let now = Instant::now();
-        if last.is_some_and(|t| now.saturating_duration_since(t) < every) {
-            return None;
-        }
-        if self.shadow_busy.swap(true, Ordering::AcqRel) {
+        if !self.shadow_due_at(&last, now) || self.shadow_busy.swap(true, Ordering::AcqRel) {
             return None;
         }
         *last = Some(now);
