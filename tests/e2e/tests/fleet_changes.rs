@@ -765,6 +765,7 @@ fn run(
                     .into(),
             );
         }
+        let mut judged = 0;
         for c in &timeline.leavers_conversations {
             let mut after: Vec<&Turn> = turns
                 .iter()
@@ -789,7 +790,13 @@ fn run(
                     )
                 })
                 .collect();
+            if !rest.is_empty() {
+                judged += 1;
+            }
             let verdict = match rest.first() {
+                // Its turns after the leave all went to the leaver while the
+                // leave propagated, and the run ended before another.
+                None if propagating > 0 => None,
                 None => Some("took no turn after the leave".to_owned()),
                 Some(first) if first.replica.as_deref() == Some(leaver.as_str()) => {
                     Some("went back to the replica that had left".to_owned())
@@ -806,6 +813,12 @@ fn run(
                     path.join(" ")
                 ));
             }
+        }
+        if judged == 0 {
+            failures.push(
+                "leave: no conversation of the leaver took a turn once the leave had propagated"
+                    .into(),
+            );
         }
     }
 
