@@ -19,7 +19,7 @@
 //! discovery file and Envoy's EDS files.
 
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use indexd::ListenAddr;
 use serde_json::{Value, json};
@@ -31,6 +31,9 @@ use crate::{Envoy, HarnessError};
 
 mod membership;
 mod parts;
+mod waits;
+
+pub use waits::wait_until;
 
 use parts::{
     RunningIndexd, endpoint, envoy_config, indexd_config, mock_config, mock_endpoints, runtime,
@@ -130,6 +133,9 @@ pub struct StackOptions {
     /// replica with a prompt it was never sent, and every match comes from
     /// the replicas' events.
     pub indexd_speculative_ttl: Option<Duration>,
+    /// indexd's `shadow_per_second` for its local tokenizers (None: its
+    /// default): how many live Picks a second a replica tokenizes too.
+    pub indexd_shadow_per_second: Option<f64>,
     /// The replicas are not fixed: indexd follows a discovery file (no
     /// static endpoints) and Envoy's replica clusters are EDS clusters fed
     /// from files, so [`Stack::add_replica`] (a mock),
@@ -170,6 +176,7 @@ impl Default for StackOptions {
             max_num_batched_tokens: None,
             vllm_model_dir: None,
             indexd_speculative_ttl: None,
+            indexd_shadow_per_second: None,
             membership_files: false,
         }
     }
@@ -578,111 +585,4 @@ impl Stack {
             .chain(self.extra_gateways.iter().map(|g| &g.indexd))
             .flatten()
     }
-
-    /// Waits until every running indexd sees every replica fresh and healthy.
-    pub fn wait_index_ready(&self, timeout: Duration) -> Result<(), HarnessError> {
-        let started = Instant::now();
-        for indexd in self.all_indexd() {
-            let left = timeout.saturating_sub(started.elapsed());
-            self.wait_one_index_ready(indexd, left)?;
-        }
-        Ok(())
-    }
-
-    fn wait_one_index_ready(
-        &self,
-        indexd: &RunningIndexd,
-        timeout: Duration,
-    ) -> Result<(), HarnessError> {
-        let ids: Vec<indexd::EndpointId> = self.endpoints.iter().map(|e| e.id.clone()).collect();
-        wait_until(
-            "indexd sees every replica fresh and healthy",
-            timeout,
-            || {
-                ids.iter().all(|id| {
-                    indexd
-                        .handle
-                        .replica(id)
-                        .is_some_and(|s| s.fresh && s.healthy)
-                })
-            },
-        )
-        .map_err(|e| match e {
-            HarnessError::NotReady { what, after, .. } => {
-                let status: Vec<String> = ids
-                    .iter()
-                    .map(|id| format!("{id}: {:?}", indexd.handle.replica(id)))
-                    .collect();
-                // The one line a truncated CI log keeps: which replica is not.
-                let short: Vec<String> = ids
-                    .iter()
-                    .map(|id| match indexd.handle.replica(id) {
-                        Some(s) => format!("{id} fresh={} healthy={}", s.fresh, s.healthy),
-                        None => format!("{id} unknown"),
-                    })
-                    .collect();
-                HarnessError::NotReady {
-                    what: format!("{what} ({})", short.join("; ")),
-                    after,
-                    log: format!("{}\n{}", status.join("\n"), indexd.handle.metrics_text()),
-                }
-            }
-            other => other,
-        })
-    }
-
-    /// Waits until every running indexd holds at least `entries` blocks for
-    /// replica `i` (all its data-parallel ranks together).
-    pub fn wait_indexed(
-        &self,
-        i: usize,
-        entries: usize,
-        timeout: Duration,
-    ) -> Result<(), HarnessError> {
-        let addresses = self.replica_addresses();
-        let Some(address) = addresses.get(i) else {
-            return Ok(());
-        };
-        if let Some(replica) = self.replicas.get(i) {
-            self.runtime.block_on(replica.flush_events());
-        }
-        // Every rank of the server counts.
-        let ids: Vec<indexd::EndpointId> = self
-            .endpoints
-            .iter()
-            .filter(|e| e.id.address.to_string() == *address)
-            .map(|e| e.id.clone())
-            .collect();
-        let all: Vec<&RunningIndexd> = self.all_indexd().collect();
-        wait_until("indexd ingests the replica's events", timeout, || {
-            all.iter().all(|indexd| {
-                let held: usize = ids
-                    .iter()
-                    .filter_map(|id| indexd.handle.replica(id))
-                    .map(|s| s.entries)
-                    .sum();
-                held >= entries
-            })
-        })
-    }
-}
-
-/// Polls `done` every 10 ms until it holds or `timeout` passes.
-pub fn wait_until(
-    what: &str,
-    timeout: Duration,
-    mut done: impl FnMut() -> bool,
-) -> Result<(), HarnessError> {
-    let started = Instant::now();
-    while !done() {
-        if started.elapsed() > timeout {
-            return Err(HarnessError::NotReady {
-                what: what.to_owned(),
-                after: timeout,
-                log: String::new(),
-            });
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    Ok(())
 }

@@ -500,6 +500,9 @@ fn data_parallel_ranks_are_pinned_by_header() {
         let mut messages = unshared(70 + conversation);
         let body = chat_body(&model, &messages, None);
         let rank_header = rank.to_string();
+        // The server already holds the earlier conversations' blocks: wait
+        // for this one's on top of them.
+        let before = stack.indexed_entries(server);
         let first = post_json(
             &direct,
             "/v1/chat/completions",
@@ -509,18 +512,42 @@ fn data_parallel_ranks_are_pinned_by_header() {
         .unwrap();
         assert_eq!(first.rank.as_deref(), Some(rank_header.as_str()));
         let blocks = (first.prompt_tokens / u64::from(stack.options().block_size)) as usize;
-        stack.wait_indexed(server, blocks, WAIT).unwrap();
+        stack.wait_indexed(server, before + blocks, WAIT).unwrap();
 
         messages.push(message("user", "and the next step?"));
         let body = chat_body(&model, &messages, None);
         let next = post_json(&url, "/v1/chat/completions", &body, &[]).unwrap();
         assert_eq!(next.status, 200, "{}", next.body);
-        assert_eq!(next.decision.as_deref(), Some("precise"));
+        assert_eq!(
+            next.decision.as_deref(),
+            Some("precise"),
+            "conversation {conversation}; indexd's decisions so far:\n{}",
+            decisions(&stack)
+        );
         assert_eq!(next.replica, first.replica, "conversation {conversation}");
         // The filter pinned the rank indexd named: the warm engine served.
         assert_eq!(next.rank, first.rank, "conversation {conversation}");
         assert!(next.cached_tokens > 0);
+        // Its blocks indexed before the next conversation counts the
+        // server's (at least the continuation's prompt on top of `before`).
+        let next_blocks = (next.prompt_tokens / u64::from(stack.options().block_size)) as usize;
+        stack
+            .wait_indexed(server, before + next_blocks, WAIT)
+            .unwrap();
     }
+}
+
+/// indexd's `indexd_decisions_total` lines (decision and reason), for a
+/// failure's message.
+fn decisions(stack: &Stack) -> String {
+    stack
+        .indexd()
+        .map(|i| i.metrics_text())
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("indexd_decisions_total{"))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 #[test]
