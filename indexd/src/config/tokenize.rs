@@ -11,7 +11,7 @@
 //!   cache_bytes: 67108864            # per model: the segment cache's bound
 //!   replica_timeout: 2s              # a replica's /tokenize or render call
 //!   gate_interval: 10m               # the probe set runs again this often
-//!   shadow_per_second: 1             # live Picks compared beside them, per model (0: none)
+//!   shadow_per_second: 0.1           # live Picks compared beside them, per model (0: none)
 //!   gate_close_after_mismatches: 3   # distinct live bodies differing within…
 //!   gate_mismatch_window: 10m        # …this window close the gate
 //!   gate_reopen_after_rounds: 2      # clean probe rounds in a row reopen it
@@ -169,7 +169,10 @@ impl Default for GateRules {
     fn default() -> Self {
         Self {
             interval: Duration::from_secs(600),
-            shadow_per_second: 1.0,
+            // One every 10 s per model and indexd: a DaemonSet of N nodes
+            // sends N times this to the replicas' API servers, where each
+            // costs a /tokenize of a whole conversation.
+            shadow_per_second: 0.1,
             close_after_mismatches: 3,
             mismatch_window: Duration::from_secs(600),
             reopen_after_rounds: 2,

@@ -8,9 +8,11 @@
 //! - **Open**: the local tokenizer answers. Probe rounds run every
 //!   `gate_interval`; up to `shadow_per_second` live Picks per model are
 //!   tokenized by a replica too, beside the Pick (routed on its local ids
-//!   at once: no request waits on a replica's tokenizer). A difference is
-//!   counted and logged at most every 10 s with the first differing
-//!   position.
+//!   at once: no request waits on a replica's tokenizer). A clean probe
+//!   round counts as the last such check: the first live one comes
+//!   `1 / shadow_per_second` after it, not on the burst of Picks that an
+//!   opening gate lets through. A difference is counted and logged at most
+//!   every 10 s with the first differing position.
 //! - **Closed** by a probe mismatch (the probe set is indexd's own: a
 //!   difference there is the tokenizer's), or by live requests with
 //!   `gate_close_after_mismatches` distinct bodies whose ids differed within
@@ -257,7 +259,11 @@ impl Gate {
 
     /// Applies a probe round's verdict (at `now`); the change, if any.
     pub fn probe_round(&self, verdict: &Verdict, now: Instant) -> Option<Transition> {
-        let _ = now;
+        if matches!(verdict, Verdict::Agree) {
+            // The round just compared the whole probe set: a live check
+            // right after it would add a replica's work and little evidence.
+            *lock(&self.last_shadow) = Some(now);
+        }
         let mut inner = lock(&self.inner);
         match (verdict, self.state()) {
             (Verdict::Agree, GateState::Pending) => {
@@ -351,8 +357,8 @@ impl Gate {
     }
 
     /// Whether [`Gate::take_shadow_slot`] would give a slot now (no check
-    /// in flight, the last one at least `1 / shadow_per_second` ago); it
-    /// takes none.
+    /// in flight, the last one, or the last clean probe round, at least
+    /// `1 / shadow_per_second` ago); it takes none.
     pub fn shadow_due(&self) -> bool {
         self.shadow_due_at(&lock(&self.last_shadow), Instant::now())
     }

@@ -14,9 +14,14 @@ fn rules() -> GateRules {
 }
 
 fn open_gate() -> Gate {
+    open_gate_at(Instant::now())
+}
+
+/// A gate opened by a clean probe round at `at`.
+fn open_gate_at(at: Instant) -> Gate {
     let g = Gate::new("m", rules());
     assert_eq!(g.state(), GateState::Pending);
-    let t = g.probe_round(&Verdict::Agree, Instant::now()).unwrap();
+    let t = g.probe_round(&Verdict::Agree, at).unwrap();
     assert_eq!(
         (t.from, t.to, t.why),
         (GateState::Pending, GateState::Open, Why::ProbesAgree)
@@ -132,9 +137,40 @@ fn a_closed_gate_backs_off_and_strikes_are_forgiven_after_a_clean_interval() {
 }
 
 #[test]
+fn a_clean_probe_round_counts_as_the_last_live_check() {
+    let g = Gate::new("m", rules());
+    let at = Instant::now();
+    g.probe_round(&Verdict::Agree, at);
+    assert_eq!(g.state(), GateState::Open);
+    let last = *lock(&g.last_shadow);
+    assert!(
+        !g.shadow_due_at(&last, at + Duration::from_millis(999)),
+        "no live check on the Picks the opening lets through"
+    );
+    assert!(g.shadow_due_at(&last, at + Duration::from_secs(1)));
+    // A periodic clean round while open defers the next one again.
+    let later = at + Duration::from_secs(5);
+    g.probe_round(&Verdict::Agree, later);
+    let last = *lock(&g.last_shadow);
+    assert!(!g.shadow_due_at(&last, later + Duration::from_millis(500)));
+    // A round that found a difference or could not decide is no evidence.
+    let g = open_gate_at(at);
+    g.probe_round(&mismatch(), at + Duration::from_secs(5));
+    g.probe_round(
+        &Verdict::Inconclusive("timeout".to_owned()),
+        at + Duration::from_secs(6),
+    );
+    let last = *lock(&g.last_shadow);
+    assert_eq!(last, Some(at));
+}
+
+#[test]
 fn shadow_slots_are_rate_limited_and_one_at_a_time() {
-    let g = open_gate();
-    assert!(g.shadow_due(), "the first live Pick is checked");
+    let g = open_gate_at(Instant::now() - Duration::from_secs(2));
+    assert!(
+        g.shadow_due(),
+        "the first live Pick a second after the round is checked"
+    );
     let slot = g.take_shadow_slot();
     assert!(slot.is_some());
     assert!(!g.shadow_due());

@@ -12,7 +12,7 @@ use kvroute_proto::v1::{Api, DecisionKind, TokenizerSource};
 use kvroute_tokenizer::{MessagesRequest, Tokenizer};
 
 use super::tokenize::{
-    MODEL, gate_open, get, model_dir, pick_body, start_indexd_with, start_replica,
+    MODEL, gate_open, get, model_dir, pick_body, start_indexd_with, start_replica, wait_for_gate,
 };
 
 /// A two-turn tool loop: a tool_use answered by a tool_result.
@@ -147,7 +147,14 @@ async fn without_a_local_tokenizer_only_template_free_messages_are_tokenized() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_messages_body_counted_otherwise_is_noted_beside_its_pick() {
     let dir = model_dir();
-    let (replica, mut d, truth) = gate_open(&dir).await;
+    let replica = start_replica(&dir).await;
+    // Ten live checks a second (the default is one every 10 s).
+    let mut d = start_indexd_with(replica.addr, Some(&dir), |c| {
+        c.tokenize.gate.shadow_per_second = 10.0;
+    })
+    .await;
+    wait_for_gate(&d, 1).await;
+    let truth = Tokenizer::load(&dir, MODEL, kvroute_tokenizer::LoadOptions::default()).unwrap();
     // From now on the replica's count_tokens is one more than indexd's ids:
     // the shadow check beside the next live Messages Pick finds it.
     replica.count_skew.store(1, Ordering::Relaxed);
@@ -163,7 +170,7 @@ async fn a_live_messages_body_counted_otherwise_is_noted_beside_its_pick() {
         // Routed on its local ids at once, whatever the check finds.
         assert_eq!(a.tokenizer, TokenizerSource::Local as i32, "{a:?}");
         assert_eq!(a.prompt_tokens as usize, prompt_of(&truth, &body).len());
-        // The check ends after the Pick's answer; one a second.
+        // The check ends after the Pick's answer; ten a second.
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         if get(&format!("{}/metrics", d.http))
             .await

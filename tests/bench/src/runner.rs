@@ -56,6 +56,11 @@ pub enum Profile {
     /// a burst spreads by load. The other side of precise's choice,
     /// measured beside it.
     PreciseSpread,
+    /// kvroute, precise mode, a replica also tokenizing up to one live Pick
+    /// a second beside it (`shadow_per_second: 1`, the earlier default, ten
+    /// times today's): what the exactness gate's live checks cost the
+    /// replicas, measured beside precise.
+    PreciseChecked,
     /// vllm-router 0.1.17, `cache_aware` (a separate process; bench venv).
     VllmRouterCacheAware,
     /// vllm-router 0.1.17, `kv_aware` subscribed to the replicas' KV events.
@@ -86,6 +91,7 @@ impl Profile {
             Self::Precise => "kvroute-precise",
             Self::PreciseLocal => "kvroute-precise-local",
             Self::PreciseSpread => "kvroute-precise-spread",
+            Self::PreciseChecked => "kvroute-precise-checked",
             Self::VllmRouterCacheAware => "vllm-router-cache-aware",
             Self::VllmRouterKvAware => "vllm-router-kv-aware",
             Self::SglangRouterCacheAware => "sglang-router-cache-aware",
@@ -98,7 +104,9 @@ impl Profile {
     fn routing(self) -> Routing {
         match self {
             Self::Approximate => Routing::Approximate,
-            Self::Precise | Self::PreciseLocal | Self::PreciseSpread => Routing::Precise,
+            Self::Precise | Self::PreciseLocal | Self::PreciseSpread | Self::PreciseChecked => {
+                Routing::Precise
+            }
             _ => Routing::LeastRequest,
         }
     }
@@ -117,6 +125,11 @@ impl Profile {
     /// indexd's `speculative_ttl` under this profile (None: its default).
     fn speculative_ttl(self) -> Option<Duration> {
         (self == Self::PreciseSpread).then_some(Duration::ZERO)
+    }
+
+    /// indexd's `shadow_per_second` under this profile (None: its default).
+    fn shadow_per_second(self) -> Option<f64> {
+        (self == Self::PreciseChecked).then_some(1.0)
     }
 
     /// The peer router this profile puts in front of the replicas, if any.

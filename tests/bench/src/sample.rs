@@ -102,7 +102,10 @@ pub(crate) fn profile_rank(profile: &str) -> u8 {
     match profile {
         "least-request" => 0,
         "kvroute-approximate" => 1,
-        "kvroute-precise" | "kvroute-precise-local" | "kvroute-precise-spread" => 2,
+        "kvroute-precise"
+        | "kvroute-precise-local"
+        | "kvroute-precise-spread"
+        | "kvroute-precise-checked" => 2,
         "vllm-router-cache-aware" => 3,
         "vllm-router-kv-aware" => 4,
         "sglang-router-cache-aware" => 5,

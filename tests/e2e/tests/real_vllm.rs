@@ -339,6 +339,10 @@ fn real_vllm_end_to_end() {
             chat_template: None,
             trust_request_chat_template: false,
         }],
+        // Every live Pick (one at a time) is tokenized by a replica too,
+        // beside it: the checks below compare real traffic, not the default
+        // one every 10 s, which this short test would not reach.
+        indexd_shadow_per_second: Some(1_000.0),
         ..StackOptions::default()
     })
     .unwrap_or_else(|e| {
@@ -524,10 +528,17 @@ fn real_vllm_end_to_end() {
         local.unwrap_or(0.0) >= 10.0,
         "local tokenizations: {local:?}"
     );
-    let mismatches = format!(
-        "indexd_tokenizer_checks_total{{model=\"{model}\",kind=\"shadow\",result=\"mismatch\"}}"
+    let checks = |result: &str| {
+        format!(
+            "indexd_tokenizer_checks_total{{model=\"{model}\",kind=\"shadow\",result=\"{result}\"}}"
+        )
+    };
+    assert_eq!(indexd_metric(&stack, &checks("mismatch")), Some(0.0));
+    let agreed = indexd_metric(&stack, &checks("agree"));
+    assert!(
+        agreed.unwrap_or(0.0) >= 1.0,
+        "live Picks checked against vLLM: {agreed:?}"
     );
-    assert_eq!(indexd_metric(&stack, &mismatches), Some(0.0));
     assert_eq!(
         indexd_metric(
             &stack,

@@ -39,6 +39,7 @@ pub(super) fn mock_stack(
         max_num_batched_tokens: workload.max_num_batched_tokens,
         max_model_len: workload.mock_max_model_len(defaults.max_model_len),
         indexd_speculative_ttl: profile.speculative_ttl(),
+        indexd_shadow_per_second: profile.shadow_per_second(),
         ..defaults
     })?;
     let replicas = stack
@@ -88,6 +89,7 @@ pub(super) fn fleet_stack(
             scrape_interval: options.scrape_interval.unwrap_or(defaults.scrape_interval),
             filter_overrides,
             indexd_speculative_ttl: profile.speculative_ttl(),
+            indexd_shadow_per_second: profile.shadow_per_second(),
             ..defaults
         },
         fleet.external(),

@@ -167,6 +167,9 @@ pub(super) fn indexd_config(
         config.block_size = bs;
     }
     config.tokenize.tokenizers = options.tokenizers.clone();
+    if let Some(rate) = options.indexd_shadow_per_second {
+        config.tokenize.gate.shadow_per_second = rate;
+    }
     config
 }
 

@@ -273,6 +273,8 @@ fn start_hybrid(h: &Hybrid, dir: std::path::PathBuf, local_tokenizer: bool) -> S
         // choose with the whole prompt, which a hybrid Pick counts as held
         // in every group until it expires.
         indexd_speculative_ttl: Some(Duration::ZERO),
+        // Every live Pick (one at a time) tokenized by a replica beside it.
+        indexd_shadow_per_second: Some(1_000.0),
         ..StackOptions::default()
     })
     .unwrap_or_else(|e| {
@@ -429,11 +431,21 @@ fn real_vllm_hybrid_end_to_end() {
         local.unwrap_or(0.0) >= 9.0,
         "local tokenizations: {local:?}"
     );
-    let mismatches = format!(
-        "indexd_tokenizer_checks_total{{model=\"{}\",kind=\"shadow\",result=\"mismatch\"}}",
-        gemma.model
+    let checks = |result: &str| {
+        format!(
+            "indexd_tokenizer_checks_total{{model=\"{}\",kind=\"shadow\",result=\"{result}\"}}",
+            gemma.model
+        )
+    };
+    assert_eq!(
+        indexd_metric(&stack, &checks("mismatch")).unwrap_or(0.0),
+        0.0
     );
-    assert_eq!(indexd_metric(&stack, &mismatches).unwrap_or(0.0), 0.0);
+    let agreed = indexd_metric(&stack, &checks("agree"));
+    assert!(
+        agreed.unwrap_or(0.0) >= 1.0,
+        "live Picks checked against vLLM: {agreed:?}"
+    );
     eprintln!(
         "gemma3: B 0 of {} tokens (shares {shared} blocks with A), C {} of {} at the \
          junction; done after {:?}",
