@@ -288,6 +288,9 @@ pub struct Metrics {
     /// New conversations sent to a replica that had none for
     /// `starve_after` and lost them only on its speed estimate.
     pub explorations: Counter,
+    /// New conversations sent to a replica with fewer conversations than
+    /// the cheapest, at a cost within `balance_margin` of it.
+    pub balanced: Counter,
     /// Picks whose cheapest candidate holds less than another (a move away
     /// from the warm replica): `moved` when it paid, `held` when not.
     pub moves: CounterVec<1>,
@@ -441,6 +444,10 @@ impl Metrics {
                 "indexd_explorations_total",
                 "New conversations sent, against the cost model's first choice, to a replica that had none for starve_after while others of its model did, and that would have cost no more at the first choice's prefill speed: its speed estimate alone kept them from it.",
             ),
+            balanced: Counter::new(
+                "indexd_balanced_total",
+                "New conversations sent, against the cost model's first choice, to a replica holding fewer of this indexd's conversations at a cost within weights.balance_margin of it: a near tie on the first turn's cost, where the conversation's later turns load the replica it joins.",
+            ),
             replay_requests: CounterVec::new(
                 "indexd_replay_requests_total",
                 "Replays asked for, by where they start: start (seq 0), snapshot (a snapshot's saved seq), gap.",
@@ -533,6 +540,7 @@ impl Metrics {
         self.affinity_lookups.render(out);
         self.continued.render(out);
         self.explorations.render(out);
+        self.balanced.render(out);
         self.moves.render(out);
         self.moves_barred.render(out);
         self.replay_requests.render(out);

@@ -984,3 +984,77 @@ fn starve_after_zero_never_explores() {
     }
     assert_eq!(s.metrics.explorations.get(), 0);
 }
+
+/// Eight new conversations behind one shared prompt of 2,048 tokens,
+/// `gap_ms` apart, on two alike replicas: how many each replica was sent,
+/// and how many times the balance rule chose.
+fn burst_split(margin: f64, gap_ms: u64) -> (Vec<usize>, u64) {
+    let (s, rs) = shared(2, |c| c.weights.balance_margin = margin);
+    for r in &rs {
+        believed(r, 8_000.0);
+    }
+    let t0 = Instant::now() + Duration::from_secs(6);
+    let system: Vec<u32> = (0..2_048).collect();
+    let mut split = vec![0; 2];
+    for i in 0..8u32 {
+        let mut prompt = system.clone();
+        // Tails of 48 to 160 tokens, as conversations' first messages differ.
+        prompt.extend((100_000 + i * 1_000)..(100_048 + i * 1_000 + (i * 37) % 113));
+        let r = pick(
+            &s,
+            &req(&keys(&prompt)),
+            t0 + Duration::from_millis(u64::from(i) * gap_ms),
+        )
+        .unwrap();
+        let at = usize::from(r.candidates[0].address != "10.0.0.1:8000");
+        split[at] += 1;
+    }
+    (split, s.metrics.balanced.get())
+}
+
+#[test]
+fn a_burst_of_new_conversations_spreads_by_number_where_costs_nearly_tie() {
+    // 10 ms apart: eight conversations within 80 ms, as W6-burst starts.
+    let (split, balanced) = burst_split(crate::config::Weights::default().balance_margin, 10);
+    assert_eq!(split, vec![4, 4], "balanced {balanced} times");
+    assert!(balanced >= 1);
+    // By the first turn's cost alone, the queue behind the shared prompt's
+    // prefill on one replica against its prefill on the other decides, a
+    // few milliseconds either way, and the split is uneven (6/2 here).
+    let (split, balanced) = burst_split(0.0, 10);
+    assert_ne!(split, vec![4, 4]);
+    assert_eq!(balanced, 0);
+}
+
+#[test]
+fn balancing_never_leaves_blocks_the_events_show() {
+    let (s, rs) = shared(2, |_| {});
+    for r in &rs {
+        believed(r, 8_000.0);
+    }
+    let t0 = Instant::now() + Duration::from_secs(6);
+    // One conversation this indexd placed, on the first replica.
+    let placed: Vec<u32> = (50_000..50_160).collect();
+    store(&s, &rs[0], &placed);
+    let r = pick(&s, &req(&keys(&placed)), t0).unwrap();
+    assert_eq!(r.candidates[0].address, "10.0.0.1:8000");
+    // A conversation whose earlier turns went through another gateway: a
+    // system prompt both hold and 32 tokens of its own on the first. Its
+    // 72 uncached tokens elsewhere cost 9 ms, within the margin of the 5 ms
+    // here, and the second replica has fewer conversations; it stays.
+    let system: Vec<u32> = (0..320).collect();
+    store(&s, &rs[1], &system);
+    let mut history = system.clone();
+    history.extend(60_000..60_032);
+    store(&s, &rs[0], &history);
+    let mut turn = history.clone();
+    turn.extend(70_000..70_040);
+    let r = pick(&s, &req(&keys(&turn)), t0 + Duration::from_millis(1)).unwrap();
+    assert_eq!(r.candidates[0].address, "10.0.0.1:8000");
+    assert_eq!(s.metrics.balanced.get(), 0);
+    // The same prompt held alike on both: the fewer conversations win.
+    let mut other = system.clone();
+    other.extend(80_000..80_040);
+    let r = pick(&s, &req(&keys(&other)), t0 + Duration::from_millis(2)).unwrap();
+    assert_eq!(r.candidates[0].address, "10.0.0.1:8001");
+}

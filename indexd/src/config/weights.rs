@@ -31,6 +31,10 @@ pub struct Weights {
     /// warm replica to hold more than `1 + move_imbalance` times the
     /// target's conversations (a lasting imbalance, not a passing queue).
     pub move_imbalance: f64,
+    /// A new conversation goes to the replica with the fewest of this
+    /// indexd's conversations among those costing at most this fraction
+    /// more than the cheapest (0: the cheapest always).
+    pub balance_margin: f64,
     /// Credit only the matched blocks expected to survive until the request
     /// is admitted (module docs).
     pub predict_eviction: bool,
@@ -49,6 +53,7 @@ impl Default for Weights {
             credit_storage: 0.5,
             move_margin: 1.0,
             move_imbalance: 0.25,
+            balance_margin: 0.2,
             predict_eviction: true,
         }
     }
@@ -83,6 +88,7 @@ impl Weights {
             ("weights.credit_storage", self.credit_storage),
             ("weights.move_margin", self.move_margin),
             ("weights.move_imbalance", self.move_imbalance),
+            ("weights.balance_margin", self.balance_margin),
         ];
         for (field, v) in fields {
             if !v.is_finite() || v < 0.0 {

@@ -63,6 +63,7 @@ pub(super) fn place(
         );
     }
     if continues.is_none() {
+        balance(shared, req, snap, &mut ranking);
         explore(shared, req, snap, &mut ranking, now);
     }
     if let Some(limit) = snap.over_length {
@@ -96,6 +97,77 @@ fn prompt_tokens(req: &PickRequest, snap: &Snapshot) -> u32 {
         .saturating_mul(req.block_size);
     req.prompt_tokens.max(keyed_tokens)
 }
+
+/// Conversations spread by number, where their first turn's cost allows: a
+/// new conversation goes to the replica with the fewest of this indexd's
+/// conversations among those costing at most `balance_margin` more than the
+/// cheapest (and 5 ms, for costs near zero). The cost prices its first turn
+/// only, while every later turn loads the replica it joins: conversations
+/// starting together behind one shared prompt cost nearly alike everywhere
+/// (one replica's prefill of the prompt against the other's queue behind
+/// it), and by cost alone eight of them split five to three as often as
+/// four to four. Only among replicas whose events show as much of the
+/// prompt as the cheapest's (a conversation this indexd has not seen keeps
+/// its history), and while none shows more (the move rule's case). Counted.
+fn balance(shared: &Shared, req: &PickRequest, snap: &Snapshot, ranking: &mut Ranking) {
+    let margin = shared.config.weights.balance_margin;
+    if margin <= 0.0 || ranking.moved != Move::None || snap.mismatch.is_some() {
+        return;
+    }
+    let Some(best) = ranking.ranked.first().copied() else {
+        return;
+    };
+    let within = best.cost + (best.cost * margin).max(BALANCE_FLOOR_SECONDS);
+    let on = |input: usize| {
+        snap.inputs
+            .get(input)
+            .map_or(f64::MAX, |i| i.load.conversations)
+    };
+    // Blocks the replica's events show: a candidate holding fewer than the
+    // cheapest is left out, so that a conversation this indexd has not seen
+    // (its earlier turns sent through another gateway) is never balanced
+    // away from its history; blocks only credited speculatively (a burst's
+    // shared prompt, sent a moment ago) are no reason to stay.
+    let confirmed = |input: usize| {
+        snap.inputs.get(input).map_or(0, |i| {
+            i.matched
+                .blocks
+                .saturating_sub(i.matched.speculative.min(i.matched.blocks))
+        })
+    };
+    let floor = confirmed(best.input);
+    let fewest = ranking
+        .ranked
+        .iter()
+        .enumerate()
+        .take_while(|(_, r)| r.cost <= within)
+        .filter(|(_, r)| confirmed(r.input) >= floor)
+        .min_by(|(_, a), (_, b)| on(a.input).total_cmp(&on(b.input)))
+        .map(|(at, _)| at);
+    let fewer = |at: &usize| {
+        *at > 0
+            && ranking
+                .ranked
+                .get(*at)
+                .is_some_and(|r| on(r.input) < on(best.input))
+    };
+    let Some(at) = fewest.filter(fewer) else {
+        return;
+    };
+    let chosen = ranking.ranked.remove(at);
+    ranking.ranked.insert(0, chosen);
+    shared.metrics.balanced.inc();
+    tracing::debug!(
+        request_id = %req.request_id,
+        cost = chosen.cost,
+        cheapest = best.cost,
+        "pick: a new conversation sent to a replica with fewer conversations at a near-equal cost \
+         (balance_margin; indexd_balanced_total)"
+    );
+}
+
+/// [`balance`]'s margin at least, in seconds.
+const BALANCE_FLOOR_SECONDS: f64 = 0.005;
 
 /// No replica starved by an estimate: a new conversation goes instead to a
 /// replica that has had none for `starve_after` while the first choice had
