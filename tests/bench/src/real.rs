@@ -69,7 +69,8 @@ median ratio).
 Profiles: least-request, approximate, precise, precise-spread (no speculative credit: a burst of
 new conversations spreads by load instead of following its shared prompt), precise-checked (a
 replica tokenizes a live Pick a second beside it: the gate's live checks at ten times their
-default), vllm-router-cache-aware,
+default), precise-by-cost (new conversations placed by their first turn's cost alone, near ties
+not spread by number), vllm-router-cache-aware,
 sglang-router-cache-aware, sticky-oracle (client-side affinity: the latency reference).
 The replicas start once per model and cache size and are shared by the runs; each run's prompts
 carry a nonce of their own, so no profile finds another's blocks. With --rounds N, every

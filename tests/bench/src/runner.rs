@@ -61,6 +61,10 @@ pub enum Profile {
     /// times today's): what the exactness gate's live checks cost the
     /// replicas, measured beside precise.
     PreciseChecked,
+    /// kvroute, precise mode, new conversations placed by their first
+    /// turn's cost alone (`weights.balance_margin: 0`): without spreading
+    /// near ties by number, measured beside precise.
+    PreciseByCost,
     /// vllm-router 0.1.17, `cache_aware` (a separate process; bench venv).
     VllmRouterCacheAware,
     /// vllm-router 0.1.17, `kv_aware` subscribed to the replicas' KV events.
@@ -92,6 +96,7 @@ impl Profile {
             Self::PreciseLocal => "kvroute-precise-local",
             Self::PreciseSpread => "kvroute-precise-spread",
             Self::PreciseChecked => "kvroute-precise-checked",
+            Self::PreciseByCost => "kvroute-precise-by-cost",
             Self::VllmRouterCacheAware => "vllm-router-cache-aware",
             Self::VllmRouterKvAware => "vllm-router-kv-aware",
             Self::SglangRouterCacheAware => "sglang-router-cache-aware",
@@ -104,9 +109,11 @@ impl Profile {
     fn routing(self) -> Routing {
         match self {
             Self::Approximate => Routing::Approximate,
-            Self::Precise | Self::PreciseLocal | Self::PreciseSpread | Self::PreciseChecked => {
-                Routing::Precise
-            }
+            Self::Precise
+            | Self::PreciseLocal
+            | Self::PreciseSpread
+            | Self::PreciseChecked
+            | Self::PreciseByCost => Routing::Precise,
             _ => Routing::LeastRequest,
         }
     }
@@ -130,6 +137,12 @@ impl Profile {
     /// indexd's `shadow_per_second` under this profile (None: its default).
     fn shadow_per_second(self) -> Option<f64> {
         (self == Self::PreciseChecked).then_some(1.0)
+    }
+
+    /// indexd's `weights.balance_margin` under this profile (None: its
+    /// default).
+    fn balance_margin(self) -> Option<f64> {
+        (self == Self::PreciseByCost).then_some(0.0)
     }
 
     /// The peer router this profile puts in front of the replicas, if any.

@@ -105,7 +105,8 @@ pub(crate) fn profile_rank(profile: &str) -> u8 {
         "kvroute-precise"
         | "kvroute-precise-local"
         | "kvroute-precise-spread"
-        | "kvroute-precise-checked" => 2,
+        | "kvroute-precise-checked"
+        | "kvroute-precise-by-cost" => 2,
         "vllm-router-cache-aware" => 3,
         "vllm-router-kv-aware" => 4,
         "sglang-router-cache-aware" => 5,

@@ -136,6 +136,9 @@ pub struct StackOptions {
     /// indexd's `shadow_per_second` for its local tokenizers (None: its
     /// default): how many live Picks a second a replica tokenizes too.
     pub indexd_shadow_per_second: Option<f64>,
+    /// indexd's `weights.balance_margin` (None: its default; 0: new
+    /// conversations go by cost alone).
+    pub indexd_balance_margin: Option<f64>,
     /// The replicas are not fixed: indexd follows a discovery file (no
     /// static endpoints) and Envoy's replica clusters are EDS clusters fed
     /// from files, so [`Stack::add_replica`] (a mock),
@@ -177,6 +180,7 @@ impl Default for StackOptions {
             vllm_model_dir: None,
             indexd_speculative_ttl: None,
             indexd_shadow_per_second: None,
+            indexd_balance_margin: None,
             membership_files: false,
         }
     }

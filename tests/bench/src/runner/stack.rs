@@ -40,6 +40,7 @@ pub(super) fn mock_stack(
         max_model_len: workload.mock_max_model_len(defaults.max_model_len),
         indexd_speculative_ttl: profile.speculative_ttl(),
         indexd_shadow_per_second: profile.shadow_per_second(),
+        indexd_balance_margin: profile.balance_margin(),
         ..defaults
     })?;
     let replicas = stack
@@ -90,6 +91,7 @@ pub(super) fn fleet_stack(
             filter_overrides,
             indexd_speculative_ttl: profile.speculative_ttl(),
             indexd_shadow_per_second: profile.shadow_per_second(),
+            indexd_balance_margin: profile.balance_margin(),
             ..defaults
         },
         fleet.external(),

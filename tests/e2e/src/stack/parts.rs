@@ -170,6 +170,9 @@ pub(super) fn indexd_config(
     if let Some(rate) = options.indexd_shadow_per_second {
         config.tokenize.gate.shadow_per_second = rate;
     }
+    if let Some(margin) = options.indexd_balance_margin {
+        config.weights.balance_margin = margin;
+    }
     config
 }
 
