@@ -1,6 +1,7 @@
 //! Phase 3 of a Pick, placement: each candidate's load and surviving match,
 //! the cost model's order under the move rules (no move within
-//! `move_cooldown`, none to a replica still filling after it joined), the
+//! `move_cooldown`, none to a replica still filling after it joined), new
+//! conversations spread by number where their costs nearly tie, the
 //! exploration of a replica its speed estimate alone kept from new
 //! conversations, and the chosen replica's note, all under the
 //! conversations' lock.
