@@ -291,6 +291,9 @@ pub struct Metrics {
     /// New conversations sent to a replica with fewer conversations than
     /// the cheapest, at a cost within `balance_margin` of it.
     pub balanced: Counter,
+    /// Picks whose match was taken again under the placement lock, a
+    /// concurrent Pick having credited blocks since.
+    pub rematches: Counter,
     /// Picks whose cheapest candidate holds less than another (a move away
     /// from the warm replica): `moved` when it paid, `held` when not.
     pub moves: CounterVec<1>,
@@ -448,6 +451,10 @@ impl Metrics {
                 "indexd_balanced_total",
                 "New conversations sent, against the cost model's first choice, to a replica holding fewer of this indexd's conversations at a cost within weights.balance_margin of it: a near tie on the first turn's cost, where the conversation's later turns load the replica it joins.",
             ),
+            rematches: Counter::new(
+                "indexd_pick_rematches_total",
+                "Picks whose prefix match was taken again under the placement lock because another Pick had credited blocks speculatively since it was taken (conversations starting together).",
+            ),
             replay_requests: CounterVec::new(
                 "indexd_replay_requests_total",
                 "Replays asked for, by where they start: start (seq 0), snapshot (a snapshot's saved seq), gap.",
@@ -541,6 +548,7 @@ impl Metrics {
         self.continued.render(out);
         self.explorations.render(out);
         self.balanced.render(out);
+        self.rematches.render(out);
         self.moves.render(out);
         self.moves_barred.render(out);
         self.replay_requests.render(out);

@@ -305,6 +305,8 @@ struct Snapshot {
     /// continues nothing anywhere ([`over_length`]).
     over_length: Option<u32>,
     index_block_size: u32,
+    /// [`crate::index::Lookup::speculated`] when `matches` were taken.
+    speculated: u64,
 }
 
 /// Keys indexd cannot match against its index.
@@ -350,7 +352,6 @@ fn snapshot(
     } else {
         block_keys(req)
     };
-    let slots: Vec<_> = eligible.iter().map(|r| r.slot).collect();
     let index_block_size = eligible
         .iter()
         .map(|r| r.block_size_seen())
@@ -389,34 +390,62 @@ fn snapshot(
             );
         }
     }
-    let matches = if mismatch.is_some() || keys.is_empty() {
-        vec![PrefixMatch::default(); slots.len()]
-    } else if approximate {
-        lock(&shared.approximate).match_prefix(&req.model, &keys, &slots, now)
-    } else {
-        let lookup = &shared.lookup;
-        let query = Query {
-            partition: lookup.partition(&req.model),
-            keys: &keys,
-            block_size: req.block_size,
-            max_blocks: max_blocks(req, keys.len()),
-            chunk_tokens: eligible
-                .first()
-                .and_then(|r| cfg.chunk_tokens(&r.config.model)),
-            now,
-        };
-        lookup.match_query(&query, &slots)
-    };
-    Snapshot {
+    let mut snap = Snapshot {
         eligible,
         keys,
-        matches,
+        matches: Vec::new(),
         inputs: Vec::new(),
         approximate,
         mismatch,
         over_length,
         index_block_size,
+        speculated: 0,
+    };
+    match_keys(shared, req, &mut snap, now);
+    snap
+}
+
+/// What the eligible replicas hold of the keys, into `snap.matches` (none
+/// when they cannot be matched), with the speculative credits given before.
+fn match_keys(shared: &Shared, req: &PickRequest, snap: &mut Snapshot, now: Instant) {
+    let lookup = &shared.lookup;
+    snap.speculated = lookup.speculated();
+    let slots: Vec<_> = snap.eligible.iter().map(|r| r.slot).collect();
+    snap.matches = if snap.mismatch.is_some() || snap.keys.is_empty() {
+        vec![PrefixMatch::default(); slots.len()]
+    } else if snap.approximate {
+        lock(&shared.approximate).match_prefix(&req.model, &snap.keys, &slots, now)
+    } else {
+        let query = Query {
+            partition: lookup.partition(&req.model),
+            keys: &snap.keys,
+            block_size: req.block_size,
+            max_blocks: max_blocks(req, snap.keys.len()),
+            chunk_tokens: snap
+                .eligible
+                .first()
+                .and_then(|r| shared.config.chunk_tokens(&r.config.model)),
+            now,
+        };
+        lookup.match_query(&query, &slots)
+    };
+}
+
+/// Phase 3's first step, under the placement lock: a Pick whose match was
+/// taken before another Pick's speculative credit takes it again. Picks of
+/// conversations starting together run their matches at once; without
+/// this, two of them could both find nothing held, and the second would
+/// price a cold prefill of a shared prompt the first had just been sent.
+/// Counted.
+fn rematch_if_credited(shared: &Shared, req: &PickRequest, snap: &mut Snapshot, now: Instant) {
+    if snap.approximate || snap.keys.is_empty() || snap.mismatch.is_some() {
+        return;
     }
+    if shared.lookup.speculated() == snap.speculated {
+        return;
+    }
+    match_keys(shared, req, snap, now);
+    shared.metrics.rematches.inc();
 }
 
 /// At debug level, every candidate's matched blocks, load and cost.
@@ -519,7 +548,8 @@ fn track(
 }
 
 /// Phase 4: the chosen replica is credited, speculatively, with the keys it
-/// will hold (unless it holds all of them already).
+/// will hold (unless it holds all of them already). Under the placement
+/// lock ([`place`]), so that the next Pick placed sees it.
 fn credit(shared: &Shared, req: &PickRequest, snap: &Snapshot, ranking: &Ranking, now: Instant) {
     let cfg = &shared.config;
     let Some((_, chosen, held)) = chosen(snap, ranking) else {
@@ -641,9 +671,9 @@ pub fn pick(
         return Ok(answer(shared, DecisionKind::Stale, reason, Vec::new()));
     }
     let mut snap = snapshot(shared, req, eligible, now);
+    // Placed and credited under one lock (place).
     let ranking = place(shared, req, &mut snap, now);
     explain(req, &snap, &ranking);
-    credit(shared, req, &snap, &ranking, now);
     Ok(classify(shared, req, &snap, &ranking))
 }
 

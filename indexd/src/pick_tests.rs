@@ -1058,3 +1058,52 @@ fn balancing_never_leaves_blocks_the_events_show() {
     let r = pick(&s, &req(&keys(&other)), t0 + Duration::from_millis(2)).unwrap();
     assert_eq!(r.candidates[0].address, "10.0.0.1:8001");
 }
+
+#[test]
+fn a_match_overtaken_by_another_picks_credit_is_taken_again_under_the_lock() {
+    let (s, rs) = shared(2, |_| {});
+    for r in &rs {
+        believed(r, 8_000.0);
+    }
+    let t0 = Instant::now() + Duration::from_secs(6);
+    let system: Vec<u32> = (0..2_048).collect();
+    let conversation = |i: u32| {
+        let mut p = system.clone();
+        p.extend((100_000 + i * 1_000)..(100_064 + i * 1_000));
+        req(&keys(&p))
+    };
+    // Three conversations start together; the third's match is taken before
+    // the first two are placed and credited.
+    let third = conversation(2);
+    let (eligible, _) = read(&s.registry).eligible(&third.model);
+    let mut snap = snapshot(&s, &third, eligible, t0);
+    assert!(
+        snap.matches.iter().all(|m| m.blocks == 0),
+        "nothing held yet"
+    );
+    let a = pick(&s, &conversation(0), t0).unwrap();
+    let b = pick(&s, &conversation(1), t0 + Duration::from_millis(1)).unwrap();
+    assert_ne!(
+        a.candidates[0].address, b.candidates[0].address,
+        "the second behind the first's queue goes to the other"
+    );
+    let ranking = place(&s, &third, &mut snap, t0 + Duration::from_millis(2));
+    // Both replicas are now credited with the shared prompt: the third
+    // prices a few blocks of its own, not a cold prefill of 2,048 tokens.
+    assert!(
+        snap.inputs.iter().all(|i| i.matched.blocks >= 128),
+        "{:?}",
+        snap.inputs
+            .iter()
+            .map(|i| i.matched.blocks)
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(s.metrics.rematches.get(), 1);
+    assert_eq!(ranking.ranked.len(), 2);
+    // A match no credit overtook is not taken again.
+    let fourth = conversation(3);
+    let (eligible, _) = read(&s.registry).eligible(&fourth.model);
+    let mut snap = snapshot(&s, &fourth, eligible, t0 + Duration::from_millis(3));
+    place(&s, &fourth, &mut snap, t0 + Duration::from_millis(3));
+    assert_eq!(s.metrics.rematches.get(), 1);
+}

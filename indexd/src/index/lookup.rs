@@ -16,6 +16,7 @@
 //!   the index (dropping a replica's credit).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
@@ -50,6 +51,8 @@ pub struct Lookup {
     partitions: RwLock<Partitions>,
     max_partitions: usize,
     credits: Mutex<Credits>,
+    /// Speculative credits given so far ([`Lookup::speculated`]).
+    speculated: AtomicU64,
 }
 
 impl std::fmt::Debug for Lookup {
@@ -87,6 +90,7 @@ impl Lookup {
             partitions: RwLock::new(Partitions::default()),
             max_partitions: MAX_PARTITIONS,
             credits: Mutex::new(Credits::new(max_speculative)),
+            speculated: AtomicU64::new(0),
         }
     }
 
@@ -191,6 +195,13 @@ impl Lookup {
         expires: Instant,
     ) {
         lock(&self.credits).credit(partition, keys, slot, now, expires);
+        self.speculated.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// How many speculative credits were given so far: a match taken when
+    /// this read `n` may lack every credit given since, once it reads more.
+    pub fn speculated(&self) -> u64 {
+        self.speculated.load(Ordering::Acquire)
     }
 
     /// Walks `keys` in order and returns, per candidate, the leading blocks

@@ -3,25 +3,30 @@
 //! `move_cooldown`, none to a replica still filling after it joined), new
 //! conversations spread by number where their costs nearly tie, the
 //! exploration of a replica its speed estimate alone kept from new
-//! conversations, and the chosen replica's note, all under the
-//! conversations' lock.
+//! conversations, the chosen replica's note and its speculative credit, all
+//! under the conversations' lock (and the prefix match again there, when
+//! another Pick credited blocks since it was taken).
 
 use std::time::Instant;
 
 use kvroute_proto::v1::PickRequest;
 
-use super::{Snapshot, note};
+use super::{Snapshot, credit, note, rematch_if_credited};
 use crate::score::{self, Input, Move, Ranking};
 use crate::state::Shared;
 use crate::sync::lock;
 
-/// Phase 3: the loads, the order and the chosen replica's note, at once.
+/// Phase 3 and 4: the loads, the order, the chosen replica's note and its
+/// speculative credit, at once.
 ///
 /// Under the conversations' lock, so that Picks place one after the other:
 /// two Picks reading the loads at the same moment (requests starting
 /// together, on Envoy's several workers) would both see the same idle
 /// replica and both go there, neither seeing the prefill the other queued.
-/// The prefix match before and the speculative credit after stay outside.
+/// The prefix match stays outside (the lock's hold is a few µs); a Pick
+/// whose match another Pick's credit has overtaken takes it again here,
+/// and the credit is given before the lock is let go, so the next Pick
+/// placed sees it.
 pub(super) fn place(
     shared: &Shared,
     req: &PickRequest,
@@ -30,6 +35,7 @@ pub(super) fn place(
 ) -> Ranking {
     let cfg = &shared.config;
     let mut conversations = lock(&shared.conversations);
+    rematch_if_credited(shared, req, snap, now);
     let counts = conversations.counts(now);
     snap.inputs = snap
         .eligible
@@ -88,6 +94,8 @@ pub(super) fn place(
         continues,
         now,
     );
+    credit(shared, req, snap, &ranking, now);
+    drop(conversations);
     ranking
 }
 
