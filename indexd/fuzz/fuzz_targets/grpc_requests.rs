@@ -114,18 +114,30 @@ fuzz_target!(|data: &[u8]| {
             assert!(serves, "{} named for {:?}", c.address, req.model);
         }
         // Best first: by cost, except that the warm replica (holding more
-        // than the cheapest) stays first when moving away would not pay.
+        // than the cheapest) stays first when moving away would not pay,
+        // and that a new conversation may go first to a replica with fewer
+        // conversations costing at most `balance_margin` more than the
+        // cheapest (and 5 ms).
         let rest = resp.candidates.get(1..).unwrap_or_default();
         for w in rest.windows(2) {
             assert!(!(w[0].cost > w[1].cost), "not best first");
         }
         if let [first, second, ..] = resp.candidates.as_slice() {
             if first.cost > second.cost {
+                let cheapest = resp
+                    .candidates
+                    .iter()
+                    .map(|c| c.cost)
+                    .fold(f64::MAX, f64::min);
+                let margin = indexd::config::Weights::default().balance_margin;
+                let balanced = first.cost <= cheapest + (cheapest * margin).max(0.005) + 1e-9;
                 // (more credited tokens: more blocks, or as many in a
                 // faster tier)
+                let warm =
+                    first.matched_blocks > 0 && first.matched_blocks >= second.matched_blocks;
                 assert!(
-                    first.matched_blocks > 0 && first.matched_blocks >= second.matched_blocks,
-                    "held first without holding more: {:?}",
+                    balanced || warm,
+                    "first neither holding more nor balanced: {:?}",
                     resp.candidates
                 );
             }
