@@ -59,6 +59,9 @@ async fn readyz(State(shared): State<Arc<Shared>>) -> impl IntoResponse {
     if let Some(line) = shared.tokenizers.admission.describe(now) {
         let _ = writeln!(body, "{line}");
     }
+    if let Some(line) = shared.untokenized.describe(now) {
+        let _ = writeln!(body, "{line}");
+    }
     let refused_static = shared.metrics.endpoints_refused.get(["self"]);
     let refused_now: Vec<String> = crate::sync::lock(&shared.refused_self)
         .iter()

@@ -115,7 +115,7 @@ impl IndexService {
         let t = match tokenized {
             Ok(t) => t,
             Err(e) => {
-                tracing::debug!(model = %req.model, error = %e, "Pick body not tokenized");
+                self.shared.untokenized.note(&req.model, &e);
                 self.shared
                     .metrics
                     .decisions

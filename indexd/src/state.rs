@@ -74,6 +74,57 @@ use crate::snapshot::{Snapshots, Source};
 use crate::sync::{WarnGate, lock, read, write};
 use crate::tokenize::{Replicas, Tokenizers};
 
+/// Picks that went on by load because their body was not tokenized where a
+/// tokenizer should have: none could answer, the local one does not
+/// reproduce the request and no replica did, or it was over the tokenizer's
+/// budget. Bodies vLLM refuses (the client's error), callers gone and
+/// admission refusals (counted and logged by admission) are not noted here.
+/// Every one is counted in `indexd_decisions_total{decision="untokenized"}`.
+#[derive(Debug, Default)]
+pub(crate) struct Untokenized {
+    warning: WarnGate,
+    noted: std::sync::atomic::AtomicU64,
+    last: Mutex<Option<(std::time::Instant, String, String)>>,
+}
+
+impl Untokenized {
+    /// Notes a Pick for `model` not tokenized for `error`, if it is one this
+    /// record keeps; logs it unless one was logged in the last 10 s.
+    pub(crate) fn note(&self, model: &str, error: &crate::tokenize::TokenizeError) {
+        use crate::tokenize::TokenizeError as E;
+        if matches!(error, E::Refused { .. } | E::Cancelled | E::Busy(_)) {
+            tracing::debug!(model, error = %error, "Pick body not tokenized");
+            return;
+        }
+        self.noted
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        *lock(&self.last) = Some((
+            std::time::Instant::now(),
+            model.to_owned(),
+            error.to_string(),
+        ));
+        if self.warning.open() {
+            tracing::warn!(
+                model,
+                error = %error,
+                "Pick body not tokenized: routed by load (logged at most every 10 s; \
+                 indexd_decisions_total{{decision=\"untokenized\"}} counts them, /readyz names the last)"
+            );
+        }
+    }
+
+    /// The `/readyz` line: how many since start and the last one's reason.
+    pub(crate) fn describe(&self, now: std::time::Instant) -> Option<String> {
+        let noted = self.noted.load(std::sync::atomic::Ordering::Relaxed);
+        let last = lock(&self.last);
+        let (at, model, reason) = last.as_ref()?;
+        Some(format!(
+            "untokenized Picks: {noted} since start went on by load with no ids; the last {:.0} s ago, model {model}: {reason}",
+            now.saturating_duration_since(*at).as_secs_f64()
+        ))
+    }
+}
+
 /// Everything the tasks and handlers share.
 #[derive(Debug)]
 pub struct Shared {
@@ -115,6 +166,9 @@ pub struct Shared {
     /// Warnings about Picks the index cannot answer (block size, key
     /// scheme): each such Pick is counted, the log says so once per 10 s.
     pub(crate) pick_warning: WarnGate,
+    /// Picks whose body no tokenizer could turn into ids (they go on by
+    /// load): the last one for `/readyz`, the log once per 10 s.
+    pub(crate) untokenized: Untokenized,
     /// The address the HTTP listener was bound to (unset before the bind,
     /// and in tests that bind none: `http_listen` then).
     pub(crate) http_addr: OnceLock<std::net::SocketAddr>,
@@ -198,6 +252,7 @@ impl Shared {
                 config.access.observe_burst,
             )),
             pick_warning: WarnGate::default(),
+            untokenized: Untokenized::default(),
             http_addr: OnceLock::new(),
             refused_self: Mutex::new(std::collections::BTreeSet::new()),
             refused_warning: WarnGate::default(),

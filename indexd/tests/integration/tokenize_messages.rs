@@ -112,6 +112,9 @@ async fn messages_picks_and_count_tokens_are_answered_locally() {
     )
     .await;
     assert_eq!(a.decision, DecisionKind::Untokenized as i32);
+    // The client's own error (vLLM answers it 400): no routing was lost.
+    let ready = get(&format!("{}/readyz", d.http)).await;
+    assert!(!ready.contains("untokenized Picks"), "{ready}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -142,6 +145,14 @@ async fn without_a_local_tokenizer_only_template_free_messages_are_tokenized() {
     let a = pick_body(&mut d, Api::Messages, inline.to_string().into_bytes()).await;
     assert_eq!(a.decision, DecisionKind::Untokenized as i32, "{a:?}");
     assert!(a.reason.contains("chat template"), "{}", a.reason);
+    // A fallback, so /readyz names it (the body vLLM refuses is not one).
+    let ready = get(&format!("{}/readyz", d.http)).await;
+    assert!(
+        ready.contains("untokenized Picks: 1 since start went on by load with no ids")
+            && ready.contains("model tiny: not reproduced locally")
+            && ready.contains("chat template"),
+        "{ready}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
