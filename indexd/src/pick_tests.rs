@@ -907,6 +907,16 @@ fn a_prompt_longer_than_the_context_queues_and_holds_nothing() {
     assert_eq!(reason, "no_match");
 }
 
+/// Two replicas settled at 8,000 prefill tokens a second, and a time past
+/// their start.
+fn two_settled(tweak: impl FnOnce(&mut Config)) -> (Shared, Vec<Arc<Replica>>, Instant) {
+    let (s, rs) = shared(2, tweak);
+    for r in &rs {
+        believed(r, 8_000.0);
+    }
+    (s, rs, Instant::now() + Duration::from_secs(6))
+}
+
 fn believed(r: &Replica, tokens_per_second: f64) {
     let speed = crate::calibrate::PrefillSpeed {
         tokens_per_second,
@@ -989,11 +999,7 @@ fn starve_after_zero_never_explores() {
 /// `gap_ms` apart, on two alike replicas: how many each replica was sent,
 /// and how many times the balance rule chose.
 fn burst_split(margin: f64, gap_ms: u64) -> (Vec<usize>, u64) {
-    let (s, rs) = shared(2, |c| c.weights.balance_margin = margin);
-    for r in &rs {
-        believed(r, 8_000.0);
-    }
-    let t0 = Instant::now() + Duration::from_secs(6);
+    let (s, _, t0) = two_settled(|c| c.weights.balance_margin = margin);
     let system: Vec<u32> = (0..2_048).collect();
     let mut split = vec![0; 2];
     for i in 0..8u32 {
@@ -1028,11 +1034,7 @@ fn a_burst_of_new_conversations_spreads_by_number_where_costs_nearly_tie() {
 
 #[test]
 fn balancing_never_leaves_blocks_the_events_show() {
-    let (s, rs) = shared(2, |_| {});
-    for r in &rs {
-        believed(r, 8_000.0);
-    }
-    let t0 = Instant::now() + Duration::from_secs(6);
+    let (s, rs, t0) = two_settled(|_| {});
     // One conversation this indexd placed, on the first replica.
     let placed: Vec<u32> = (50_000..50_160).collect();
     store(&s, &rs[0], &placed);
@@ -1061,11 +1063,7 @@ fn balancing_never_leaves_blocks_the_events_show() {
 
 #[test]
 fn a_match_overtaken_by_another_picks_credit_is_taken_again_under_the_lock() {
-    let (s, rs) = shared(2, |_| {});
-    for r in &rs {
-        believed(r, 8_000.0);
-    }
-    let t0 = Instant::now() + Duration::from_secs(6);
+    let (s, _, t0) = two_settled(|_| {});
     let system: Vec<u32> = (0..2_048).collect();
     let conversation = |i: u32| {
         let mut p = system.clone();

@@ -83,8 +83,8 @@ use crate::tokenize::{Replicas, Tokenizers};
 #[derive(Debug, Default)]
 pub(crate) struct Untokenized {
     warning: WarnGate,
-    noted: std::sync::atomic::AtomicU64,
-    last: Mutex<Option<(std::time::Instant, String, String)>>,
+    /// How many since start, and the last one: when, its model and reason.
+    noted: Mutex<Option<(u64, std::time::Instant, String, String)>>,
 }
 
 impl Untokenized {
@@ -96,13 +96,16 @@ impl Untokenized {
             tracing::debug!(model, error = %error, "Pick body not tokenized");
             return;
         }
-        self.noted
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        *lock(&self.last) = Some((
-            std::time::Instant::now(),
-            model.to_owned(),
-            error.to_string(),
-        ));
+        {
+            let mut noted = lock(&self.noted);
+            let count = noted.as_ref().map_or(0, |n| n.0).saturating_add(1);
+            *noted = Some((
+                count,
+                std::time::Instant::now(),
+                model.to_owned(),
+                error.to_string(),
+            ));
+        }
         if self.warning.open() {
             tracing::warn!(
                 model,
@@ -115,11 +118,10 @@ impl Untokenized {
 
     /// The `/readyz` line: how many since start and the last one's reason.
     pub(crate) fn describe(&self, now: std::time::Instant) -> Option<String> {
-        let noted = self.noted.load(std::sync::atomic::Ordering::Relaxed);
-        let last = lock(&self.last);
-        let (at, model, reason) = last.as_ref()?;
+        let noted = lock(&self.noted);
+        let (count, at, model, reason) = noted.as_ref()?;
         Some(format!(
-            "untokenized Picks: {noted} since start went on by load with no ids; the last {:.0} s ago, model {model}: {reason}",
+            "untokenized Picks: {count} since start went on by load with no ids; the last {:.0} s ago, model {model}: {reason}",
             now.saturating_duration_since(*at).as_secs_f64()
         ))
     }
