@@ -116,7 +116,8 @@ fn placement_details(shared: &Shared, now: std::time::Instant, body: &mut String
         let _ = writeln!(
             body,
             "explorations: {explorations} new conversations since start went to a replica its \
-             prefill speed estimate alone kept from new conversations (starve_after)"
+             prefill speed estimate alone kept from new conversations (starve_after), or to \
+             one that joined the fleet and had none yet"
         );
     }
     let cooldown = shared.metrics.moves_barred.get(["cooldown"]);

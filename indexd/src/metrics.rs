@@ -286,7 +286,8 @@ pub struct Metrics {
     pub affinity_lookups: CounterVec<1>,
     pub continued: CounterVec<1>,
     /// New conversations sent to a replica that had none for
-    /// `starve_after` and lost them only on its speed estimate.
+    /// `starve_after` and lost them only on its speed estimate, or that
+    /// joined the fleet and had none yet.
     pub explorations: Counter,
     /// New conversations sent to a replica with fewer conversations than
     /// the cheapest, at a cost within `balance_margin` of it.
@@ -445,7 +446,7 @@ impl Metrics {
             ),
             explorations: Counter::new(
                 "indexd_explorations_total",
-                "New conversations sent, against the cost model's first choice, to a replica that had none for starve_after while others of its model did, and that would have cost no more at the first choice's prefill speed: its speed estimate alone kept them from it.",
+                "New conversations sent, against the cost model's first choice, to a replica that had none for starve_after while others of its model did, and that would have cost no more at the first choice's prefill speed (its speed estimate alone kept them from it), or to a replica that joined its model's running fleet and had none yet.",
             ),
             balanced: Counter::new(
                 "indexd_balanced_total",

@@ -295,6 +295,13 @@ impl Shared {
         Some(replica)
     }
 
+    /// Registers an endpoint as one joining its model's running fleet
+    /// (tests: however recently the others registered).
+    #[cfg(test)]
+    pub(crate) fn add_joiner(&self, config: EndpointConfig) -> Option<Arc<Replica>> {
+        write(&self.registry).add_joiner(config, &self.shutdown, self.config.join_warmup)
+    }
+
     /// Unregisters an endpoint, stops its tasks and drops its entries.
     pub(crate) fn remove_replica(&self, id: &EndpointId) -> bool {
         let Some(replica) = write(&self.registry).remove(id) else {

@@ -188,8 +188,11 @@ const BALANCE_FLOOR_SECONDS: f64 = 0.005;
 /// new conversation holds nothing of its own anywhere, the joiner pays that
 /// prompt's prefill once, and then holds it too; without this, a lightly
 /// loaded fleet whose conversations share a long prompt would never send
-/// the joiner one. Among several, the longest without one. Counted and
-/// logged.
+/// the joiner one. A joiner that has had no new conversation yet is taken
+/// at once, without waiting `starve_after`: it is the fleet's newest
+/// capacity, and waiting only leaves it idle while the others queue (the
+/// first conversation there also starts its prefill-speed fit). Among
+/// several, the longest without one. Counted and logged.
 fn explore(
     shared: &Shared,
     req: &PickRequest,
@@ -208,9 +211,9 @@ fn explore(
     else {
         return;
     };
-    if chosen.without_new_conversation(now) >= after {
-        return;
-    }
+    // The first choice has had a new conversation within `starve_after`:
+    // others that had none since are starved; else only fresh joiners are.
+    let first_busy = chosen.without_new_conversation(now) < after;
     let prompt = prompt_tokens(req, snap);
     let w = &shared.config.weights;
     // The costs only where the cheap conditions hold (rarely).
@@ -223,12 +226,10 @@ fn explore(
             let replica = snap.eligible.get(r.input)?;
             let input = snap.inputs.get(r.input)?;
             let without = replica.without_new_conversation(now);
-            (without >= after && input.load.waiting <= 0.0).then_some((
-                at,
-                input,
-                without,
-                replica.filling(now),
-            ))
+            let joined = replica.filling(now);
+            let fresh_joiner = joined && !replica.had_new_conversation();
+            ((fresh_joiner || (first_busy && without >= after)) && input.load.waiting <= 0.0)
+                .then_some((at, input, without, joined))
         })
         .filter(|(_, input, _, joined)| {
             *joined || score::behind_on_speed_alone(input, chosen_input, prompt, req.block_size, w)
@@ -248,9 +249,9 @@ fn explore(
             model = %req.model,
             without_new_conversation = ?without,
             joined = replica.filling(now),
-            "new conversation sent to a replica its prefill speed estimate, or the shared prompt \
-             the fleet it joined holds, kept from new conversations (starve_after; \
-             indexd_explorations_total)"
+            "new conversation sent to a replica that joined the fleet and had none yet, or that \
+             its prefill speed estimate, or the shared prompt the fleet it joined holds, kept \
+             from new conversations (starve_after; indexd_explorations_total)"
         );
     }
 }

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
@@ -33,6 +33,33 @@ impl Registry {
         parent: &CancellationToken,
         join_warmup: Duration,
     ) -> Option<Arc<Replica>> {
+        let now = Instant::now();
+        let joins = self.replicas.values().any(|r| {
+            r.config.model == config.model
+                && now.saturating_duration_since(r.registered) >= JOINS_AFTER
+        });
+        self.insert(config, parent, join_warmup, joins)
+    }
+
+    /// Registers an endpoint as one that joins its model's running fleet,
+    /// however recently the others came (tests).
+    #[cfg(test)]
+    pub(crate) fn add_joiner(
+        &mut self,
+        config: EndpointConfig,
+        parent: &CancellationToken,
+        join_warmup: Duration,
+    ) -> Option<Arc<Replica>> {
+        self.insert(config, parent, join_warmup, true)
+    }
+
+    fn insert(
+        &mut self,
+        config: EndpointConfig,
+        parent: &CancellationToken,
+        join_warmup: Duration,
+        joins: bool,
+    ) -> Option<Arc<Replica>> {
         if self.replicas.contains_key(&config.id) {
             return None;
         }
@@ -40,10 +67,6 @@ impl Registry {
         self.next_slot = self.next_slot.saturating_add(1);
         let mut replica = Replica::new(config, slot, parent.child_token());
         let now = replica.registered;
-        let joins = self.replicas.values().any(|r| {
-            r.config.model == replica.config.model
-                && now.saturating_duration_since(r.registered) >= JOINS_AFTER
-        });
         if joins && !join_warmup.is_zero() {
             replica.filling_until = now.checked_add(join_warmup);
         }

@@ -60,10 +60,9 @@ pub struct Replica {
     resume: Mutex<Option<Applied>>,
     /// Its prefill speed, fitted from its metrics.
     calibration: Mutex<Fitted>,
-    /// When it last got a new conversation (at first: when it was
-    /// registered).
-    /// (milliseconds after `registered`: read on every new conversation's
-    /// Pick, for each candidate, without a lock).
+    /// When it last got a new conversation, in milliseconds after
+    /// `registered` ([`NEVER`]: none yet), read on every new conversation's
+    /// Pick, for each candidate, without a lock.
     last_new_conversation: AtomicU64,
     /// When it was registered.
     pub(super) registered: Instant,
@@ -85,6 +84,8 @@ struct Fitted {
 }
 
 const MAX_PENDING: usize = 4096;
+/// `last_new_conversation` of a replica that has had none.
+const NEVER: u64 = u64::MAX;
 /// A replica registered this long after another of its model joins a
 /// running fleet; the ones discovery finds at start come within a second.
 pub(crate) const JOINS_AFTER: Duration = Duration::from_secs(5);
@@ -249,7 +250,7 @@ impl Replica {
             warning: WarnGate::default(),
             resume: Mutex::new(None),
             calibration: Mutex::new(Fitted::default()),
-            last_new_conversation: AtomicU64::new(0),
+            last_new_conversation: AtomicU64::new(NEVER),
         }
     }
 
@@ -329,14 +330,24 @@ impl Replica {
     /// Notes that a new conversation was sent to it at `now`.
     pub(crate) fn note_new_conversation(&self, now: Instant) {
         let ms = now.saturating_duration_since(self.registered).as_millis();
-        self.last_new_conversation
-            .store(u64::try_from(ms).unwrap_or(u64::MAX), Ordering::Relaxed);
+        self.last_new_conversation.store(
+            u64::try_from(ms).unwrap_or(NEVER).min(NEVER - 1),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// Whether it has been sent a new conversation since it was registered.
+    pub(crate) fn had_new_conversation(&self) -> bool {
+        self.last_new_conversation.load(Ordering::Relaxed) != NEVER
     }
 
     /// How long it has gone without a new conversation as of `now` (since it
     /// was registered, if it never had one).
     pub(crate) fn without_new_conversation(&self, now: Instant) -> Duration {
-        let ms = self.last_new_conversation.load(Ordering::Relaxed);
+        let ms = match self.last_new_conversation.load(Ordering::Relaxed) {
+            NEVER => 0,
+            ms => ms,
+        };
         let last = self
             .registered
             .checked_add(Duration::from_millis(ms))
