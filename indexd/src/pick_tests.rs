@@ -976,25 +976,21 @@ fn a_replica_kept_out_by_the_cache_is_not_explored() {
     assert_eq!(s.metrics.explorations.get(), 0);
 }
 
-#[test]
-fn a_replica_that_joins_takes_the_next_new_conversation_at_once() {
+/// Two replicas settled at 8,000 tokens a second, both holding `system`: a
+/// new conversation behind it costs a joiner that prompt's prefill, so the
+/// cost model alone keeps it away.
+fn fleet_holding(system: &[u32]) -> Shared {
     let (s, rs) = shared(2, |_| {});
-    // Both hold a shared system prompt; a new conversation behind it costs
-    // a joiner that prompt's prefill, so the cost model keeps it away.
-    let system: Vec<u32> = (0..320).collect();
     for r in &rs {
         believed(r, 8_000.0);
-        store(&s, r, &system);
+        store(&s, r, system);
     }
-    let prompt = |i: u32| {
-        let mut p = system.clone();
-        p.extend((10_000 + i * 1_000)..(10_080 + i * 1_000));
-        p
-    };
-    let t0 = Instant::now();
-    let at = |ms: u64| t0 + Duration::from_millis(ms);
-    let first = pick(&s, &req(&keys(&prompt(0))), at(0)).unwrap();
-    assert_ne!(first.candidates[0].address, "10.0.0.1:8002");
+    s
+}
+
+/// A third replica (`10.0.0.1:8002`) joining `s`'s running fleet, settled
+/// at the fleet's speed.
+fn join(s: &Shared) -> Arc<Replica> {
     let joiner = s
         .add_joiner(EndpointConfig::new(
             SocketAddr::from(([10, 0, 0, 1], 8002)),
@@ -1002,14 +998,33 @@ fn a_replica_that_joins_takes_the_next_new_conversation_at_once() {
         ))
         .unwrap();
     believed(&joiner, 8_000.0);
+    joiner
+}
+
+/// `system` and the `i`-th conversation's own 80 tokens.
+fn behind(system: &[u32], i: u32) -> Vec<u32> {
+    let mut p = system.to_vec();
+    p.extend((10_000 + i * 1_000)..(10_080 + i * 1_000));
+    p
+}
+
+#[test]
+fn a_replica_that_joins_takes_the_next_new_conversation_at_once() {
+    let system: Vec<u32> = (0..320).collect();
+    let s = fleet_holding(&system);
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    let first = pick(&s, &req(&keys(&behind(&system, 0))), at(0)).unwrap();
+    assert_ne!(first.candidates[0].address, "10.0.0.1:8002");
+    let joiner = join(&s);
     assert!(joiner.filling(at(1)));
     // Well within starve_after of its joining: taken at once.
-    let r = pick(&s, &req(&keys(&prompt(1))), at(1)).unwrap();
+    let r = pick(&s, &req(&keys(&behind(&system, 1))), at(1)).unwrap();
     assert_eq!(r.candidates[0].address, "10.0.0.1:8002", "the joiner");
     assert_eq!(s.metrics.explorations.get(), 1);
     // It has had one: the next ones go by cost, to where the prompt is.
     for i in 2..4 {
-        let r = pick(&s, &req(&keys(&prompt(i))), at(u64::from(i))).unwrap();
+        let r = pick(&s, &req(&keys(&behind(&system, i))), at(u64::from(i))).unwrap();
         assert_ne!(r.candidates[0].address, "10.0.0.1:8002", "conversation {i}");
     }
     assert_eq!(s.metrics.explorations.get(), 1);
@@ -1017,41 +1032,20 @@ fn a_replica_that_joins_takes_the_next_new_conversation_at_once() {
 
 #[test]
 fn a_joiner_is_taken_even_when_the_fleet_had_no_new_conversation_lately() {
-    let (s, rs) = shared(2, |_| {});
     let system: Vec<u32> = (0..320).collect();
-    for r in &rs {
-        believed(r, 8_000.0);
-        store(&s, r, &system);
-    }
-    let joiner = s
-        .add_joiner(EndpointConfig::new(
-            SocketAddr::from(([10, 0, 0, 1], 8002)),
-            "m",
-        ))
-        .unwrap();
-    believed(&joiner, 8_000.0);
-    let mut prompt = system.clone();
-    prompt.extend(10_000..10_080);
+    let prompt = behind(&system, 0);
+    let s = fleet_holding(&system);
+    join(&s);
     // No new conversation anywhere yet: the first goes to the joiner.
     let r = pick(&s, &req(&keys(&prompt)), Instant::now()).unwrap();
     assert_eq!(r.candidates[0].address, "10.0.0.1:8002");
     assert_eq!(s.metrics.explorations.get(), 1);
     // A continuation is never explored, even while a joiner has had none.
-    let (s, rs) = shared(2, |_| {});
-    for r in &rs {
-        believed(r, 8_000.0);
-        store(&s, r, &system);
-    }
+    let s = fleet_holding(&system);
     let t0 = Instant::now();
     let first = pick(&s, &req(&keys(&prompt)), t0).unwrap();
     let warm = first.candidates[0].address.clone();
-    let joiner = s
-        .add_joiner(EndpointConfig::new(
-            SocketAddr::from(([10, 0, 0, 1], 8002)),
-            "m",
-        ))
-        .unwrap();
-    believed(&joiner, 8_000.0);
+    join(&s);
     let mut turn = prompt.clone();
     turn.extend(20_000..20_100);
     let r = pick(&s, &req(&keys(&turn)), t0 + Duration::from_millis(1)).unwrap();
