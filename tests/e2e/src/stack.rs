@@ -139,6 +139,9 @@ pub struct StackOptions {
     /// indexd's `weights.balance_margin` (None: its default; 0: new
     /// conversations go by cost alone).
     pub indexd_balance_margin: Option<f64>,
+    /// indexd's `tokenize.replica_timeout` (None: its default, 2 s): how
+    /// long it waits for a replica's `/tokenize` or `/render`.
+    pub indexd_replica_timeout: Option<Duration>,
     /// The replicas are not fixed: indexd follows a discovery file (no
     /// static endpoints) and Envoy's replica clusters are EDS clusters fed
     /// from files, so [`Stack::add_replica`] (a mock),
@@ -181,6 +184,7 @@ impl Default for StackOptions {
             indexd_speculative_ttl: None,
             indexd_shadow_per_second: None,
             indexd_balance_margin: None,
+            indexd_replica_timeout: None,
             membership_files: false,
         }
     }

@@ -11,8 +11,8 @@
 //! hostile request is answered by some replica (routed or not: none is
 //! lost); the hostile bodies did reach indexd (its tokenization counters);
 //! and indexd is still ready afterwards. No timing is asserted: every wait is
-//! for an event, bounded. The filter's Pick budget is the harness's (3 s),
-//! not the shipped 550 ms. The mock replicas read each body off their event
+//! for an event, bounded. The filter's Pick budget is 12 s (indexd's wait
+//! for a replica's `/tokenize` 10 s), not the shipped 550 ms. The mock replicas read each body off their event
 //! loop, as vLLM's API server tokenizes on a thread pool, and are optimised
 //! in test builds: the hostile requests reach them too (as inference
 //! requests, and as `/tokenize` calls of an indexd without a local
@@ -57,6 +57,8 @@ const TURNS: usize = 3;
 const MIN_OVERLAPPED: usize = 3;
 /// The bound of every wait for an event.
 const WAIT: Duration = Duration::from_secs(30);
+/// indexd's wait for a mock replica's `/tokenize` (see the test).
+const REPLICA_TIMEOUT: Duration = Duration::from_secs(10);
 /// The filter's reasons for a request it routed (set an override).
 const ROUTED: [&str; 2] = ["precise", "load"];
 
@@ -258,9 +260,18 @@ fn hostile_bodies_leave_ordinary_requests_routed() {
         // indexd on a runtime of its own, as its own process would be: the
         // mock replicas parse each 8 MB body on the stack's two workers.
         thread_label: Some("flood".into()),
+        // This indexd has no local tokenizer: an ordinary Pick's body is
+        // tokenized by a mock replica's `/tokenize`, queued behind the
+        // hostile bodies' on the same two busy cores (and every other test's
+        // beside them). What is tested is indexd and the filter under the
+        // flood, not how fast the stand-in for vLLM parses 8 MB: its call
+        // gets 10 s, not the default 2 s, and the filter's Pick budget
+        // covers it.
+        indexd_replica_timeout: Some(REPLICA_TIMEOUT),
         ..StackOptions::default()
     };
-    // The harness's Pick budget (tokenizer + index timeouts: 3 s) stays.
+    options.filter_overrides["tokenizer_timeout_ms"] =
+        json!(REPLICA_TIMEOUT.as_millis() as u64 + 1_000);
     options.filter_overrides["max_body_bytes"] = json!(MAX_BODY_BYTES);
     let stack = Stack::start(options).unwrap();
     assert!(

@@ -173,6 +173,9 @@ pub(super) fn indexd_config(
     if let Some(margin) = options.indexd_balance_margin {
         config.weights.balance_margin = margin;
     }
+    if let Some(timeout) = options.indexd_replica_timeout {
+        config.tokenize.replica_timeout = timeout;
+    }
     config
 }
 
