@@ -358,7 +358,7 @@ fn w2(name: &str, scale: Scale, seed: u64, salted: bool) -> Workload {
 /// split and latency against the sticky oracle's ([`crate::burst`]).
 ///
 /// Time (this 2-core host, AVX-512): a W2-lite run of precise or the
-/// sticky oracle took 1.4–1.5 s of load (`results-vllm/`, ≈ 24k computed
+/// sticky oracle took 1.4–1.5 s of load (`results-vllm-2026-12-05/`, ≈ 24k computed
 /// prompt tokens); the longer prompt adds 1.2k tokens to each cold prefill
 /// of it (2 to 8 a run: 10–40% more computed tokens), so ≈ 2–2.5 s, and
 /// ≈ 1 s a run of starting and stopping gateways. 20 rounds of precise and
