@@ -12,12 +12,12 @@
 //! lost); the hostile bodies did reach indexd (its tokenization counters);
 //! and indexd is still ready afterwards. No timing is asserted: every wait is
 //! for an event, bounded. The filter's Pick budget is 12 s (indexd's wait
-//! for a replica's `/tokenize` 10 s), not the shipped 550 ms. The mock replicas read each body off their event
-//! loop, as vLLM's API server tokenizes on a thread pool, and are optimised
-//! in test builds: the hostile requests reach them too (as inference
-//! requests, and as `/tokenize` calls of an indexd without a local
-//! tokenizer), and a debug build of the stand-in for vLLM would be what the
-//! test measured.
+//! for a replica's `/tokenize` 10 s), not the shipped 550 ms. The mock
+//! replicas read each body off their event loop, as vLLM's API server
+//! tokenizes on a thread pool, and are optimised in test builds: the
+//! hostile requests reach them too (as inference requests, and as
+//! `/tokenize` calls of an indexd without a local tokenizer), and a debug
+//! build of the stand-in for vLLM would be what the test measured.
 
 #![allow(
     clippy::unwrap_used,
