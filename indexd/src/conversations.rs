@@ -2,7 +2,8 @@
 //! lasting imbalance ([`crate::score`]).
 //!
 //! A conversation is known by its tip: the last full block key of the
-//! prompt its latest turn sent. The next turn's prompt continues the last
+//! prompt its latest turn sent, short of the block holding that prompt's
+//! last token (the caller passes the keys so cut, `pick::track`). The next turn's prompt continues the last
 //! one, so it holds that key among its own, usually near its end (the
 //! answer and the new message come after it): looking back from the end of
 //! a prompt for a known tip finds the conversation it continues, and where

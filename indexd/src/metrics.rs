@@ -383,7 +383,7 @@ impl Metrics {
             ),
             conversation_turns: CounterVec::new(
                 "indexd_conversation_turns_total",
-                "Picks by what they did to their conversation: new, stayed (the replica of its previous turn), moved.",
+                "Picks by what they did to their conversation: new, stayed (the replica of its previous turn), moved, resumed (a continuation by its body whose earlier turns this indexd did not follow: another gateway's, or idle past its memory).",
                 ["turn"],
             ),
             chosen_blocks: CounterVec::new(

@@ -267,7 +267,8 @@ fn affinity_shortcut(shared: &Shared, req: &PickRequest, now: Instant) -> Option
             // The conversation goes on there: the move rule counts it.
             let keys = block_keys(req);
             let found = conversations.continues_at(&keys, now);
-            track(shared, &mut conversations, &keys, found, r.slot, now);
+            let tip = tip_keys(req, &keys);
+            track(shared, &mut conversations, req, tip, found, r.slot, now);
             drop(conversations);
             tracing::debug!(
                 request_id = %req.request_id,
@@ -519,16 +520,29 @@ fn note(
     let prefill = score::prefill_time(&load, queued, &shared.config.weights);
     let blocks = u32::try_from(added).unwrap_or(u32::MAX);
     chosen.note_pick(now, &req.request_id, prefill, blocks);
-    if track(shared, conversations, &snap.keys, found, chosen.slot, now) == Some(Placed::New) {
+    let tip = tip_keys(req, &snap.keys);
+    let placed = track(shared, conversations, req, tip, found, chosen.slot, now);
+    if placed == Some(Placed::New) && !req.continuation {
         chosen.note_new_conversation(now);
     }
 }
 
-/// Where conversations are (the move rule's lasting imbalance): the prompt
-/// with `keys` went to `slot`.
+/// `keys` short of the block holding the prompt's last token
+/// ([`max_blocks`]); the last is the conversation's tip ([`track`]). That
+/// block is never part of a hit vLLM gives, and where a generation prompt
+/// ends in a token the answer then merges into (a trailing space,
+/// `[ASSISTANT] `), the next turn's prompt does not hold it: known by it,
+/// a conversation would look new once in every `block_size` turns.
+fn tip_keys<'k>(req: &PickRequest, keys: &'k [BlockKey]) -> &'k [BlockKey] {
+    keys.get(..max_blocks(req, keys.len())).unwrap_or(keys)
+}
+
+/// Where conversations are (the move rule's lasting imbalance): `req`,
+/// its keys up to its tip `keys` ([`tip_keys`]), went to `slot`.
 fn track(
     shared: &Shared,
     conversations: &mut Conversations,
+    req: &PickRequest,
     keys: &[BlockKey],
     found: Option<Continues>,
     slot: ReplicaSlot,
@@ -539,6 +553,9 @@ fn track(
     }
     let placed = conversations.place_found(keys, found, slot, now);
     let turn = match placed {
+        // A turn of a conversation this indexd did not follow (another
+        // gateway's, or idle past `conversations::IDLE`): followed now.
+        Placed::New if req.continuation => "resumed",
         Placed::New => "new",
         Placed::Continued(from) if from == slot => "stayed",
         Placed::Continued(_) => "moved",

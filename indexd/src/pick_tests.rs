@@ -1054,6 +1054,83 @@ fn a_joiner_is_taken_even_when_the_fleet_had_no_new_conversation_lately() {
 }
 
 #[test]
+fn a_continuation_this_indexd_did_not_follow_is_never_sent_to_a_joiner() {
+    // Its earlier turns went through another gateway: replica 0 holds them
+    // (its events show them), this indexd's conversations do not.
+    let system: Vec<u32> = (0..320).collect();
+    let mut turn = behind(&system, 0);
+    turn.extend(20_000..20_100);
+    let setup = || {
+        let (s, rs) = shared(2, |_| {});
+        for r in &rs {
+            believed(r, 8_000.0);
+            store(&s, r, &system);
+        }
+        store(&s, &rs[0], &behind(&system, 0));
+        join(&s);
+        (s, rs[0].id().to_string())
+    };
+    let t0 = Instant::now();
+    // Unmarked, it looks like a new conversation: the fresh joiner takes it.
+    let (s, _) = setup();
+    let r = pick(&s, &req(&keys(&turn)), t0).unwrap();
+    assert_eq!(r.candidates[0].address, "10.0.0.1:8002");
+    assert_eq!(s.metrics.explorations.get(), 1);
+    // Its body carries an earlier turn: it stays where its prefix is.
+    let (s, warm) = setup();
+    let marked = PickRequest {
+        continuation: true,
+        ..req(&keys(&turn))
+    };
+    let r = pick(&s, &marked, t0).unwrap();
+    assert_eq!(r.candidates[0].address, warm, "the continuation stays warm");
+    assert_eq!(s.metrics.explorations.get(), 0);
+    assert_eq!(s.metrics.balanced.get(), 0);
+    let turns = |t| s.metrics.conversation_turns.get([t]);
+    assert_eq!((turns("resumed"), turns("new")), (1, 0));
+    // Counted from here on: its next turn continues it.
+    turn.extend(30_000..30_040);
+    let next = PickRequest {
+        continuation: true,
+        ..req(&keys(&turn))
+    };
+    let r = pick(&s, &next, t0 + Duration::from_millis(1)).unwrap();
+    assert_eq!(r.candidates[0].address, warm);
+    assert_eq!(turns("stayed"), 1);
+    // The joiner still takes the next new conversation.
+    let r = pick(&s, &req(&keys(&behind(&system, 1))), t0).unwrap();
+    assert_eq!(r.candidates[0].address, "10.0.0.1:8002");
+}
+
+#[test]
+fn a_turn_whose_prompt_ends_on_a_block_boundary_is_known_at_its_next_turn() {
+    let (s, _) = shared(2, |c| c.speculative_ttl = Duration::ZERO);
+    let now = Instant::now();
+    let turn = |tokens: &[u32]| PickRequest {
+        prompt_tokens: u32::try_from(tokens.len()).unwrap(),
+        ..req(&keys(tokens))
+    };
+    // 20 tokens, 5 full blocks: the last one holds the prompt's last token
+    // (a template's trailing space, say).
+    let first: Vec<u32> = (0..20).collect();
+    pick(&s, &turn(&first), now).unwrap();
+    // The next turn's prompt has that token merged into the answer's first
+    // one: its fifth block differs, the four before are the same.
+    let next: Vec<u32> = (0..19).chain(900..940).collect();
+    assert_eq!(keys(&next)[..4], keys(&first)[..4]);
+    assert_ne!(keys(&next)[4], keys(&first)[4]);
+    pick(&s, &turn(&next), now).unwrap();
+    let turns = |t| s.metrics.conversation_turns.get([t]);
+    assert_eq!(turns("new"), 1, "one conversation");
+    assert_eq!(turns("stayed") + turns("moved"), 1);
+    // A prompt not ending on a boundary is known by its last full block.
+    let third: Vec<u32> = next.iter().copied().chain(1_000..1_030).collect();
+    pick(&s, &turn(&third), now).unwrap();
+    assert_eq!(turns("new"), 1);
+    assert_eq!(turns("stayed") + turns("moved"), 2);
+}
+
+#[test]
 fn starve_after_zero_never_explores() {
     let (s, rs) = shared(2, |c| c.starve_after = Duration::ZERO);
     believed(&rs[0], 8_000.0);

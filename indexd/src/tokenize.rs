@@ -57,7 +57,7 @@ use crate::sync::lock;
 pub use admission::{Admission, Cancel, Refusal, Via};
 pub use gate::{Gate, GateState};
 use local::body_hash;
-pub use local::{Limits, LocalIds, local_ids, salt_of, valid_salt};
+pub use local::{Head, Limits, LocalIds, head_of, local_ids, salt_of, valid_salt};
 
 /// Bodies up to this size are tokenized on the worker that took them
 /// (`block_in_place`); larger ones on the blocking pool, so that a caller
@@ -114,6 +114,8 @@ pub struct Tokenized {
     pub salt: Option<String>,
     /// Who tokenized it.
     pub source: Source,
+    /// The body carries an earlier turn of its conversation ([`Head`]).
+    pub continuation: bool,
 }
 
 /// Why a body was not tokenized.
@@ -378,9 +380,14 @@ impl Tokenizers {
             .admitted(replicas, via, api, model, body, max_tokens)
             .await;
         match result {
-            Ok((ids, salt, source)) => {
+            Ok((ids, head, source)) => {
                 self.metrics.requests.inc([source.label(), "ok"]);
-                Ok(Tokenized { ids, salt, source })
+                Ok(Tokenized {
+                    ids,
+                    salt: head.salt,
+                    source,
+                    continuation: head.continuation,
+                })
             }
             Err((e, source)) => {
                 self.metrics.requests.inc([source.label(), e.label()]);
@@ -389,8 +396,8 @@ impl Tokenizers {
         }
     }
 
-    /// [`Tokenizers::tokenize`] without its metric: the ids, the salt and
-    /// who tokenized; or the error and who failed.
+    /// [`Tokenizers::tokenize`] without its metric: the ids, what else the
+    /// body tells ([`Head`]) and who tokenized; or the error and who failed.
     async fn admitted(
         &self,
         replicas: &dyn Replicas,
@@ -399,7 +406,7 @@ impl Tokenizers {
         model: &str,
         body: Bytes,
         max_tokens: Option<usize>,
-    ) -> Result<(Vec<u32>, Option<String>, Source), (TokenizeError, Source)> {
+    ) -> Result<(Vec<u32>, Head, Source), (TokenizeError, Source)> {
         let open = self
             .local(model)
             .filter(|l| l.gate.state() == GateState::Open);
@@ -413,17 +420,18 @@ impl Tokenizers {
             .try_admit(via, body.len())
             .map_err(|r| (TokenizeError::Busy(r), tried))?;
         let answer = match open {
-            // The local path reads the salt from the body it parses anyway.
+            // The local path reads the salt (and the rest of the head) from
+            // the body it parses anyway.
             Some(local) => {
                 let work = Admitted { ticket, max_tokens };
                 self.local_or_replica(replicas, local, api, model, body, work)
                     .await
             }
-            None => match salt_of(&body) {
-                Ok(salt) => {
+            None => match head_of(&body) {
+                Ok(head) => {
                     let ids = self.timed_replica_ids(replicas, api, model, &body).await;
                     drop(ticket);
-                    ids.map(|ids| (ids, salt, Source::Replica))
+                    ids.map(|ids| (ids, head, Source::Replica))
                         .map_err(|e| (e, Source::Replica))
                 }
                 Err(e) => Err((e, tried)),
@@ -444,7 +452,7 @@ impl Tokenizers {
         model: &str,
         body: Bytes,
         work: Admitted,
-    ) -> Result<(Vec<u32>, Option<String>, Source), (TokenizeError, Source)> {
+    ) -> Result<(Vec<u32>, Head, Source), (TokenizeError, Source)> {
         let Admitted { ticket, max_tokens } = work;
         let started = Instant::now();
         let limits = Limits {
@@ -477,13 +485,13 @@ impl Tokenizers {
         };
         self.metrics.local_latency.observe(started.elapsed());
         match ids {
-            Ok(mine) => Ok((mine.ids, mine.salt, Source::Local)),
+            Ok(mine) => Ok((mine.ids, mine.head, Source::Local)),
             Err(TokenizeError::Unsupported(why)) => {
                 tracing::debug!(model, reason = %why, "request not reproduced locally; asking a replica");
-                let salt = salt_of(&body).map_err(|e| (e, Source::Local))?;
+                let head = head_of(&body).map_err(|e| (e, Source::Local))?;
                 self.timed_replica_ids(replicas, api, model, &body)
                     .await
-                    .map(|ids| (ids, salt, Source::Replica))
+                    .map(|ids| (ids, head, Source::Replica))
                     .map_err(|e| (e, Source::Replica))
             }
             Err(e) => Err((e, Source::Local)),

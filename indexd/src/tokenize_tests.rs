@@ -27,6 +27,107 @@ fn salts_follow_vllm_rules() {
 }
 
 #[test]
+fn a_head_tells_a_continuation_as_the_tokenizer_does_and_never_refuses_for_it() {
+    use kvroute_tokenizer::{MessagesRequest, ResponsesRequest, TokenizeRequest};
+    let bodies = [
+        (
+            Api::Chat,
+            r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"hi"}]}"#,
+            false,
+        ),
+        (
+            Api::Chat,
+            r#"{"messages":[{"role":"user","content":"hi"},{"content":"x","role":"assistant"}]}"#,
+            true,
+        ),
+        (
+            Api::Chat,
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]},{"role":"tool","content":"1"}]}"#,
+            true,
+        ),
+        (
+            Api::Chat,
+            r#"{"messages":[{"role":"user","content":{"role":"assistant"}}]}"#,
+            false,
+        ),
+        (
+            Api::Chat,
+            r#"{"messages":[1,null,"a",[{"role":"assistant"}],{"role":7,"type":{}}]}"#,
+            false,
+        ),
+        (Api::Chat, r#"{"messages":{"role":"assistant"}}"#, false),
+        (
+            Api::Chat,
+            r#"{"messages":[{"r\u006fle":"assistant"}]}"#,
+            true,
+        ),
+        (Api::Completions, r#"{"prompt":"Once upon a"}"#, false),
+        (Api::Responses, r#"{"input":"hi"}"#, false),
+        (
+            Api::Responses,
+            r#"{"input":"hi","previous_response_id":"resp_1"}"#,
+            true,
+        ),
+        (
+            Api::Responses,
+            r#"{"input":"hi","previous_response_id":""}"#,
+            false,
+        ),
+        (
+            Api::Responses,
+            r#"{"input":"hi","previous_response_id":5}"#,
+            false,
+        ),
+        (
+            Api::Responses,
+            r#"{"input":[{"role":"user","content":"hi"},{"type":"function_call_output","call_id":"c","output":"1"}]}"#,
+            true,
+        ),
+        (
+            Api::Responses,
+            r#"{"input":[{"type":"reasoning","summary":[]}]}"#,
+            true,
+        ),
+        (
+            Api::Responses,
+            r#"{"input":[{"type":"message","role":"user","content":"hi"}]}"#,
+            false,
+        ),
+        (
+            Api::Messages,
+            r#"{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"hi"}]}"#,
+            false,
+        ),
+        (
+            Api::Messages,
+            r#"{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"a"},{"role":"user","content":"b"}]}"#,
+            true,
+        ),
+    ];
+    for (api, body, expected) in bodies {
+        let head = head_of(body.as_bytes()).unwrap_or_else(|e| panic!("{body}: {e}"));
+        assert_eq!(head.continuation, expected, "{body}");
+        let local =
+            match api {
+                Api::Chat | Api::Completions => TokenizeRequest::from_json(body.as_bytes())
+                    .map(|r| r.continues_a_conversation()),
+                Api::Responses => ResponsesRequest::from_json(body.as_bytes())
+                    .map(|r| r.continues_a_conversation()),
+                Api::Messages => MessagesRequest::from_json(body.as_bytes())
+                    .map(|r| r.continues_a_conversation()),
+            };
+        assert_eq!(
+            local.ok(),
+            Some(expected),
+            "the tokenizer's reading of {body}"
+        );
+    }
+    // Only the salt, or a body that is no JSON object, refuses.
+    assert!(head_of(br#"{"messages":[{"role":"assistant"}],"cache_salt":"a/b"}"#).is_err());
+    assert!(head_of(b"[1]").is_err());
+}
+
+#[test]
 fn without_local_tokenizers_everything_goes_to_replicas() {
     let t = Tokenizers::none();
     assert!(t.local("m").is_none());

@@ -62,7 +62,7 @@ pub use loads::MAX_DEPTH;
 pub use messages::MessagesConversion;
 pub use protocol::{
     MessagesRequest, RenderResponse, ResponsesRequest, SamplingParams, TokenizeRequest,
-    TokenizeResponse,
+    TokenizeResponse, earlier_role, output_item,
 };
 pub use segment::{Analysis, Boundaries, SEGMENT_BYTES};
 pub use template::{ChatTemplate, ContentFormat};

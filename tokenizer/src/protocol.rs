@@ -63,6 +63,13 @@ impl TokenizeRequest {
     pub fn is_chat(&self) -> bool {
         crate::value::get(&self.body, "messages").is_some()
     }
+
+    /// Whether the body carries an earlier turn of its conversation: a
+    /// chat message from the assistant or a tool ([`earlier_turn`]). A
+    /// completions prompt never tells.
+    pub fn continues_a_conversation(&self) -> bool {
+        earlier_turn(&self.body, "messages")
+    }
 }
 
 impl ResponsesRequest {
@@ -91,6 +98,15 @@ impl ResponsesRequest {
     /// The `model` field, if a string.
     pub fn model(&self) -> Option<String> {
         crate::value::get_some(&self.body, "model").and_then(|m| m.as_str().map(str::to_owned))
+    }
+
+    /// Whether the body carries an earlier turn of its conversation: a
+    /// `previous_response_id`, or an `input` item the model produced or a
+    /// tool answered ([`earlier_turn`]).
+    pub fn continues_a_conversation(&self) -> bool {
+        crate::value::get_some(&self.body, "previous_response_id")
+            .is_some_and(|id| id.as_str().is_some_and(|s| !s.is_empty()))
+            || earlier_turn(&self.body, "input")
     }
 }
 
@@ -151,6 +167,12 @@ impl MessagesRequest {
         crate::messages::template_free(&self.body)
     }
 
+    /// Whether the body carries an earlier turn of its conversation: a
+    /// message from the assistant ([`earlier_turn`]).
+    pub fn continues_a_conversation(&self) -> bool {
+        earlier_turn(&self.body, "messages")
+    }
+
     /// The `/tokenize` chat body whose ids are this request's prompt ids,
     /// converted as a server deciding `conv` converts (see
     /// [`crate::Tokenizer::messages_conversion`]): for a caller without the
@@ -162,6 +184,47 @@ impl MessagesRequest {
         let body = crate::messages::convert(&self.body, conv, self.count_tokens)?;
         Ok(TokenizeRequest { body })
     }
+}
+
+/// Whether the list `body[key]` (a chat or Messages body's `messages`, a
+/// Responses body's `input`) holds an earlier turn of the conversation: an
+/// item from the assistant (`role`), a tool's answer (`role` `tool` or
+/// `function`), or a Responses output item (`type` `reasoning`, `*_call`,
+/// `*_call_output`). A router places such a request where its conversation
+/// is, never as a new one, whether or not it saw the turns before.
+fn earlier_turn(body: &minijinja::Value, key: &str) -> bool {
+    let Some(items) = crate::value::get(body, key) else {
+        return false;
+    };
+    if items.kind() != minijinja::value::ValueKind::Seq {
+        return false;
+    }
+    let Ok(mut items) = items.try_iter() else {
+        return false;
+    };
+    items.any(|item| {
+        let field = |name| crate::value::get(&item, name);
+        let role = field("role");
+        let kind = field("type");
+        role.as_ref()
+            .and_then(minijinja::Value::as_str)
+            .is_some_and(earlier_role)
+            || kind
+                .as_ref()
+                .and_then(minijinja::Value::as_str)
+                .is_some_and(output_item)
+    })
+}
+
+/// A message `role` only an earlier turn has: the assistant's, or a tool's.
+pub fn earlier_role(role: &str) -> bool {
+    matches!(role, "assistant" | "tool" | "function")
+}
+
+/// A Responses `input` item's `type` naming what a model produced or a
+/// tool answered.
+pub fn output_item(kind: &str) -> bool {
+    kind == "reasoning" || kind.ends_with("_call") || kind.ends_with("_call_output")
 }
 
 /// `/tokenize`'s answer.

@@ -334,3 +334,60 @@ fn chat_completions_also_render_documents_and_reasoning_effort() {
         vec![1241, 9173, 28766, 5365]
     );
 }
+
+#[test]
+fn a_body_tells_whether_it_continues_a_conversation() {
+    let chat = |body: serde_json::Value| {
+        TokenizeRequest::from_json(&serde_json::to_vec(&body).unwrap())
+            .unwrap()
+            .continues_a_conversation()
+    };
+    let responses = |body: serde_json::Value| {
+        ResponsesRequest::from_json(&serde_json::to_vec(&body).unwrap())
+            .unwrap()
+            .continues_a_conversation()
+    };
+    let messages = |body: serde_json::Value| {
+        kvroute_tokenizer::MessagesRequest::from_json(&serde_json::to_vec(&body).unwrap())
+            .unwrap()
+            .continues_a_conversation()
+    };
+    // A first turn, even behind a long system prompt, continues nothing.
+    let first = json!({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]});
+    assert!(!chat(first));
+    assert!(!chat(json!({"prompt": "Once upon a"})));
+    assert!(!chat(json!({"messages": "not a list"})));
+    assert!(!chat(json!({"messages": [1, null, {"role": 7}]})));
+    for role in ["assistant", "tool", "function"] {
+        let body = json!({"messages": [{"role": "user", "content": "hi"}, {"role": role, "content": "x"}]});
+        assert!(chat(body), "{role}");
+    }
+    // Responses: a stored response, or an item a model or a tool produced.
+    assert!(!responses(json!({"input": "hi"})));
+    assert!(!responses(
+        json!({"input": [{"role": "user", "content": "hi"}]})
+    ));
+    assert!(!responses(
+        json!({"input": "hi", "previous_response_id": null})
+    ));
+    assert!(responses(
+        json!({"input": "hi", "previous_response_id": "resp_1"})
+    ));
+    for item in [
+        json!({"role": "assistant", "content": "x"}),
+        json!({"type": "reasoning", "summary": []}),
+        json!({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}),
+        json!({"type": "function_call_output", "call_id": "c", "output": "1"}),
+    ] {
+        let body = json!({"input": [{"role": "user", "content": "hi"}, item]});
+        assert!(responses(body.clone()), "{body}");
+    }
+    // Messages: the assistant's turn (tool results follow one).
+    let m = |msgs| json!({"model": "m", "max_tokens": 8, "messages": msgs});
+    assert!(!messages(m(json!([{"role": "user", "content": "hi"}]))));
+    assert!(messages(m(json!([
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "more"}
+    ]))));
+}

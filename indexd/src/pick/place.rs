@@ -69,7 +69,9 @@ pub(super) fn place(
             "pick: a move that would pay was not made (move_cooldown, join_warmup)"
         );
     }
-    if continues.is_none() {
+    // A new conversation is spread; a continuation indexd does not follow
+    // (its body tells) goes where its prefix is, as one it follows does.
+    if continues.is_none() && !req.continuation {
         balance(shared, req, snap, &mut ranking);
         explore(shared, req, snap, &mut ranking, now);
     }

@@ -42,9 +42,15 @@
 //!    this loaded, is listed in a failure's message but is not this point.
 //! 2. Leave: then one of the two first replicas drains and leaves (out of
 //!    indexd's discovery file, then, once indexd has dropped it, out of
-//!    Envoy's EDS files; stopped once it has answered what it was sent). Every request of the run is answered 200, and each
-//!    conversation that was on it re-homes once: its next turn goes to
-//!    another replica and the turns after that stay there.
+//!    Envoy's EDS files; stopped once it has answered what it was sent).
+//!    Every request of the run is answered 200, and each conversation that
+//!    was on it re-homes once: its next turn goes to another replica and
+//!    the turns after that stay there.
+//! 3. indexd knew every continuation as its conversation's: once the run
+//!    is over, `indexd_conversation_turns_total` counts as many `new` turns
+//!    as conversations started, and no `resumed` one. A continuation
+//!    indexd takes for a new conversation is one `balance` and `explore`
+//!    could send away from its warm replica.
 //!
 //! Every loop is bounded by count and time; the 10 s of point 1 is the only
 //! timing assertion. A failure names what happened: the new conversations
@@ -698,6 +704,8 @@ fn run(
         drive(&mut stack, shape, join_one, &log, started, &originals)
     });
     let run_time = started.elapsed();
+    // Every agent has stopped: each request it sent is answered and logged.
+    let metrics_after = stack.indexd().map(|i| i.metrics_text()).unwrap_or_default();
     let turns = log.snapshot();
     let labels = labels(&originals, timeline.joiner.as_deref());
     let legend: Vec<String> = labels.iter().map(|(l, a)| format!("{l}={a}")).collect();
@@ -859,6 +867,27 @@ fn run(
                     .into(),
             );
         }
+    }
+
+    // 3. indexd followed every conversation: each counted new once, at its
+    // first turn, and every later turn as a continuation (on real vLLM, a
+    // template whose generation prompt ends in a space once lost one turn
+    // in a block's worth).
+    let first_turns = turns.iter().filter(|t| t.turn == 0).count();
+    let counted = |turn: &str| {
+        let name = format!("indexd_conversation_turns_total{{turn=\"{turn}\"}} ");
+        metrics_after
+            .lines()
+            .find_map(|l| l.strip_prefix(&name))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let (new, resumed) = (counted("new"), counted("resumed"));
+    if new != first_turns as f64 || resumed != 0.0 {
+        failures.push(format!(
+            "indexd counted {new} new and {resumed} resumed conversations for {first_turns} \
+             first turns: some continuation was not known as its conversation's"
+        ));
     }
 
     let mut report = String::new();
