@@ -3,11 +3,14 @@
 //!
 //! A conversation is known by its tip: the last full block key of the
 //! prompt its latest turn sent, short of the block holding that prompt's
-//! last token (the caller passes the keys so cut, `pick::track`). The next turn's prompt continues the last
-//! one, so it holds that key among its own, usually near its end (the
-//! answer and the new message come after it): looking back from the end of
-//! a prompt for a known tip finds the conversation it continues, and where
-//! it was. A prompt that continues none starts a conversation. Each
+//! last token (the caller passes the keys so cut, `pick::track`). The next
+//! turn's prompt continues the last one, so it holds that key among its
+//! own, usually near its end (the answer and the new message come after
+//! it): looking back from the end of a prompt for a known tip finds the
+//! conversation it continues, and where it was. A prompt that continues none starts a conversation. First turns
+//! behind one shared prompt with no full block of their own share a tip
+//! (the prompt's last block): it counts each, and each later turn takes
+//! one off it, the one on its own replica if any. Each
 //! replica's count is the conversations whose latest turn went there;
 //! conversations idle for [`IDLE`] are forgotten (indexd sees no end).
 //!
@@ -20,6 +23,7 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use kvroute_proto::keys::BlockKey;
+use smallvec::SmallVec;
 
 use crate::ids::FastMap;
 use crate::ids::ReplicaSlot;
@@ -39,10 +43,13 @@ const LOOKBACK: usize = 1_024;
 /// (uniform), so their low bits index it.
 const FILTER_BITS: usize = 1 << 20;
 
-/// One conversation's latest turn.
-#[derive(Clone, Copy, Debug)]
+/// The latest turn of the conversations whose latest prompt's tip is one
+/// key: one conversation, nearly always. First turns behind one shared
+/// system prompt, none with a full block of its own, share its last block.
+#[derive(Clone, Debug)]
 struct Tip {
-    slot: ReplicaSlot,
+    /// Where each of them went.
+    slots: SmallVec<[ReplicaSlot; 1]>,
     at: Instant,
     /// When the conversation last changed replica (moved, or re-homed from
     /// one that left), if it ever did.
@@ -54,7 +61,8 @@ struct Tip {
 pub(crate) struct Continues {
     /// Its tip: the key the prompt holds.
     pub key: BlockKey,
-    /// Where its latest turn went.
+    /// Where its latest turn went (of several conversations sharing the
+    /// tip, the first's).
     pub slot: ReplicaSlot,
     /// When it last changed replica, if it ever did.
     pub moved_at: Option<Instant>,
@@ -133,26 +141,30 @@ impl Conversations {
         };
         let (placed, moved_at) = match found {
             Some(c) => {
-                self.forget(c.key);
-                let moved_at = if c.slot == slot {
-                    c.moved_at
-                } else {
-                    Some(now)
-                };
-                (Placed::Continued(c.slot), moved_at)
+                let from = self.leave(c.key, slot).unwrap_or(c.slot);
+                let moved_at = if from == slot { c.moved_at } else { Some(now) };
+                (Placed::Continued(from), moved_at)
             }
             None => (Placed::New, None),
         };
-        // The same prompt again (a retry) continues itself.
-        self.forget(tip);
-        self.tips.insert(
-            tip,
-            Tip {
-                slot,
-                at: now,
-                moved_at,
-            },
-        );
+        // The same prompt again (a retry) continued itself above; a first
+        // turn whose tip others share (a shared prompt's last block) joins
+        // them.
+        match self.tips.get_mut(&tip) {
+            Some(t) => {
+                t.slots.push(slot);
+                t.at = now;
+                t.moved_at = moved_at.or(t.moved_at);
+            }
+            None => {
+                let t = Tip {
+                    slots: smallvec::smallvec![slot],
+                    at: now,
+                    moved_at,
+                };
+                self.tips.insert(tip, t);
+            }
+        }
         mark(&mut self.filter, tip);
         self.order.push_back((tip, now));
         *self.per_slot.entry(slot).or_default() += 1;
@@ -175,9 +187,10 @@ impl Conversations {
             .take(LOOKBACK)
             .filter(|k| self.maybe_tip(**k))
             .find_map(|k| {
-                self.tips.get(k).map(|t| Continues {
+                let t = self.tips.get(k)?;
+                Some(Continues {
                     key: *k,
-                    slot: t.slot,
+                    slot: *t.slots.first()?,
                     moved_at: t.moved_at,
                 })
             })
@@ -207,11 +220,31 @@ impl Conversations {
         self.filter.get(word).is_some_and(|w| w & mask != 0)
     }
 
+    /// Forgets every conversation whose tip is `key`.
     fn forget(&mut self, key: BlockKey) {
         if let Some(t) = self.tips.remove(&key) {
-            self.uncount(t.slot);
+            for slot in t.slots {
+                self.uncount(slot);
+            }
             self.stale_bits += 1;
         }
+    }
+
+    /// Takes one conversation off the tip `key`, the one on `slot` if any
+    /// is (it stays there), else the first; where it was.
+    fn leave(&mut self, key: BlockKey, slot: ReplicaSlot) -> Option<ReplicaSlot> {
+        let t = self.tips.get_mut(&key)?;
+        let at = t.slots.iter().position(|s| *s == slot).unwrap_or(0);
+        if at >= t.slots.len() {
+            return None;
+        }
+        let from = t.slots.remove(at);
+        if t.slots.is_empty() {
+            self.tips.remove(&key);
+            self.stale_bits += 1;
+        }
+        self.uncount(from);
+        Some(from)
     }
 
     /// Clears the bits of forgotten tips once there are more of them than
@@ -295,6 +328,30 @@ mod tests {
         // A retry of the same prompt continues itself.
         assert_eq!(c.place(&y2, B, t0), Placed::Continued(B));
         assert_eq!((c.on(A, t0), c.on(B, t0)), (1, 1));
+    }
+
+    #[test]
+    fn first_turns_sharing_a_tip_are_counted_apart_and_continue_apart() {
+        let t0 = Instant::now();
+        let mut c = Conversations::default();
+        // Two short tasks behind one 12-block prompt, known to be first
+        // turns (their bodies say so): both end at the prompt's last block.
+        let shared = keys(0..12);
+        assert_eq!(c.place_found(&shared, None, A, t0), Placed::New);
+        assert_eq!(c.place_found(&shared, None, B, t0), Placed::New);
+        assert_eq!((c.on(A, t0), c.on(B, t0)), (1, 1));
+        assert_eq!(c.len(), 1, "one tip, two conversations");
+        // B's conversation goes on at B: it stays, A's is still counted.
+        let b2: Vec<_> = shared.iter().copied().chain(keys(500..510)).collect();
+        assert_eq!(c.place(&b2, B, t0), Placed::Continued(B));
+        assert_eq!((c.on(A, t0), c.on(B, t0)), (1, 1));
+        // A's goes on at A.
+        let a2: Vec<_> = shared.iter().copied().chain(keys(600..610)).collect();
+        assert_eq!(c.place(&a2, A, t0), Placed::Continued(A));
+        assert_eq!((c.on(A, t0), c.on(B, t0)), (1, 1));
+        assert_eq!(c.len(), 2, "each its own tip now");
+        // Forgotten when idle, both.
+        assert_eq!(c.on(A, t0 + IDLE) + c.on(B, t0 + IDLE), 0);
     }
 
     #[test]

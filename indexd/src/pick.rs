@@ -522,7 +522,7 @@ fn note(
     chosen.note_pick(now, &req.request_id, prefill, blocks);
     let tip = tip_keys(req, &snap.keys);
     let placed = track(shared, conversations, req, tip, found, chosen.slot, now);
-    if placed == Some(Placed::New) && !req.continuation {
+    if placed == Some(Placed::New) && req.continuation != Some(true) {
         chosen.note_new_conversation(now);
     }
 }
@@ -555,7 +555,7 @@ fn track(
     let turn = match placed {
         // A turn of a conversation this indexd did not follow (another
         // gateway's, or idle past `conversations::IDLE`): followed now.
-        Placed::New if req.continuation => "resumed",
+        Placed::New if req.continuation == Some(true) => "resumed",
         Placed::New => "new",
         Placed::Continued(from) if from == slot => "stayed",
         Placed::Continued(_) => "moved",

@@ -1079,7 +1079,7 @@ fn a_continuation_this_indexd_did_not_follow_is_never_sent_to_a_joiner() {
     // Its body carries an earlier turn: it stays where its prefix is.
     let (s, warm) = setup();
     let marked = PickRequest {
-        continuation: true,
+        continuation: Some(true),
         ..req(&keys(&turn))
     };
     let r = pick(&s, &marked, t0).unwrap();
@@ -1091,7 +1091,7 @@ fn a_continuation_this_indexd_did_not_follow_is_never_sent_to_a_joiner() {
     // Counted from here on: its next turn continues it.
     turn.extend(30_000..30_040);
     let next = PickRequest {
-        continuation: true,
+        continuation: Some(true),
         ..req(&keys(&turn))
     };
     let r = pick(&s, &next, t0 + Duration::from_millis(1)).unwrap();
@@ -1100,6 +1100,49 @@ fn a_continuation_this_indexd_did_not_follow_is_never_sent_to_a_joiner() {
     // The joiner still takes the next new conversation.
     let r = pick(&s, &req(&keys(&behind(&system, 1))), t0).unwrap();
     assert_eq!(r.candidates[0].address, "10.0.0.1:8002");
+}
+
+#[test]
+fn first_turns_behind_a_shared_prompt_are_new_conversations_by_their_bodies() {
+    // Short tasks behind one 12-block system prompt: no full block of their
+    // own, so each first turn's tip is the prompt's last block.
+    let system: Vec<u32> = (0..48).collect();
+    let task = |i: u32| -> Vec<u32> {
+        let mut p = system.clone();
+        p.extend([10_000 + i, 10_001 + i]);
+        p
+    };
+    let run = |continuation: Option<bool>| {
+        let (s, rs, now) = two_settled(|_| {});
+        let mut at = Vec::new();
+        for i in 0..2 {
+            let p = task(i * 10);
+            let r = PickRequest {
+                continuation,
+                prompt_tokens: u32::try_from(p.len()).unwrap(),
+                ..req(&keys(&p))
+            };
+            let address = pick(&s, &r, now).unwrap().candidates[0].address.clone();
+            at.push(
+                rs.iter()
+                    .position(|r| r.id().to_string() == address)
+                    .unwrap(),
+            );
+        }
+        let turns = |t| s.metrics.conversation_turns.get([t]);
+        (at, turns("new"), s.metrics.balanced.get())
+    };
+    // Their bodies say they are first turns: two conversations, spread.
+    let (at, new, balanced) = run(Some(false));
+    assert_eq!(new, 2);
+    assert_ne!(at[0], at[1], "spread by number");
+    assert_eq!(balanced, 1);
+    // Keys alone (a completions prompt): the second looks like the first's
+    // next turn, and follows it.
+    let (at, new, balanced) = run(None);
+    assert_eq!(new, 1);
+    assert_eq!(at[0], at[1]);
+    assert_eq!(balanced, 0);
 }
 
 #[test]

@@ -144,7 +144,7 @@ impl IndexService {
         req.key_scheme = SCHEME_VERSION.to_owned();
         req.block_size = block_size.get();
         req.prompt_tokens = u32::try_from(t.ids.len()).unwrap_or(u32::MAX);
-        req.continuation |= t.continuation;
+        req.continuation = req.continuation.or(t.continuation);
         let started = Instant::now();
         let result = pick::pick(&self.shared, req, started);
         self.shared.metrics.pick_latency.observe(started.elapsed());

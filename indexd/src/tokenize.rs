@@ -114,8 +114,9 @@ pub struct Tokenized {
     pub salt: Option<String>,
     /// Who tokenized it.
     pub source: Source,
-    /// The body carries an earlier turn of its conversation ([`Head`]).
-    pub continuation: bool,
+    /// Whether the body carries an earlier turn of its conversation, or is
+    /// a first turn; `None` if it does not tell ([`Head`]).
+    pub continuation: Option<bool>,
 }
 
 /// Why a body was not tokenized.

@@ -64,11 +64,12 @@ impl TokenizeRequest {
         crate::value::get(&self.body, "messages").is_some()
     }
 
-    /// Whether the body carries an earlier turn of its conversation: a
-    /// chat message from the assistant or a tool ([`earlier_turn`]). A
-    /// completions prompt never tells.
-    pub fn continues_a_conversation(&self) -> bool {
-        earlier_turn(&self.body, "messages")
+    /// Whether the body carries an earlier turn of its conversation (a
+    /// chat message from the assistant or a tool, [`earlier_turn`]), or is
+    /// a conversation's first turn; `None` for a completions prompt, which
+    /// does not tell.
+    pub fn continues_a_conversation(&self) -> Option<bool> {
+        self.is_chat().then(|| earlier_turn(&self.body, "messages"))
     }
 }
 
@@ -100,13 +101,13 @@ impl ResponsesRequest {
         crate::value::get_some(&self.body, "model").and_then(|m| m.as_str().map(str::to_owned))
     }
 
-    /// Whether the body carries an earlier turn of its conversation: a
+    /// Whether the body carries an earlier turn of its conversation (a
     /// `previous_response_id`, or an `input` item the model produced or a
-    /// tool answered ([`earlier_turn`]).
-    pub fn continues_a_conversation(&self) -> bool {
-        crate::value::get_some(&self.body, "previous_response_id")
-            .is_some_and(|id| id.as_str().is_some_and(|s| !s.is_empty()))
-            || earlier_turn(&self.body, "input")
+    /// tool answered, [`earlier_turn`]), or is a conversation's first turn.
+    pub fn continues_a_conversation(&self) -> Option<bool> {
+        let stored = crate::value::get_some(&self.body, "previous_response_id")
+            .is_some_and(|id| id.as_str().is_some_and(|s| !s.is_empty()));
+        Some(stored || earlier_turn(&self.body, "input"))
     }
 }
 
@@ -167,10 +168,11 @@ impl MessagesRequest {
         crate::messages::template_free(&self.body)
     }
 
-    /// Whether the body carries an earlier turn of its conversation: a
-    /// message from the assistant ([`earlier_turn`]).
-    pub fn continues_a_conversation(&self) -> bool {
-        earlier_turn(&self.body, "messages")
+    /// Whether the body carries an earlier turn of its conversation (a
+    /// message from the assistant, [`earlier_turn`]), or is a
+    /// conversation's first turn.
+    pub fn continues_a_conversation(&self) -> Option<bool> {
+        Some(earlier_turn(&self.body, "messages"))
     }
 
     /// The `/tokenize` chat body whose ids are this request's prompt ids,

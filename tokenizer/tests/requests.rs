@@ -341,21 +341,28 @@ fn a_body_tells_whether_it_continues_a_conversation() {
         TokenizeRequest::from_json(&serde_json::to_vec(&body).unwrap())
             .unwrap()
             .continues_a_conversation()
+            == Some(true)
     };
     let responses = |body: serde_json::Value| {
         ResponsesRequest::from_json(&serde_json::to_vec(&body).unwrap())
             .unwrap()
             .continues_a_conversation()
+            == Some(true)
     };
     let messages = |body: serde_json::Value| {
         kvroute_tokenizer::MessagesRequest::from_json(&serde_json::to_vec(&body).unwrap())
             .unwrap()
             .continues_a_conversation()
+            == Some(true)
     };
     // A first turn, even behind a long system prompt, continues nothing.
     let first = json!({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}]});
+    let first_turn = TokenizeRequest::from_json(&serde_json::to_vec(&first).unwrap()).unwrap();
+    assert_eq!(first_turn.continues_a_conversation(), Some(false));
     assert!(!chat(first));
-    assert!(!chat(json!({"prompt": "Once upon a"})));
+    // A completions prompt does not tell.
+    let prompt = TokenizeRequest::from_json(br#"{"prompt": "Once upon a"}"#).unwrap();
+    assert_eq!(prompt.continues_a_conversation(), None);
     assert!(!chat(json!({"messages": "not a list"})));
     assert!(!chat(json!({"messages": [1, null, {"role": 7}]})));
     for role in ["assistant", "tool", "function"] {

@@ -51,7 +51,13 @@ pub(super) fn place(
             Input { matched, load }
         })
         .collect();
-    let continues = conversations.continues_at(&snap.keys, now);
+    // A first turn by its body continues nothing, even where its prompt
+    // holds another conversation's tip (a short task behind a shared
+    // system prompt: no full block of its own).
+    let continues = match req.continuation {
+        Some(false) => None,
+        _ => conversations.continues_at(&snap.keys, now),
+    };
     // A conversation that changed replica a moment ago stays (no thrash), and
     // none moves to a replica still filling with new conversations.
     let settled = continues
@@ -71,7 +77,7 @@ pub(super) fn place(
     }
     // A new conversation is spread; a continuation indexd does not follow
     // (its body tells) goes where its prefix is, as one it follows does.
-    if continues.is_none() && !req.continuation {
+    if continues.is_none() && req.continuation != Some(true) {
         balance(shared, req, snap, &mut ranking);
         explore(shared, req, snap, &mut ranking, now);
     }

@@ -151,11 +151,13 @@ pub fn local_ids(
 pub struct Head {
     /// Its `cache_salt`, valid by vLLM's rules.
     pub salt: Option<String>,
-    /// It carries an earlier turn of its conversation: a chat or Messages
-    /// body's assistant or tool message, a Responses body's
-    /// `previous_response_id` or output item (as
-    /// [`kvroute_tokenizer::TokenizeRequest::continues_a_conversation`]).
-    pub continuation: bool,
+    /// `Some(true)` if it carries an earlier turn of its conversation (a
+    /// chat or Messages body's assistant or tool message, a Responses
+    /// body's `previous_response_id` or output item), `Some(false)` if it
+    /// is a conversation's first turn, `None` if it does not tell (a
+    /// completions prompt), as
+    /// [`kvroute_tokenizer::TokenizeRequest::continues_a_conversation`].
+    pub continuation: Option<bool>,
 }
 
 /// The body's `cache_salt` (vLLM's rules: a non-empty string of at most 128
@@ -177,9 +179,14 @@ pub fn head_of(body: &[u8]) -> Result<Head, TokenizeError> {
         status: 400,
         message: format!("invalid JSON body: {e}"),
     })?;
+    let continuation = match (f.previous_response_id.0, f.messages.0, f.input.0) {
+        (true, ..) => Some(true),
+        (false, None, None) => None,
+        (false, m, i) => Some(m.unwrap_or(false) || i.unwrap_or(false)),
+    };
     Ok(Head {
         salt: valid_salt(f.cache_salt)?,
-        continuation: f.messages.0 || f.input.0 || f.previous_response_id.0,
+        continuation,
     })
 }
 
@@ -197,9 +204,10 @@ mod turns {
 
     use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
-    /// A list holds an earlier turn ([`Item`]).
+    /// Whether a field present holds an earlier turn ([`Item`]: a list
+    /// of items; any other value holds none); `None` if absent.
     #[derive(Default)]
-    pub(super) struct Turns(pub bool);
+    pub(super) struct Turns(pub Option<bool>);
 
     /// A non-empty string.
     #[derive(Default)]
@@ -262,19 +270,19 @@ mod turns {
         fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
             f.write_str("any JSON value")
         }
-        any_other_value!(Turns(false));
+        any_other_value!(Turns(Some(false)));
         fn visit_str<E: de::Error>(self, _: &str) -> Result<Turns, E> {
-            Ok(Turns(false))
+            Ok(Turns(Some(false)))
         }
         fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Turns, A::Error> {
             let mut any = false;
             while let Some(Item(earlier)) = seq.next_element::<Item>()? {
                 any |= earlier;
             }
-            Ok(Turns(any))
+            Ok(Turns(Some(any)))
         }
         fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Turns, A::Error> {
-            drain_map(map).map(|()| Turns(false))
+            drain_map(map).map(|()| Turns(Some(false)))
         }
     }
 
