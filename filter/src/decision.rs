@@ -79,6 +79,8 @@ struct Routed {
     started_us: u64,
     /// The fingerprints of its item prefixes ([`memo`]).
     prints: Vec<u64>,
+    /// Whether its body continues a conversation ([`memo::continues`]).
+    continuation: Option<bool>,
 }
 
 /// How a request ended on the request side.
@@ -245,16 +247,15 @@ impl Flow {
         else {
             return self.conclude(host, Reason::Unparseable, Via::Callback);
         };
-        let items = if self.cfg.remember {
-            memo::items(&req)
-        } else {
-            Vec::new()
-        };
+        let items = memo::items(&req);
+        let continuation = memo::continues(&req, &items);
+        let items = if self.cfg.remember { items } else { Vec::new() };
         let routed = Routed {
             prints: memo::fingerprints(&req, &items, &model),
             route,
             model,
             started_us,
+            continuation,
         };
         let routed = match self.continue_locally(host, &req, &items, routed) {
             Ok(action) => return action,

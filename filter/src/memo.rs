@@ -26,6 +26,7 @@
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
+use kvroute_proto::turns;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
@@ -71,8 +72,9 @@ pub fn fingerprints(req: &ParsedRequest<'_>, items: &[&RawValue], model: &str) -
         .collect()
 }
 
-/// A request's conversation items: chat `messages`, Responses `input`
-/// (read once per request, for [`fingerprints`] and [`previous_turn`]).
+/// A request's conversation items: chat `messages`, Responses `input`,
+/// Messages `messages` (read once per request, for [`continues`],
+/// [`fingerprints`] and [`previous_turn`]).
 pub fn items<'a>(req: &ParsedRequest<'a>) -> Vec<&'a RawValue> {
     match req.api {
         Api::Chat => raw_items(req.raw("messages")),
@@ -108,6 +110,27 @@ fn from_model(item: &RawValue) -> bool {
             .kind
             .as_deref()
             .is_some_and(|k| k == "reasoning" || k.ends_with("_call"))
+}
+
+/// Whether the request continues a conversation (`PickRequest.continuation`,
+/// by [`kvroute_proto::turns`]): one of its items is an earlier turn (an
+/// assistant or tool message, a Responses output item), or it names a
+/// `previous_response_id`. Unset for a completions prompt, which does not
+/// tell. Unreadable items count as the client's.
+pub fn continues(req: &ParsedRequest<'_>, items: &[&RawValue]) -> Option<bool> {
+    if req.api == Api::Completions {
+        return None;
+    }
+    // A continuation's latest answer is near the end: look there first.
+    Some(req.previous_response_id.is_some() || items.iter().rev().any(|i| earlier_turn(i)))
+}
+
+fn earlier_turn(item: &RawValue) -> bool {
+    let Ok(author) = serde_json::from_str::<Author<'_>>(item.get()) else {
+        return false;
+    };
+    author.role.as_deref().is_some_and(turns::earlier_role)
+        || author.kind.as_deref().is_some_and(turns::output_item)
 }
 
 /// The previous turn of a continuation, as the request shows it.
@@ -214,6 +237,33 @@ mod tests {
     fn prints(api: Api, body: &str) -> Vec<u64> {
         let req = parse(api, body.as_bytes()).unwrap();
         fingerprints(&req, &items(&req), "m")
+    }
+
+    #[test]
+    fn continuations_read_as_indexd_and_the_tokenizer_read_them() {
+        // The golden bodies indexd's and the tokenizer's readings are held to.
+        let golden: serde_json::Value =
+            serde_json::from_str(include_str!("../../proto/testdata/turns.json")).unwrap();
+        let mut read = 0;
+        for case in golden["cases"].as_array().unwrap() {
+            let api = match case["api"].as_str().unwrap() {
+                "chat" => Api::Chat,
+                "completions" => Api::Completions,
+                "responses" => Api::Responses,
+                "messages" => Api::Messages,
+                other => panic!("api {other}"),
+            };
+            let body = case["body"].as_str().unwrap();
+            // The filter reads only the bodies it accepts (the others go on
+            // without a Pick).
+            let Ok(req) = parse(api, body.as_bytes()) else {
+                continue;
+            };
+            let expected = case["continuation"].as_bool();
+            assert_eq!(continues(&req, &items(&req)), expected, "{body}");
+            read += 1;
+        }
+        assert!(read >= 15, "only {read} golden bodies parsed");
     }
 
     #[test]

@@ -29,85 +29,24 @@ fn salts_follow_vllm_rules() {
 #[test]
 fn a_head_tells_a_continuation_as_the_tokenizer_does_and_never_refuses_for_it() {
     use kvroute_tokenizer::{MessagesRequest, ResponsesRequest, TokenizeRequest};
-    let bodies = [
+    // The golden bodies the filter reads too (`proto/testdata/turns.json`).
+    let golden: serde_json::Value =
+        serde_json::from_str(include_str!("../../proto/testdata/turns.json")).unwrap();
+    let bodies = golden["cases"].as_array().unwrap().iter().map(|case| {
+        let api = match case["api"].as_str().unwrap() {
+            "chat" => Api::Chat,
+            "completions" => Api::Completions,
+            "responses" => Api::Responses,
+            "messages" => Api::Messages,
+            other => panic!("api {other}"),
+        };
         (
-            Api::Chat,
-            r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"hi"}]}"#,
-            Some(false),
-        ),
-        (
-            Api::Chat,
-            r#"{"messages":[{"role":"user","content":"hi"},{"content":"x","role":"assistant"}]}"#,
-            Some(true),
-        ),
-        (
-            Api::Chat,
-            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]},{"role":"tool","content":"1"}]}"#,
-            Some(true),
-        ),
-        (
-            Api::Chat,
-            r#"{"messages":[{"role":"user","content":{"role":"assistant"}}]}"#,
-            Some(false),
-        ),
-        (
-            Api::Chat,
-            r#"{"messages":[1,null,"a",[{"role":"assistant"}],{"role":7,"type":{}}]}"#,
-            Some(false),
-        ),
-        (
-            Api::Chat,
-            r#"{"messages":{"role":"assistant"}}"#,
-            Some(false),
-        ),
-        (
-            Api::Chat,
-            r#"{"messages":[{"r\u006fle":"assistant"}]}"#,
-            Some(true),
-        ),
-        (Api::Completions, r#"{"prompt":"Once upon a"}"#, None),
-        (Api::Responses, r#"{"input":"hi"}"#, Some(false)),
-        (
-            Api::Responses,
-            r#"{"input":"hi","previous_response_id":"resp_1"}"#,
-            Some(true),
-        ),
-        (
-            Api::Responses,
-            r#"{"input":"hi","previous_response_id":""}"#,
-            Some(false),
-        ),
-        (
-            Api::Responses,
-            r#"{"input":"hi","previous_response_id":5}"#,
-            Some(false),
-        ),
-        (
-            Api::Responses,
-            r#"{"input":[{"role":"user","content":"hi"},{"type":"function_call_output","call_id":"c","output":"1"}]}"#,
-            Some(true),
-        ),
-        (
-            Api::Responses,
-            r#"{"input":[{"type":"reasoning","summary":[]}]}"#,
-            Some(true),
-        ),
-        (
-            Api::Responses,
-            r#"{"input":[{"type":"message","role":"user","content":"hi"}]}"#,
-            Some(false),
-        ),
-        (
-            Api::Messages,
-            r#"{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"hi"}]}"#,
-            Some(false),
-        ),
-        (
-            Api::Messages,
-            r#"{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"a"},{"role":"user","content":"b"}]}"#,
-            Some(true),
-        ),
-    ];
+            api,
+            case["body"].as_str().unwrap(),
+            case["continuation"].as_bool(),
+        )
+    });
+    assert!(bodies.len() >= 20);
     for (api, body, expected) in bodies {
         let head = head_of(body.as_bytes()).unwrap_or_else(|e| panic!("{body}: {e}"));
         assert_eq!(head.continuation, expected, "{body}");

@@ -6,8 +6,11 @@
 //! - [`keys`]: the block-key scheme. The filter derives keys from tokenizer
 //!   output; indexd derives the same keys from vLLM's `BlockStored` events.
 //!   Golden vectors in `testdata/` pin it on both native and wasm targets.
+//! - [`turns`]: what marks a body as a conversation's later turn
+//!   (`PickRequest.continuation`).
 
 pub mod keys;
+pub mod turns;
 
 pub use keys::{BlockKey, BlockSize, Chain, KeyChain, KeyError, SCHEME_VERSION, block_keys};
 

@@ -6,6 +6,7 @@
 //! `tojson`), parsed once with a depth limit; responses are serde types that
 //! serialize as vLLM's do.
 
+pub use kvroute_proto::turns::{earlier_role, output_item};
 use serde::{Deserialize, Serialize};
 
 use crate::error::RequestError;
@@ -216,17 +217,6 @@ fn earlier_turn(body: &minijinja::Value, key: &str) -> bool {
                 .and_then(minijinja::Value::as_str)
                 .is_some_and(output_item)
     })
-}
-
-/// A message `role` only an earlier turn has: the assistant's, or a tool's.
-pub fn earlier_role(role: &str) -> bool {
-    matches!(role, "assistant" | "tool" | "function")
-}
-
-/// A Responses `input` item's `type` naming what a model produced or a
-/// tool answered.
-pub fn output_item(kind: &str) -> bool {
-    kind == "reasoning" || kind.ends_with("_call") || kind.ends_with("_call_output")
 }
 
 /// `/tokenize`'s answer.

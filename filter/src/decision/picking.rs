@@ -72,6 +72,7 @@ impl Flow {
             key_scheme: SCHEME_VERSION.to_owned(),
             // Only continuations routed from the memory need them ([`busy`]).
             want_busy: self.cfg.local_continuations > 0,
+            continuation: routed.continuation,
             ..PickRequest::default()
         }
     }

@@ -347,6 +347,72 @@ fn approximate_mode_keys_text_without_a_tokenizer() {
 }
 
 #[test]
+fn every_pick_says_whether_its_body_continues_a_conversation() {
+    let first = r#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"hello there, a first turn"}]}"#;
+    let next = r#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":"hello there, a first turn"},{"role":"assistant","content":"hi"},{"role":"user","content":"more"}]}"#;
+    let text =
+        r#"{"model":"m","prompt":"a prompt of text, long enough for a block or two of keys"}"#;
+    // (config, path, body, what the Pick says)
+    let cases = [
+        ("", "/v1/chat/completions", first, Some(false)),
+        ("", "/v1/chat/completions", next, Some(true)),
+        (
+            r#""remember":false"#,
+            "/v1/chat/completions",
+            next,
+            Some(true),
+        ),
+        (
+            r#""mode":"approximate","approximate_chunk_bytes":16"#,
+            "/v1/chat/completions",
+            next,
+            Some(true),
+        ),
+        (
+            r#""mode":"approximate","approximate_chunk_bytes":16"#,
+            "/v1/chat/completions",
+            first,
+            Some(false),
+        ),
+        (
+            r#""mode":"approximate","approximate_chunk_bytes":16"#,
+            "/v1/completions",
+            text,
+            None,
+        ),
+        (
+            r#""tokenize_at":"indexd""#,
+            "/v1/chat/completions",
+            next,
+            Some(true),
+        ),
+        (
+            "",
+            "/v1/completions",
+            r#"{"model":"m","prompt":[5,6,7,8,9,10,11,12]}"#,
+            None,
+        ),
+        (
+            "",
+            "/v1/responses",
+            r#"{"model":"m","input":"more","previous_response_id":"resp_7"}"#,
+            Some(true),
+        ),
+    ];
+    for (extra, path, body, want) in cases {
+        let mut h = Harness::new(&format!(
+            r#"{extra}{}"block_size":2"#,
+            if extra.is_empty() { "" } else { "," }
+        ));
+        assert_eq!(h.post(path, body), Action::Pause, "{extra} {body}");
+        if h.host.grpc_calls.is_empty() {
+            h.tokenizer_answers(Some("200"), tokens_json(8).as_bytes());
+        }
+        assert_eq!(h.pick_request().continuation, want, "{extra} {body}");
+    }
+}
+
+#[test]
 fn token_id_prompts_skip_the_tokenizer() {
     let mut h = Harness::new(r#""block_size":2"#);
     h.post("/v1/completions", r#"{"model":"m","prompt":[5,6,7,8,9]}"#);

@@ -312,11 +312,15 @@ mod turns {
                 match key {
                     Key::Role => {
                         let Text(role) = map.next_value()?;
-                        earlier |= role.as_deref().is_some_and(kvroute_tokenizer::earlier_role);
+                        earlier |= role
+                            .as_deref()
+                            .is_some_and(kvroute_proto::turns::earlier_role);
                     }
                     Key::Type => {
                         let Text(kind) = map.next_value()?;
-                        earlier |= kind.as_deref().is_some_and(kvroute_tokenizer::output_item);
+                        earlier |= kind
+                            .as_deref()
+                            .is_some_and(kvroute_proto::turns::output_item);
                     }
                     Key::Other => {
                         map.next_value::<IgnoredAny>()?;
