@@ -27,7 +27,6 @@
 use std::hash::{DefaultHasher, Hash, Hasher};
 
 use kvroute_proto::turns;
-use serde::Deserialize;
 use serde_json::value::RawValue;
 
 use crate::config::Api;
@@ -88,21 +87,12 @@ pub fn items<'a>(req: &ParsedRequest<'a>) -> Vec<&'a RawValue> {
     }
 }
 
-/// What tells an item's author: chat `role`, Responses `type` and `role`.
-#[derive(Deserialize)]
-struct Author<'a> {
-    #[serde(borrow, default)]
-    role: Option<std::borrow::Cow<'a, str>>,
-    #[serde(borrow, default, rename = "type")]
-    kind: Option<std::borrow::Cow<'a, str>>,
-}
-
 /// Whether the model wrote the item: an assistant message, or a Responses
 /// output item (`reasoning`, `function_call` and the other `*_call` items;
 /// their `*_output` answers are the client's). Unreadable items count as
 /// the client's.
 fn from_model(item: &RawValue) -> bool {
-    let Ok(author) = serde_json::from_str::<Author<'_>>(item.get()) else {
+    let Some(author) = turns::Author::of(item) else {
         return false;
     };
     author.role.as_deref() == Some("assistant")
@@ -122,15 +112,9 @@ pub fn continues(req: &ParsedRequest<'_>, items: &[&RawValue]) -> Option<bool> {
         return None;
     }
     // A continuation's latest answer is near the end: look there first.
-    Some(req.previous_response_id.is_some() || items.iter().rev().any(|i| earlier_turn(i)))
-}
-
-fn earlier_turn(item: &RawValue) -> bool {
-    let Ok(author) = serde_json::from_str::<Author<'_>>(item.get()) else {
-        return false;
-    };
-    author.role.as_deref().is_some_and(turns::earlier_role)
-        || author.kind.as_deref().is_some_and(turns::output_item)
+    Some(
+        req.previous_response_id.is_some() || items.iter().rev().any(|i| turns::is_earlier_turn(i)),
+    )
 }
 
 /// The previous turn of a continuation, as the request shows it.

@@ -57,7 +57,7 @@ use crate::sync::lock;
 pub use admission::{Admission, Cancel, Refusal, Via};
 pub use gate::{Gate, GateState};
 use local::body_hash;
-pub use local::{Head, Limits, LocalIds, head_of, local_ids, salt_of, valid_salt};
+pub use local::{Head, Limits, LocalIds, head_of, local_ids, valid_salt};
 
 /// Bodies up to this size are tokenized on the worker that took them
 /// (`block_in_place`); larger ones on the blocking pool, so that a caller

@@ -2,6 +2,7 @@ use super::*;
 
 #[test]
 fn salts_follow_vllm_rules() {
+    let salt_of = |body: &[u8]| head_of(body).map(|h| h.salt);
     assert_eq!(salt_of(br#"{"model":"m"}"#), Ok(None));
     assert_eq!(
         salt_of(br#"{"cache_salt":"tenant-a","messages":[]}"#),

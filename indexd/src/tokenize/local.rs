@@ -5,7 +5,9 @@
 
 use std::time::Instant;
 
+use kvroute_proto::turns;
 use kvroute_tokenizer::{MessagesRequest, ResponsesRequest, TokenizeRequest, Tokenizer};
+use serde_json::value::RawValue;
 
 use super::{Api, Cancel, TokenizeError};
 
@@ -161,235 +163,38 @@ pub struct Head {
 }
 
 /// The body's `cache_salt` (vLLM's rules: a non-empty string of at most 128
-/// characters without `@ / \ NUL`) and whether it continues a conversation,
-/// in one pass over the body. Only the salt can refuse it: `messages` and
-/// `input` are read leniently (a shape vLLM refuses is its to refuse).
+/// characters without `@ / \ NUL`) and whether it continues a conversation
+/// ([`kvroute_proto::turns`], as the filter reads it). Only the salt can
+/// refuse it: `messages`, `input` and `previous_response_id` are taken as
+/// any JSON value (a shape vLLM refuses is its to refuse).
 pub fn head_of(body: &[u8]) -> Result<Head, TokenizeError> {
     #[derive(serde::Deserialize)]
-    struct Fields {
+    struct Fields<'a> {
         cache_salt: Option<String>,
-        #[serde(default)]
-        messages: turns::Turns,
-        #[serde(default)]
-        input: turns::Turns,
-        #[serde(default)]
-        previous_response_id: turns::Named,
+        #[serde(borrow)]
+        messages: Option<&'a RawValue>,
+        #[serde(borrow)]
+        input: Option<&'a RawValue>,
+        #[serde(borrow)]
+        previous_response_id: Option<&'a RawValue>,
     }
-    let f: Fields = serde_json::from_slice(body).map_err(|e| TokenizeError::Refused {
+    let f: Fields<'_> = serde_json::from_slice(body).map_err(|e| TokenizeError::Refused {
         status: 400,
         message: format!("invalid JSON body: {e}"),
     })?;
-    let continuation = match (f.previous_response_id.0, f.messages.0, f.input.0) {
-        (true, ..) => Some(true),
-        (false, None, None) => None,
-        (false, m, i) => Some(m.unwrap_or(false) || i.unwrap_or(false)),
+    let named = f
+        .previous_response_id
+        .and_then(|id| serde_json::from_str::<String>(id.get()).ok())
+        .is_some_and(|id| !id.is_empty());
+    let continuation = match (f.messages, f.input) {
+        _ if named => Some(true),
+        (None, None) => None,
+        (m, i) => Some([m, i].into_iter().flatten().any(turns::holds_earlier_turn)),
     };
     Ok(Head {
         salt: valid_salt(f.cache_salt)?,
         continuation,
     })
-}
-
-/// The body's `cache_salt` ([`head_of`]).
-pub fn salt_of(body: &[u8]) -> Result<Option<String>, TokenizeError> {
-    head_of(body).map(|h| h.salt)
-}
-
-/// Lenient readers of the fields [`head_of`] looks at: any JSON value is
-/// taken (serde's derive would refuse the body for a field of another
-/// shape), and nothing but a role or a type is kept. Written by hand as
-/// serde visitors so that the body is walked once, without building it.
-mod turns {
-    use std::fmt;
-
-    use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
-
-    /// Whether a field present holds an earlier turn ([`Item`]: a list
-    /// of items; any other value holds none); `None` if absent.
-    #[derive(Default)]
-    pub(super) struct Turns(pub Option<bool>);
-
-    /// A non-empty string.
-    #[derive(Default)]
-    pub(super) struct Named(pub bool);
-
-    /// An item of a list: whether it is an earlier turn's.
-    struct Item(bool);
-
-    /// A string's text, if the value is one.
-    struct Text(Option<String>);
-
-    /// An item's key, as far as [`Item`] cares (no copy of its text).
-    enum Key {
-        Role,
-        Type,
-        Other,
-    }
-
-    /// The visitors' shared part: every value but the one each looks for
-    /// is taken and read as `default`.
-    macro_rules! any_other_value {
-        ($default:expr) => {
-            fn visit_bool<E: de::Error>(self, _: bool) -> Result<Self::Value, E> {
-                Ok($default)
-            }
-            fn visit_i64<E: de::Error>(self, _: i64) -> Result<Self::Value, E> {
-                Ok($default)
-            }
-            fn visit_u64<E: de::Error>(self, _: u64) -> Result<Self::Value, E> {
-                Ok($default)
-            }
-            fn visit_f64<E: de::Error>(self, _: f64) -> Result<Self::Value, E> {
-                Ok($default)
-            }
-            fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-                Ok($default)
-            }
-            fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
-                Ok($default)
-            }
-        };
-    }
-
-    /// Reads past a list's elements.
-    fn drain_seq<'de, A: SeqAccess<'de>>(mut seq: A) -> Result<(), A::Error> {
-        while seq.next_element::<IgnoredAny>()?.is_some() {}
-        Ok(())
-    }
-
-    /// Reads past a map's entries.
-    fn drain_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<(), A::Error> {
-        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-        Ok(())
-    }
-
-    struct TurnsVisitor;
-
-    impl<'de> Visitor<'de> for TurnsVisitor {
-        type Value = Turns;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("any JSON value")
-        }
-        any_other_value!(Turns(Some(false)));
-        fn visit_str<E: de::Error>(self, _: &str) -> Result<Turns, E> {
-            Ok(Turns(Some(false)))
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Turns, A::Error> {
-            let mut any = false;
-            while let Some(Item(earlier)) = seq.next_element::<Item>()? {
-                any |= earlier;
-            }
-            Ok(Turns(Some(any)))
-        }
-        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Turns, A::Error> {
-            drain_map(map).map(|()| Turns(Some(false)))
-        }
-    }
-
-    impl<'de> de::Deserialize<'de> for Turns {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            d.deserialize_any(TurnsVisitor)
-        }
-    }
-
-    struct ItemVisitor;
-
-    impl<'de> Visitor<'de> for ItemVisitor {
-        type Value = Item;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("any JSON value")
-        }
-        any_other_value!(Item(false));
-        fn visit_str<E: de::Error>(self, _: &str) -> Result<Item, E> {
-            Ok(Item(false))
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Item, A::Error> {
-            drain_seq(seq).map(|()| Item(false))
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Item, A::Error> {
-            let mut earlier = false;
-            while let Some(key) = map.next_key::<Key>()? {
-                match key {
-                    Key::Role => {
-                        let Text(role) = map.next_value()?;
-                        earlier |= role
-                            .as_deref()
-                            .is_some_and(kvroute_proto::turns::earlier_role);
-                    }
-                    Key::Type => {
-                        let Text(kind) = map.next_value()?;
-                        earlier |= kind
-                            .as_deref()
-                            .is_some_and(kvroute_proto::turns::output_item);
-                    }
-                    Key::Other => {
-                        map.next_value::<IgnoredAny>()?;
-                    }
-                }
-            }
-            Ok(Item(earlier))
-        }
-    }
-
-    impl<'de> de::Deserialize<'de> for Item {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            d.deserialize_any(ItemVisitor)
-        }
-    }
-
-    struct TextVisitor;
-
-    impl<'de> Visitor<'de> for TextVisitor {
-        type Value = Text;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("any JSON value")
-        }
-        any_other_value!(Text(None));
-        fn visit_str<E: de::Error>(self, s: &str) -> Result<Text, E> {
-            Ok(Text(Some(s.to_owned())))
-        }
-        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Text, A::Error> {
-            drain_seq(seq).map(|()| Text(None))
-        }
-        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Text, A::Error> {
-            drain_map(map).map(|()| Text(None))
-        }
-    }
-
-    impl<'de> de::Deserialize<'de> for Text {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            d.deserialize_any(TextVisitor)
-        }
-    }
-
-    struct KeyVisitor;
-
-    impl Visitor<'_> for KeyVisitor {
-        type Value = Key;
-        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-            f.write_str("a key")
-        }
-        fn visit_str<E: de::Error>(self, s: &str) -> Result<Key, E> {
-            Ok(match s {
-                "role" => Key::Role,
-                "type" => Key::Type,
-                _ => Key::Other,
-            })
-        }
-    }
-
-    impl<'de> de::Deserialize<'de> for Key {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            d.deserialize_identifier(KeyVisitor)
-        }
-    }
-
-    impl<'de> de::Deserialize<'de> for Named {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            let Text(text) = d.deserialize_any(TextVisitor)?;
-            Ok(Self(text.is_some_and(|t| !t.is_empty())))
-        }
-    }
 }
 
 /// `salt` if vLLM takes it, else its 400.
