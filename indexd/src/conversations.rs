@@ -7,12 +7,13 @@
 //! turn's prompt continues the last one, so it holds that key among its
 //! own, usually near its end (the answer and the new message come after
 //! it): looking back from the end of a prompt for a known tip finds the
-//! conversation it continues, and where it was. A prompt that continues none starts a conversation. First turns
-//! behind one shared prompt with no full block of their own share a tip
-//! (the prompt's last block): it counts each, and each later turn takes
-//! one off it, the one on its own replica if any. Each
-//! replica's count is the conversations whose latest turn went there;
-//! conversations idle for [`IDLE`] are forgotten (indexd sees no end).
+//! conversation it continues, and where it was. A prompt that continues
+//! none starts a conversation. First turns behind one shared prompt with no
+//! full block of their own share a tip (the prompt's last block): it counts
+//! each, and each later turn takes one off it, the one on its own replica
+//! if any. Each replica's count is the conversations whose latest turn went
+//! there; conversations idle for [`IDLE`] are forgotten (indexd sees no
+//! end).
 //!
 //! Counting tips is exact where counting picks is not: a replica whose
 //! conversations advance faster gets more picks for as many conversations,
